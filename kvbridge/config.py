@@ -1,0 +1,107 @@
+"""Frozen configuration dataclasses, validated in __post_init__ (ValueError, never assert).
+
+They build on each other: EngineConfig holds a CacheConfig, a SchedulerConfig and
+an optional KVTransferConfig.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class KVRole(str, Enum):
+    PRODUCER = "producer"  # a prefill instance: keeps finished requests' KV for remote decode
+    CONSUMER = "consumer"  # a decode instance: reads KV from remote prefill instances
+    BOTH = "both"
+
+
+class LoadFailurePolicy(str, Enum):
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
+    AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_waiting: int = 1024  # beyond this, new requests are refused (HTTP 503)
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    role: KVRole
+    backend: str = "nixl"  # nixl | tcp | fake
+    engine_id: str = ""
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0  # 0: chosen by the OS
+    lease_seconds: float = 30.0
+    handshake_timeout_s: float = 5.0
+    load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
+    recompute_max_tokens: int = 2048  # for policy AUTO
+    trusted_hosts: tuple[str, ...] = ()  # empty: only this host's addresses
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("nixl", "tcp", "fake"):
+            raise ValueError(f"unknown KV transfer backend {self.backend!r} (nixl, tcp or fake)")
+        if self.lease_seconds <= 0:
+            raise ValueError("lease_seconds must be positive")
+        if self.handshake_timeout_s <= 0:
+            raise ValueError("handshake_timeout_s must be positive")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
+
+
+def default_num_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "SmolLM2-135M-Instruct"
+    served_model_name: str | None = None
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None  # None: the model's own limit
+    seed: int = 0
+    num_threads: int = field(default_factory=default_num_threads)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+        if self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")

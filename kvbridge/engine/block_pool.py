@@ -1,0 +1,100 @@
+"""The pool of fixed-size KV blocks: reference counts, prefix cache, LRU eviction.
+
+One owner: the KV cache manager. A block is *free* when no request references it
+(ref_cnt == 0); a free block may still hold a cached prefix (it has a hash) and is
+then reused by a later request with the same prefix, or evicted — oldest first —
+when fresh blocks are needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set while the block is in the prefix cache
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the first one is evicted first.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (cached free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take n free blocks (evicting their cached content). Raises ValueError if too few."""
+        if not self.can_allocate(n):
+            raise ValueError(f"cannot allocate {n} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            self._uncache(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on blocks found in the prefix cache."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop one reference from each block. Pass a request's blocks tail-first so
+        that the ends of prefixes are evicted before their beginnings."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        """Publish a full block under its chained hash (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def invalidate(self, block_ids: Iterable[int]) -> None:
+        """Remove blocks from the prefix cache: their content must never be reused."""
+        for block_id in block_ids:
+            self._uncache(self.blocks[block_id])
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._cached.values()):
+            self._uncache(block)
+
+    def _uncache(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None

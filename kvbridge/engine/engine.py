@@ -1,0 +1,180 @@
+"""The engine: one model instance and its step loop (schedule -> run -> postprocess).
+
+Not thread-safe: one thread owns an LLMEngine (serving.async_engine runs it on a
+background thread). It knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvbridge.config import EngineConfig
+from kvbridge.engine.block_pool import BlockPool
+from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheKind, KVCacheManager
+from kvbridge.engine.loader import LoadedModel, load_model
+from kvbridge.engine.model_runner import DTYPES, ModelRunner, configure_torch_threads, kv_bytes_per_block
+from kvbridge.engine.output_processor import OutputProcessor
+from kvbridge.engine.outputs import RequestOutput
+from kvbridge.engine.request import FinishReason, Request
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.scheduler import Scheduler
+from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
+
+logger = logging.getLogger(__name__)
+
+IDLE_SLEEP_S = 0.001  # a step that did nothing (e.g. only waiting for remote KV) yields the core
+
+
+class EngineRequestError(ValueError):
+    """The request cannot be served as asked (client error, HTTP 400)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    num_running: int
+    num_waiting: int
+    num_held_for_remote: int  # finished requests whose blocks wait for a remote reader
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel,
+                 connectors: tuple[SchedulerConnector, WorkerConnector] | None = None) -> None:
+        configure_torch_threads(config.num_threads)
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.arch = loaded.arch
+        self.model_name = config.served_model_name or loaded.name
+        self.max_model_len = min(config.max_model_len or loaded.arch.max_position_embeddings,
+                                 loaded.arch.max_position_embeddings)
+        cache = config.cache
+        num_blocks = cache.num_blocks or max(
+            1, cache.kv_cache_memory_bytes // kv_bytes_per_block(loaded.arch, cache.block_size, DTYPES[config.dtype]))
+        self.num_blocks = num_blocks
+        groups = [KVCacheGroupSpec(KVCacheKind.FULL_ATTENTION, cache.block_size,
+                                   tuple(range(loaded.arch.num_layers)))]
+        self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching), groups)
+        sched_conn, worker_conn = connectors if connectors is not None else (None, None)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, sched_conn)
+        self.runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, cache.block_size,
+                                  num_blocks, config.seed, worker_conn)
+        self.connectors = connectors
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        loaded = load_model(config.model)
+        connectors = None
+        if config.kv_transfer is not None:
+            from kvbridge.kv_transfer.connector.factory import build_connectors
+            connectors = build_connectors(config, loaded.arch)
+        return cls(config, loaded, connectors)
+
+    @property
+    def has_kv_connector(self) -> bool:
+        return self.connectors is not None
+
+    # ---- requests ------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises EngineRequestError if the request cannot be served; changes nothing."""
+        if not prompt_token_ids:
+            raise EngineRequestError("the prompt is empty")
+        vocab = self.arch.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise EngineRequestError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise EngineRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens} for the completion). "
+                f"Please reduce the length of the prompt or max_tokens.")
+        needed = -(-total // self.config.cache.block_size)
+        if needed > self.num_blocks:
+            raise EngineRequestError(
+                f"the request needs {needed} KV blocks but the cache has only {self.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params=None) -> None:
+        if request_id in self.scheduler.requests:
+            raise EngineRequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        if not self.scheduler.can_admit():
+            raise EngineOverloadedError("the server is overloaded: too many requests are waiting")
+        req = Request(request_id, list(prompt_token_ids), params, self.tokenizer.eos_token_id, kv_transfer_params)
+        self.output_processor.add(request_id)
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.scheduler.finish_request(request_id, FinishReason.ABORT)
+        if req is not None:
+            self._pending.append(self.output_processor.make_output(req, None))
+
+    def notify_kv_transfer_rejected(self, request_id: str, kv_transfer_params) -> None:
+        """D side: a request with a remote prefill was rejected before admission; tell P to
+        free the blocks it holds for it. No-op without a connector."""
+        if self.connectors is None:
+            return
+        self.connectors[0].notify_rejected(request_id, kv_transfer_params)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def has_pending_work(self) -> bool:
+        """Requests, or blocks held for remote readers (whose leases a step must advance)."""
+        return self.has_unfinished_requests() or self.scheduler.has_pending_work()
+
+    # ---- the step ------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        touched = self.scheduler.update_from_output(sched, result)
+        outputs, self._pending = self._pending, []
+        for req in touched:
+            if not req.status.is_finished:
+                stop = self.output_processor.detokenize(req)
+                if stop is not None:
+                    self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
+            else:
+                self.output_processor.detokenize(req)
+            lp = result.logprobs.get(req.request_id)
+            outputs.append(self.output_processor.make_output(req, [lp] if lp is not None else None))
+        if not sched.scheduled and not outputs:
+            time.sleep(IDLE_SLEEP_S)
+        return outputs
+
+    def metrics(self) -> EngineMetrics:
+        s, kvm = self.scheduler, self.kv_cache_manager
+        return EngineMetrics(
+            num_running=len(s.running), num_waiting=s.num_waiting, num_held_for_remote=len(s.sending),
+            kv_cache_usage=kvm.usage, num_free_blocks=kvm.num_free_blocks, num_total_blocks=self.num_blocks,
+            prefix_cache_queries=kvm.prefix_queries, prefix_cache_hits=kvm.prefix_hits,
+            num_preemptions=s.num_preemptions)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline helper: run prompts to completion, return their output token ids in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, plist):
+            self.add_request(rid, p, sp)
+        result: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                result[out.request_id].extend(out.new_token_ids)
+        return [result[rid] for rid in ids]
+
+    def shutdown(self) -> None:
+        if self.connectors is not None:
+            for half in self.connectors:
+                half.shutdown()

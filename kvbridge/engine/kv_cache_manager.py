@@ -1,0 +1,170 @@
+"""KV cache manager: block tables per request, organised by KV cache groups.
+
+Layers are grouped by the kind of state they keep (a *KV cache group*): full
+attention today; sliding window and Mamba state are further specs. Each group
+has one block table per request, and block ids cross every boundary as a tuple
+of lists, one list per group, so hybrid models need no interface change.
+All groups share one block pool. Prefix caching works on full-attention groups
+by chained hashes of full blocks' token ids.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvbridge.engine.block_pool import BlockPool, KVBlock
+from kvbridge.engine.request import Request
+
+BlockIds = tuple[list[int], ...]
+
+
+class KVCacheKind(enum.Enum):
+    FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    kind: KVCacheKind
+    block_size: int
+    layer_ids: tuple[int, ...]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block: equal hashes mean equal whole prefixes."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, groups: Sequence[KVCacheGroupSpec]) -> None:
+        if not groups:
+            raise ValueError("at least one KV cache group is required")
+        for g in groups:
+            if g.kind is not KVCacheKind.FULL_ATTENTION:
+                raise ValueError(f"unsupported KV cache group kind {g.kind}")
+        self.pool = pool
+        self.groups = tuple(groups)
+        self.block_size = groups[0].block_size
+        self._tables: dict[str, tuple[list[KVBlock], ...]] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found in the cache
+
+    # ---- queries -------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        table = self._tables.get(request_id)
+        if table is None:
+            return tuple([] for _ in self.groups)
+        return tuple([b.block_id for b in blocks] for blocks in table)
+
+    def num_allocated_tokens(self, request_id: str) -> int:
+        table = self._tables.get(request_id)
+        return len(table[0]) * self.block_size if table else 0
+
+    def block_hashes(self, request: Request) -> list[int]:
+        """Chained hashes of the request's full blocks (prompt and output), computed incrementally."""
+        tokens = request.all_token_ids
+        hashes = request.block_hashes
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVBlock], ...], int]:
+        """Longest cached prefix of the request, in whole blocks; takes no reference.
+
+        At least one prompt token is always left to compute, so the step that ends
+        the prompt has logits to sample from.
+        """
+        empty: tuple[list[KVBlock], ...] = tuple([] for _ in self.groups)
+        if not self.pool.enable_caching:
+            return empty, 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in self.block_hashes(request)[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        # One full-attention group per model today: every group shares the hit.
+        return tuple(list(hits) for _ in self.groups), len(hits) * self.block_size
+
+    def can_allocate(self, request: Request, num_tokens: int, new_computed: int = 0) -> bool:
+        """Whether allocate_slots would succeed, without side effects."""
+        return self._blocks_to_allocate(request, num_tokens, new_computed) <= self.pool.num_free_blocks
+
+    # ---- actions -------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: tuple[list[KVBlock], ...] | None = None) -> BlockIds | None:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones.
+
+        `new_computed_blocks` are prefix-cache hits found by get_computed_blocks for a
+        request that has no blocks yet; they are referenced here. Returns the
+        request's full block ids, or None (and changes nothing) if blocks ran out.
+        """
+        hits = new_computed_blocks or tuple([] for _ in self.groups)
+        num_hit = len(hits[0])
+        total_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        table = self._tables.get(request.request_id)
+        have = len(table[0]) if table else 0
+        need = sum(g.blocks_needed(total_tokens) for g in self.groups) - len(self.groups) * (have + num_hit)
+        # Hit blocks that are free right now leave the free list when touched.
+        hit_free = sum(1 for b in hits[0] if b.ref_cnt == 0) * len(self.groups)
+        if max(need, 0) + hit_free > self.pool.num_free_blocks:
+            return None
+        if table is None:
+            table = tuple([] for _ in self.groups)
+            self._tables[request.request_id] = table
+        for gi, group in enumerate(self.groups):
+            if hits[gi]:
+                self.pool.touch(hits[gi])
+                table[gi].extend(hits[gi])
+            missing = group.blocks_needed(total_tokens) - len(table[gi])
+            if missing > 0:
+                table[gi].extend(self.pool.allocate(missing))
+        return self.get_block_ids(request.request_id)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks up to num_computed_tokens in the prefix cache."""
+        table = self._tables.get(request.request_id)
+        if table is None or not self.pool.enable_caching:
+            return
+        hashes = self.block_hashes(request)
+        n_full = min(num_computed_tokens // self.block_size, len(hashes))
+        for blocks in table:
+            for i in range(n_full):
+                self.pool.cache_block(blocks[i], hashes[i])
+
+    def free(self, request_id: str) -> None:
+        """Release all of the request's blocks; safe to call for a request with none."""
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            return
+        for blocks in table:
+            self.pool.free(list(reversed(blocks)))
+
+    def invalidate_blocks(self, block_ids: set[int]) -> None:
+        """Blocks whose content is wrong (a failed remote load) leave the prefix cache."""
+        self.pool.invalidate(block_ids)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def _blocks_to_allocate(self, request: Request, num_tokens: int, new_computed: int) -> int:
+        total = request.num_computed_tokens + new_computed + num_tokens
+        have = len(self._tables[request.request_id][0]) if request.request_id in self._tables else 0
+        return sum(max(g.blocks_needed(total) - have, 0) for g in self.groups)

@@ -1,0 +1,79 @@
+"""Turns finished steps into RequestOutputs: incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbridge.engine.outputs import RequestOutput, TokenLogprob
+from kvbridge.engine.request import FinishReason, Request
+from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _Stream:
+    detok: IncrementalDetokenizer
+    text: str = ""  # all text produced so far (before stop-string truncation)
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    pushed_tokens: int = 0  # output tokens already given to the detokenizer
+    stopped: str | None = None  # the stop string that ended the request
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, request_id: str) -> None:
+        self._streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer))
+
+    def discard(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def detokenize(self, req: Request) -> str | None:
+        """Detokenise the request's new tokens; return a stop string that now appears, if any
+        (the text is then cut before it, or after it with include_stop_str_in_output)."""
+        st = self._streams[req.request_id]
+        stops = req.sampling_params.stop
+        start_search = max(0, len(st.text) - max((len(s) for s in stops), default=0))
+        for tok in req.output_token_ids[st.pushed_tokens:]:
+            st.text += st.detok.push(tok)
+        st.pushed_tokens = len(req.output_token_ids)
+        for s in stops:
+            idx = st.text.find(s, start_search)
+            if idx >= 0:
+                keep = idx + len(s) if req.sampling_params.include_stop_str_in_output else idx
+                st.text = st.text[:keep]
+                st.stopped = s
+                return s
+        return None
+
+    def make_output(self, req: Request, logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        st = self._streams[req.request_id]
+        new_ids = req.output_token_ids[st.emitted_tokens:]
+        st.emitted_tokens = len(req.output_token_ids)
+        finished = req.status.is_finished
+        # Hold back text that could be the start of a stop string until it is decided.
+        hold = 0 if finished else _holdback(st.text, req.sampling_params.stop)
+        new_text = st.text[st.emitted_chars:len(st.text) - hold]
+        st.emitted_chars += len(new_text)
+        out = RequestOutput(
+            request_id=req.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0), logprobs=logprobs,
+            kv_transfer_params=req.kv_transfer_params_out if finished else None,
+            error=req.error, stop_reason=st.stopped if st.stopped is not None else req.stop_reason)
+        if finished:
+            self.discard(req.request_id)
+        return out
+
+
+def _holdback(text: str, stops: tuple[str, ...]) -> int:
+    longest = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                longest = max(longest, k)
+                break
+    return longest

@@ -1,0 +1,40 @@
+"""What the engine reports back per step for each request that made progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbridge.engine.request import FinishReason
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """Incremental output of one request for one engine step.
+
+    `new_token_ids` / `new_text` are deltas since the previous output of the same request.
+    `finished` is set exactly once per request; then `finish_reason` is not None.
+    `kv_transfer_params` is set only on the finishing output of a request whose
+    connector returned parameters (P side: where D can read the KV).
+    `error` is a human-readable cause when finish_reason is ERROR.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    kv_transfer_params: dict | None = None
+    error: str | None = None
+    stop_reason: str | int | None = None
+    extra: dict = field(default_factory=dict)

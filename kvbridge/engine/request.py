@@ -1,0 +1,78 @@
+"""A request inside the engine: its tokens, its state and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvbridge.kv_transfer.params import KVTransferParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, KV arriving from a remote prefill
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks taken back; will recompute from its prompt + output so far
+    FINISHED = "finished"
+
+    @property
+    def is_finished(self) -> bool:
+        return self is RequestStatus.FINISHED
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client went away or asked to abort
+    ERROR = "error"  # the engine could not serve it (e.g. KV transfer failed under policy "fail")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    kv_transfer_params: "KVTransferParams | None" = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until scheduled
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    # Set by the connector's scheduler half; carried to the API on the finishing output.
+    kv_transfer_params_out: dict[str, Any] | None = None
+    # The position from which KV must be recomputed after a failed remote load.
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None = None,
+               error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error

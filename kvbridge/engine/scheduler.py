@@ -1,0 +1,280 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, preemption by recompute.
+
+It holds no tensors. Each step: running requests first (decodes and unfinished
+prefill chunks, preempting the newest running request when blocks run out),
+then waiting requests in arrival order while the token budget, the sequence
+limit and the block pool allow. A request whose prompt KV comes from a remote
+prefill waits in WAITING_FOR_REMOTE_KVS, taking blocks but no compute, until
+the connector reports its load settled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from kvbridge.config import SchedulerConfig
+from kvbridge.engine.kv_cache_manager import KVCacheManager
+from kvbridge.engine.request import FinishReason, Request, RequestStatus
+from kvbridge.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConnector
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 connector: SchedulerConnector | None = None) -> None:
+        self.config = config
+        self.kvm = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote_waiting: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
+        self.sending: dict[str, Request] = {}  # finished, blocks held for a remote reader
+        self._asked_connector: set[str] = set()
+        self._finished_since_step: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- admission -----------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.remote_waiting)
+
+    def can_admit(self) -> bool:
+        return len(self.waiting) < self.config.max_waiting
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.remote_waiting)
+
+    def has_pending_work(self) -> bool:
+        """Anything a step could advance: requests, or blocks held for remote readers."""
+        return self.has_unfinished() or bool(self.sending)
+
+    # ---- finishing -----------------------------------------------------
+    def finish_request(self, request_id: str, reason: FinishReason, error: str | None = None,
+                       stop_reason: str | int | None = None) -> Request | None:
+        """Finish a live request from outside the step (abort, stop string). Returns it, or
+        None if it is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.status.is_finished:
+            return None
+        if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # A read may still be writing into its blocks: free them only once it settles.
+            req.finish(reason, stop_reason, error)
+            return req
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.finish(reason, stop_reason, error)
+        self._free_request(req)
+        return req
+
+    def _free_request(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._asked_connector.discard(req.request_id)
+        self._finished_since_step.add(req.request_id)
+        delay = False
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(req, self.kvm.get_block_ids(req.request_id))
+            req.kv_transfer_params_out = params
+        if delay:
+            self.sending[req.request_id] = req
+        else:
+            self.kvm.free(req.request_id)
+
+    # ---- scheduling ----------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            block_ids = self.kvm.allocate_slots(req, num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                block_ids = self.kvm.allocate_slots(req, num_new)
+            if block_ids is None:
+                break
+            scheduled.append(self._scheduled(req, num_new, block_ids))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled)
+
+        meta = self.connector.build_connector_meta() if self.connector is not None else None
+        finished, self._finished_since_step = self._finished_since_step, set()
+        return SchedulerOutput(scheduled, finished, meta)
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_local = (tuple([] for _ in self.kvm.groups), 0)
+            fresh = self.kvm.num_allocated_tokens(req.request_id) == 0
+            if fresh:
+                hits, num_local = self.kvm.get_computed_blocks(req)
+            if fresh and self._wants_remote_kv(req):
+                n_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                if n_ext is None:
+                    skipped.append(self.waiting.popleft())
+                    self._asked_connector.discard(req.request_id)
+                    continue
+                if n_ext > 0 and load_async:
+                    block_ids = self.kvm.allocate_slots(req, n_ext, hits)
+                    if block_ids is None:
+                        self._asked_connector.discard(req.request_id)
+                        break
+                    self.waiting.popleft()
+                    req.num_computed_tokens = num_local
+                    req.num_cached_tokens = num_local
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.remote_waiting[req.request_id] = req
+                    self.connector.update_state_after_alloc(req, block_ids, num_local, n_ext)
+                    continue
+            num_new = req.num_tokens - req.num_computed_tokens - num_local
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            block_ids = self.kvm.allocate_slots(req, num_new, hits if fresh else None)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            if fresh:
+                req.num_computed_tokens = num_local
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_local
+            if fresh and self.connector is not None and req.request_id in self._asked_connector:
+                self.connector.update_state_after_alloc(req, block_ids, num_local, 0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, num_new, block_ids))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _wants_remote_kv(self, req: Request) -> bool:
+        if self.connector is None or req.request_id in self._asked_connector:
+            return False
+        self._asked_connector.add(req.request_id)
+        return True
+
+    def _scheduled(self, req: Request, num_new: int, block_ids) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start:start + num_new]
+        return ScheduledRequest(
+            request_id=req.request_id, token_ids=tokens, start_pos=start, block_ids=block_ids,
+            sample=start + num_new == req.num_tokens, sampling_params=req.sampling_params,
+            num_output_tokens=req.num_output_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: drop the blocks, start over from the prompt + output so far."""
+        self.kvm.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted request %s", req.request_id)
+
+    # ---- results -------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
+        """Advance requests by the step's results. Returns requests that produced a token or
+        finished in this update (in that order)."""
+        touched: list[Request] = []
+        for s in sched.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) during the step, or preempted
+            req.num_computed_tokens += len(s.token_ids)
+            self.kvm.cache_blocks(req, req.num_computed_tokens)
+            if not s.sample:
+                continue
+            token = out.sampled_token_ids[s.request_id]
+            req.output_token_ids.append(token)
+            touched.append(req)
+            self._check_stop(req, token)
+        if out.kv_connector_output is not None:
+            touched.extend(self._apply_connector_output(out.kv_connector_output))
+        return touched
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        sp = req.sampling_params
+        reason: FinishReason | None = None
+        stop_reason: int | None = None
+        if token in sp.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        elif not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+            reason = FinishReason.STOP
+        elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.running.remove(req)
+            req.finish(reason, stop_reason)
+            self._free_request(req)
+
+    def _apply_connector_output(self, out: KVConnectorOutput) -> list[Request]:
+        assert self.connector is not None
+        self.connector.update_connector_output(out)
+        if out.invalid_block_ids:
+            self.kvm.invalidate_blocks(out.invalid_block_ids)
+        finished: list[Request] = []
+        for rid in out.finished_recving:
+            req = self.remote_waiting.pop(rid, None)
+            if req is None:
+                continue
+            if req.status.is_finished:  # aborted while its read was in flight
+                self._free_request(req)
+                finished.append(req)
+                continue
+            if rid in out.failed_recving:
+                if not self._recover_failed_load(req, out):
+                    finished.append(req)
+                continue
+            # The whole prompt is loaded; recompute its last token to get logits.
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            self.kvm.cache_blocks(req, req.num_computed_tokens)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        for rid in out.finished_sending:
+            req = self.sending.pop(rid, None)
+            if req is not None:
+                self.kvm.free(rid)
+        return finished
+
+    def _recover_failed_load(self, req: Request, out: KVConnectorOutput) -> bool:
+        """Apply the load-failure policy. Returns True if the request lives on (recompute)."""
+        assert self.connector is not None
+        cause = out.failure_causes.get(req.request_id, "KV transfer from the prefill instance failed")
+        if self.connector.recompute_on_load_failure(req):
+            block_ids = self.kvm.get_block_ids(req.request_id)[0]
+            bs = self.kvm.block_size
+            first_bad = next((i for i, b in enumerate(block_ids) if b in out.invalid_block_ids),
+                             req.num_computed_tokens // bs)
+            # Blocks before the first invalid one were loaded intact and are kept.
+            req.num_computed_tokens = min(first_bad * bs, req.num_prompt_tokens - 1)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+            logger.warning("request %s: %s; recomputing locally from token %d",
+                           req.request_id, cause, req.num_computed_tokens)
+            return True
+        req.finish(FinishReason.ERROR, error=f"{cause}. The request may be retried.")
+        self._free_request(req)
+        return False

@@ -1,0 +1,41 @@
+"""The contracts between scheduler and model runner, one object per direction per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.engine.outputs import TokenLogprob
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.kv_transfer.connector.base import KVConnectorOutput
+
+BlockIds = tuple[list[int], ...]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # absolute position of token_ids[0]
+    block_ids: BlockIds  # all of the request's blocks, one list per KV cache group
+    sample: bool  # this step reaches the request's last known token: sample the next one
+    sampling_params: SamplingParams
+    num_output_tokens: int  # output tokens so far (seeds the per-request generator offset)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    finished_req_ids: set[str]  # requests that ended since the last step; the runner drops their state
+    kv_connector_metadata: Any = None
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None

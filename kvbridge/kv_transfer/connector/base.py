@@ -1,0 +1,109 @@
+"""Contracts of the KV connector's two halves, as the engine sees them.
+
+The scheduler half lives with the scheduler (no tensors, no I/O on the step
+path beyond queue operations); the worker half lives with the model runner and
+owns the transfer backend. Once per step the scheduler half builds one metadata
+object for the worker half; once per step the worker half returns one
+KVConnectorOutput to the scheduler half. Failures travel as data in that output.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.engine.request import Request
+
+BlockIds = tuple[list[int], ...]
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker half reports after a step.
+
+    finished_sending: P side, requests whose blocks may now be freed (all reads
+        done, or lease expired).
+    finished_recving: D side, requests whose loads settled — successfully or not.
+    failed_recving: subset of finished_recving whose load failed (their blocks are
+        listed in invalid_block_ids; they are never post-processed).
+    invalid_block_ids: local block ids (any group) whose content was not loaded.
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    failure_causes: dict[str, str] = field(default_factory=dict)  # request id -> human-readable cause
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+class SchedulerConnector(ABC):
+    """Scheduler half. Every method is called on the engine thread."""
+
+    @abstractmethod
+    def on_new_request(self, request: "Request") -> None:
+        """Called when a request is added to the scheduler."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: "Request", num_local_computed: int) -> tuple[int | None, bool]:
+        """Called for a WAITING request on its first schedule.
+
+        Returns (n, load_async): n prompt tokens beyond the local prefix hit will
+        arrive from a remote prefill; None means "ask again next step". With
+        load_async the request waits in WAITING_FOR_REMOTE_KVS and takes no compute.
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: "Request", block_ids: BlockIds,
+                                 num_local_computed: int, num_external_tokens: int) -> None:
+        """Called right after blocks were allocated for a request the connector asked about."""
+
+    @abstractmethod
+    def build_connector_meta(self) -> Any:
+        """Called at the end of every schedule(); returns this step's metadata for the
+        worker half and resets the per-step state."""
+
+    @abstractmethod
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Called with the worker half's output before the scheduler acts on it."""
+
+    @abstractmethod
+    def request_finished(self, request: "Request", block_ids: BlockIds) -> tuple[bool, dict | None]:
+        """Called exactly once when a request finishes (any reason) or is aborted.
+
+        Returns (delay_free, kv_transfer_params): with delay_free the scheduler keeps
+        the blocks until the request id appears in finished_sending.
+        """
+
+    def recompute_on_load_failure(self, request: "Request") -> bool:
+        """The load-failure policy: True to recompute the request's invalid blocks
+        locally, False to finish it with an error."""
+        return True
+
+    def shutdown(self) -> None:
+        """Releases threads and sockets; idempotent."""
+
+
+class WorkerConnector(ABC):
+    """Worker half. Called on the engine thread by the model runner, once per step."""
+
+    @abstractmethod
+    def register_kv_cache(self, kv_cache: "torch.Tensor", block_size: int) -> None:
+        """Register the KV cache memory ([layers, 2, blocks, block_size, heads, dim]) once at start."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: Any) -> None:
+        """Start this step's reads (non-blocking) and any notifications it asks for."""
+
+    @abstractmethod
+    def get_finished(self) -> KVConnectorOutput:
+        """Poll transfers and notifications; never raises: failures are reported as data."""
+
+    def shutdown(self) -> None:
+        """Releases transfers, registrations and threads; idempotent."""

@@ -1,0 +1,63 @@
+"""Suite-wide fixtures: thread settings, and the KV block leak check.
+
+Every BlockPool created in this process is tracked; after each test, every live
+pool must have all of its blocks free again (polled briefly, since engine threads
+and leases release asynchronously). A test that leaves a block allocated fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_MODULES", "^ib")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import time
+import weakref
+
+import pytest
+
+from kvbridge.engine.block_pool import BlockPool
+
+_live_pools: "weakref.WeakSet[BlockPool]" = weakref.WeakSet()
+_original_init = BlockPool.__init__
+
+
+def _tracking_init(self, *args, **kwargs):
+    _original_init(self, *args, **kwargs)
+    _live_pools.add(self)
+
+
+BlockPool.__init__ = _tracking_init  # type: ignore[method-assign]
+
+LEAK_WAIT_S = float(os.environ.get("KVBRIDGE_LEAK_WAIT_S", "10"))
+
+
+def leaked_pools() -> list[str]:
+    return [f"pool of {p.num_blocks} blocks has {p.num_blocks - p.num_free_blocks} allocated"
+            for p in list(_live_pools) if p.num_free_blocks != p.num_blocks]
+
+
+def wait_all_blocks_free(timeout_s: float = LEAK_WAIT_S) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leaks = leaked_pools()
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def kv_block_leak_check(request):
+    yield
+    if request.node.get_closest_marker("allow_held_blocks"):
+        return
+    leaks = wait_all_blocks_free()
+    assert not leaks, "KV blocks leaked after the test: " + "; ".join(leaks)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "allow_held_blocks: the test deliberately ends with blocks held")
