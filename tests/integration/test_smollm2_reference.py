@@ -1,0 +1,34 @@
+"""SmolLM2 through kvbridge's own loader and engine gives the same greedy continuation as
+Hugging Face transformers loading the same GGUF file."""
+
+import pytest
+import torch
+
+from kvbridge.config import CacheConfig, EngineConfig
+from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.loader import load_model, resolve_model
+from kvbridge.engine.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import transformers
+    path = resolve_model("SmolLM2-135M-Instruct")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    return model.eval()
+
+
+def test_greedy_continuations_match_transformers(hf_model):
+    loaded = load_model("SmolLM2-135M-Instruct")
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)), loaded)
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    ours = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    for prompt, got in zip(prompts, ours):
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+        assert got == ref, (loaded.tokenizer.decode(got), loaded.tokenizer.decode(ref))
