@@ -91,7 +91,7 @@ def _read_gguf_cached(path: Path, cache_dir: Path) -> ModelParts:
     return parts
 
 
-def load_model(model: str, cache_dir: Path | None = None) -> LoadedModel:
+def load_model(model: str, cache_dir: Path | str | None = None) -> LoadedModel:
     """Load `model` (see resolve_model). GGUF conversions are cached in `cache_dir` (default
     $KVBRIDGE_CACHE_DIR or ~/.cache/kvbridge). Raises ValueError if the model cannot be used."""
     started = time.perf_counter()
@@ -99,7 +99,7 @@ def load_model(model: str, cache_dir: Path | None = None) -> LoadedModel:
     if path.is_dir():
         parts = read_hf_folder(path)
     else:
-        parts = _read_gguf_cached(path, cache_dir if cache_dir is not None else default_cache_dir())
+        parts = _read_gguf_cached(path, Path(cache_dir) if cache_dir is not None else default_cache_dir())
     loaded = LoadedModel(name=_served_name(model, path), arch=parts.arch, weights=parts.weights,
                          tokenizer=parts.tokenizer, source=str(path))
     logger.info("loaded %s from %s in %.2f s", loaded.name, path, time.perf_counter() - started)
