@@ -71,6 +71,8 @@ class LLMEngine:
                                   num_blocks, config.seed, worker_conn)
         self.connectors = connectors
         self.output_processor = OutputProcessor(self.tokenizer)
+        eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        self._eos_ids = frozenset(eos | set(self.tokenizer.stop_token_ids))
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
 
     @classmethod
@@ -79,7 +81,7 @@ class LLMEngine:
         connectors = None
         if config.kv_transfer is not None:
             from kvbridge.kv_transfer.connector.factory import build_connectors
-            connectors = build_connectors(config, loaded.arch)
+            connectors = build_connectors(config, loaded.arch, loaded.name)
         return cls(config, loaded, connectors)
 
     @property
@@ -110,9 +112,14 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise EngineRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        if self.connectors is not None:
+            try:
+                self.connectors[0].validate_request(len(prompt_token_ids), kv_transfer_params)
+            except ValueError as exc:
+                raise EngineRequestError(str(exc)) from None
         if not self.scheduler.can_admit():
             raise EngineOverloadedError("the server is overloaded: too many requests are waiting")
-        req = Request(request_id, list(prompt_token_ids), params, self.tokenizer.eos_token_id, kv_transfer_params)
+        req = Request(request_id, list(prompt_token_ids), params, self._eos_ids, kv_transfer_params)
         self.output_processor.add(request_id)
         self.scheduler.add_request(req)
 
@@ -132,8 +139,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     def has_pending_work(self) -> bool:
-        """Requests, or blocks held for remote readers (whose leases a step must advance)."""
-        return self.has_unfinished_requests() or self.scheduler.has_pending_work()
+        """Requests, blocks held for remote readers (whose leases a step must advance), or
+        connector messages in flight: the owner of the loop keeps stepping while True."""
+        return (self.has_unfinished_requests() or self.scheduler.has_pending_work()
+                or (self.connectors is not None and self.connectors[1].has_work()))
 
     # ---- the step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:

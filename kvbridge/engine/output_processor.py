@@ -39,6 +39,8 @@ class OutputProcessor:
         for tok in req.output_token_ids[st.pushed_tokens:]:
             st.text += st.detok.push(tok)
         st.pushed_tokens = len(req.output_token_ids)
+        if req.status.is_finished:
+            st.text += st.detok.flush()  # a character cut off by the end is still emitted (as U+FFFD)
         for s in stops:
             idx = st.text.find(s, start_search)
             if idx >= 0:

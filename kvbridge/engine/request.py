@@ -37,7 +37,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # EOS and other end-of-generation ids
     kv_transfer_params: "KVTransferParams | None" = None
     arrival_time: float = field(default_factory=time.monotonic)
 

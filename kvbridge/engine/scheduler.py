@@ -221,7 +221,7 @@ class Scheduler:
         stop_reason: int | None = None
         if token in sp.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
-        elif not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+        elif not sp.ignore_eos and token in req.eos_token_ids:
             reason = FinishReason.STOP
         elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH

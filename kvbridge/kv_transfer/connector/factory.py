@@ -1,0 +1,45 @@
+"""Builds the two connector halves of one engine and the parts they share."""
+
+from __future__ import annotations
+
+import uuid
+
+from kvbridge.config import EngineConfig, KVRole
+from kvbridge.engine.models.config import ModelArchConfig
+from kvbridge.kv_transfer.backends import create_backend
+from kvbridge.kv_transfer.backends.base import TransferBackend
+from kvbridge.kv_transfer.connector.scheduler_side import KVBridgeSchedulerConnector
+from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
+from kvbridge.kv_transfer.failure import FailureHandler
+from kvbridge.kv_transfer.handshake import CompatibilityInfo, SideChannelServer
+from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.stats import KVTransferStats
+
+
+def compatibility_of(config: EngineConfig, arch: ModelArchConfig, model_identity: str) -> CompatibilityInfo:
+    return CompatibilityInfo(model=model_identity, dtype=config.dtype, num_kv_heads=arch.num_kv_heads,
+                             head_size=arch.head_dim, num_layers=arch.num_layers, cache_dtype=config.dtype)
+
+
+def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity: str,
+                     backend: TransferBackend | None = None
+                     ) -> tuple[KVBridgeSchedulerConnector, KVBridgeWorkerConnector]:
+    """The backend is created from the config unless one is passed in (tests pass a fake)."""
+    kv = config.kv_transfer
+    if kv is None:
+        raise ValueError("no kv_transfer configuration")
+    engine_id = kv.engine_id or f"kvbridge-{uuid.uuid4().hex[:12]}"
+    stats = KVTransferStats()
+    leases = LeaseTable(kv.lease_seconds)
+    stats.held_blocks = leases.held_blocks
+    side_channel = None
+    if kv.role in (KVRole.PRODUCER, KVRole.BOTH):
+        side_channel = SideChannelServer({}, kv.side_channel_host, kv.side_channel_port).start()
+    if backend is None:
+        backend = create_backend(kv.backend, agent_name=engine_id)
+    worker = KVBridgeWorkerConnector(
+        kv, engine_id, backend, compatibility_of(config, arch, model_identity), leases, FailureHandler(stats),
+        stats, side_channel, config.cache.enable_prefix_caching)
+    sc_addr = (lambda: (side_channel.host, side_channel.port)) if side_channel else (lambda: ("", 0))
+    scheduler = KVBridgeSchedulerConnector(kv, engine_id, config.cache.block_size, leases, stats, sc_addr)
+    return scheduler, worker

@@ -1,0 +1,91 @@
+"""Messages of the connector: per-step metadata (scheduler half -> worker half) and
+the notification strings exchanged between D's and P's transfer agents.
+
+The read-done notification travels with the read on the backend's notification
+channel (D -> P): b"DONE:<p_request_id>:<lease_generation>". Control messages that
+need no read (release, heartbeat, the pre-read lease check) go to P's side channel as
+small JSON bodies, so they work before (or without) a transfer-agent handshake.
+Request ids in every message are P's own (the remote_request_id P returned).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbridge.kv_transfer.params import KVTransferParams
+
+BlockIds = tuple[list[int], ...]
+
+
+@dataclass(frozen=True)
+class RemoteEngine:
+    """Where a prefill engine's side channel is."""
+
+    engine_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """D: read `remote_block_ids` of P's request into `local_block_ids` (same shapes, per group).
+    Empty lists mean a notification-only request (nothing to read; P may free)."""
+
+    request_id: str  # D's request id
+    remote: RemoteEngine
+    remote_request_id: str
+    lease_generation: int
+    local_block_ids: BlockIds
+    remote_block_ids: BlockIds
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.local_block_ids)
+
+
+@dataclass(frozen=True)
+class ReleaseSpec:
+    """D: tell P it may free a request's blocks without a read."""
+
+    request_id: str
+    remote: RemoteEngine
+    remote_request_id: str
+    lease_generation: int
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """P: keep `block_ids` of a finished request for a remote reader until released or expired."""
+
+    request_id: str
+    block_ids: BlockIds
+    lease_generation: int
+    lease_seconds: float
+
+
+@dataclass
+class ConnectorMetadata:
+    reqs_to_recv: list[RecvSpec] = field(default_factory=list)
+    reqs_to_release: list[ReleaseSpec] = field(default_factory=list)
+    reqs_to_send: list[SendSpec] = field(default_factory=list)
+    heartbeats: dict[RemoteEngine, list[tuple[str, int]]] = field(default_factory=dict)
+
+
+def remote_of(params: KVTransferParams) -> RemoteEngine:
+    return RemoteEngine(params.remote_engine_id or "", params.remote_host or "", int(params.remote_port or 0))
+
+
+def encode_done(p_request_id: str, generation: int) -> bytes:
+    return f"DONE:{p_request_id}:{generation}".encode()
+
+
+def decode_done(msg: bytes) -> tuple[str, int] | None:
+    """(p_request_id, generation) of a read-done notification; None for anything else."""
+    try:
+        kind, _, rest = msg.decode().partition(":")
+        rid, sep, gen = rest.rpartition(":")
+        if kind != "DONE" or not sep or not rid:
+            return None
+        return rid, int(gen)
+    except (UnicodeDecodeError, ValueError):
+        return None

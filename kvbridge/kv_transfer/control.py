@@ -1,0 +1,113 @@
+"""Control messages between D and P over P's side channel (no read involved).
+
+  kv_check_read  {"rid", "gen", "blocks"}  before reading: is the lease live, and are
+                 these P's blocks granted to that request? Renews the lease.
+  kv_release     {"rid", "gen"}            D will not read (abort, rejection, full hit)
+  kv_heartbeat   {"items": [[rid, gen], ...]}  D still waits; renew these leases
+
+P registers the handlers (ControlServer); D calls them through ControlClient, from a
+worker thread, each bounded by a timeout. Every body is validated: the channel is
+reachable by anyone who can connect.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+from typing import Any
+
+from kvbridge.kv_transfer.handshake import HandlerRefusal, HandshakeClient, SideChannelServer
+from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.stats import KVTransferStats
+
+MSG_CHECK_READ = "kv_check_read"
+MSG_RELEASE = "kv_release"
+MSG_HEARTBEAT = "kv_heartbeat"
+MAX_HEARTBEAT_ITEMS = 4096
+
+
+def _load(body: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise HandlerRefusal("body is not JSON") from None
+    if not isinstance(obj, dict):
+        raise HandlerRefusal("body must be a JSON object")
+    return obj
+
+
+def _rid_gen(obj: Any) -> tuple[str, int]:
+    if not isinstance(obj, (list, tuple)) or len(obj) != 2:
+        raise HandlerRefusal("expected [request_id, generation]")
+    rid, gen = obj
+    if not isinstance(rid, str) or not rid or type(gen) is not int:
+        raise HandlerRefusal("request_id must be a string and generation an int")
+    return rid, gen
+
+
+class ControlServer:
+    """P side. Released request ids are queued for the engine thread (drain_released)."""
+
+    def __init__(self, server: SideChannelServer, leases: LeaseTable, stats: KVTransferStats) -> None:
+        self.leases = leases
+        self.stats = stats
+        self._released: "queue.SimpleQueue[str]" = queue.SimpleQueue()
+        server.register_handler(MSG_CHECK_READ, self._check_read)
+        server.register_handler(MSG_RELEASE, self._release)
+        server.register_handler(MSG_HEARTBEAT, self._heartbeat)
+
+    def _check_read(self, body: bytes) -> bytes:
+        obj = _load(body)
+        rid, gen = _rid_gen([obj.get("rid"), obj.get("gen")])
+        blocks = obj.get("blocks")
+        if (not isinstance(blocks, list) or not all(isinstance(g, list) for g in blocks)
+                or not all(type(b) is int for g in blocks for b in g)):
+            raise HandlerRefusal("blocks must be a list of lists of ints")
+        reason = self.leases.check_read(rid, gen, tuple(blocks))
+        if reason is not None:
+            self.stats.incr("refused_reads")
+            raise HandlerRefusal(reason)
+        return b"ok"
+
+    def _release(self, body: bytes) -> bytes:
+        obj = _load(body)
+        rid, gen = _rid_gen([obj.get("rid"), obj.get("gen")])
+        if self.leases.release(rid, gen):
+            self.stats.incr("early_releases")
+            self._released.put(rid)
+        return b"ok"
+
+    def _heartbeat(self, body: bytes) -> bytes:
+        items = _load(body).get("items")
+        if not isinstance(items, list) or len(items) > MAX_HEARTBEAT_ITEMS:
+            raise HandlerRefusal("items must be a list of [request_id, generation]")
+        renewed = sum(self.leases.renew(*_rid_gen(item)) for item in items)
+        return str(renewed).encode()
+
+    def drain_released(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                out.append(self._released.get_nowait())
+            except queue.Empty:
+                return out
+
+
+class ControlClient:
+    """D side; every call blocks for at most `timeout_s` and raises HandshakeError subclasses."""
+
+    def __init__(self, timeout_s: float, client: HandshakeClient | None = None) -> None:
+        self.timeout_s = timeout_s
+        self._client = client or HandshakeClient()
+
+    def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...]) -> None:
+        body = json.dumps({"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks]}).encode()
+        self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s)
+
+    def release(self, host: str, port: int, rid: str, gen: int) -> None:
+        body = json.dumps({"rid": rid, "gen": gen}).encode()
+        self._client.request(host, port, MSG_RELEASE, body, self.timeout_s)
+
+    def heartbeat(self, host: str, port: int, items: list[tuple[str, int]]) -> None:
+        body = json.dumps({"items": [list(i) for i in items]}).encode()
+        self._client.request(host, port, MSG_HEARTBEAT, body, self.timeout_s)

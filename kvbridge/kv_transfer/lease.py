@@ -1,0 +1,127 @@
+"""P side: leases on the blocks of finished requests kept for a remote reader.
+
+A lease is granted when a request with do_remote_decode finishes. It ends when D's
+read-done or release notification arrives (the blocks are freed), or when it
+expires (freed anyway, counted). D's heartbeats renew the leases of requests it
+still waits for. Every lease has a generation; D names it in each message, and a
+message naming a generation P no longer holds is refused, so a late reader never
+gets blocks that were freed and reused by someone else.
+
+Thread-safe: the side-channel thread validates reads while the engine thread grants,
+releases and expires.
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+BlockIds = tuple[list[int], ...]
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: BlockIds
+    generation: int
+    expiry: float
+
+    def grants(self, block_ids: BlockIds) -> bool:
+        if len(block_ids) != len(self.block_ids):
+            return False
+        return all(set(want) <= set(have) for want, have in zip(block_ids, self.block_ids))
+
+
+class LeaseTable:
+    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if lease_seconds <= 0:
+            raise ValueError("lease_seconds must be positive")
+        self.lease_seconds = lease_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._heap: list[tuple[float, str, int]] = []  # (expiry, request id, generation); stale entries skipped
+        # A random base: a P restarted under the same address never reissues a generation
+        # that a D may still hold from before the restart.
+        self._next_generation = secrets.randbits(40) << 16
+
+    def new_generation(self) -> int:
+        with self._lock:
+            self._next_generation += 1
+            return self._next_generation
+
+    def grant(self, request_id: str, block_ids: BlockIds, generation: int) -> None:
+        with self._lock:
+            expiry = self._clock() + self.lease_seconds
+            self._leases[request_id] = Lease(request_id, block_ids, generation, expiry)
+            heapq.heappush(self._heap, (expiry, request_id, generation))
+
+    def _live(self, request_id: str, generation: int) -> Lease | None:
+        lease = self._leases.get(request_id)
+        if lease is None or lease.generation != generation:
+            return None
+        return lease
+
+    def renew(self, request_id: str, generation: int) -> bool:
+        """Heartbeat: extend to at least two thirds of a lease from now. False if unknown or stale."""
+        with self._lock:
+            lease = self._live(request_id, generation)
+            if lease is None:
+                return False
+            new_expiry = self._clock() + self.lease_seconds * 2 / 3
+            if new_expiry > lease.expiry:
+                lease.expiry = new_expiry
+                heapq.heappush(self._heap, (new_expiry, request_id, generation))
+            return True
+
+    def check_read(self, request_id: str, generation: int, block_ids: BlockIds) -> str | None:
+        """Before D reads: None if the lease is live and grants these blocks (it is renewed),
+        else the reason for refusing."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return f"no lease for request {request_id} (expired or already released)"
+            if lease.generation != generation:
+                return f"stale lease generation {generation} for request {request_id}"
+            if not lease.grants(block_ids):
+                return f"blocks not granted to request {request_id}"
+            lease.expiry = max(lease.expiry, self._clock() + self.lease_seconds * 2 / 3)
+            heapq.heappush(self._heap, (lease.expiry, request_id, generation))
+            return None
+
+    def release(self, request_id: str, generation: int) -> bool:
+        """End the lease (read done or not wanted). True if this call ended it."""
+        with self._lock:
+            if self._live(request_id, generation) is None:
+                return False
+            del self._leases[request_id]
+            return True
+
+    def pop_expired(self) -> list[str]:
+        """Leases past their expiry, removed. Cost: O(log n) per heap entry popped."""
+        now = self._clock()
+        out: list[str] = []
+        with self._lock:
+            while self._heap and self._heap[0][0] <= now:
+                _, rid, gen = heapq.heappop(self._heap)
+                lease = self._live(rid, gen)
+                if lease is not None and lease.expiry <= now:
+                    del self._leases[rid]
+                    out.append(rid)
+        return out
+
+    def held_blocks(self) -> int:
+        with self._lock:
+            return sum(len(g) for lease in self._leases.values() for g in lease.block_ids)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def __contains__(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._leases

@@ -1,0 +1,56 @@
+"""Where blocks live in memory, and which byte ranges a read copies.
+
+The engine's KV cache is one tensor [layers, 2, num_blocks, block_size, kv_heads,
+head_dim]; each (layer, K|V) plane is a run of equal-sized blocks. A read of blocks
+`remote -> local` becomes, per plane, one descriptor per run of blocks consecutive
+on both sides (coalescing), so a freshly allocated request moves as a few large
+copies instead of thousands of 12 KiB ones.
+
+Tensor parallelism is 1 on both sides in kvbridge today: a D rank reads from the
+one P rank; head-slicing for differing TP sizes is not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvbridge.kv_transfer.backends.base import coalesce_block_runs
+
+
+@dataclass(frozen=True)
+class PlaneLayout:
+    """One engine's KV memory: `num_planes` planes of `num_blocks` blocks of `block_bytes`."""
+
+    plane_base_addrs: tuple[int, ...]
+    block_bytes: int
+    num_blocks: int
+
+    @classmethod
+    def of_kv_cache(cls, kv_cache) -> "PlaneLayout":
+        layers, kv, num_blocks = kv_cache.shape[:3]
+        block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+        plane_bytes = num_blocks * block_bytes
+        base = kv_cache.data_ptr()
+        return cls(tuple(base + i * plane_bytes for i in range(layers * kv)), block_bytes, num_blocks)
+
+
+def read_descriptors(local: PlaneLayout, remote: PlaneLayout, local_ids: Sequence[int],
+                     remote_ids: Sequence[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(local descs, remote descs) as (addr, length) pairs for reading remote_ids into local_ids."""
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"{len(remote_ids)} remote blocks for {len(local_ids)} local blocks")
+    if local.block_bytes != remote.block_bytes or len(local.plane_base_addrs) != len(remote.plane_base_addrs):
+        raise ValueError("local and remote KV layouts differ")
+    if any(not 0 <= b < remote.num_blocks for b in remote_ids):
+        raise ValueError("remote block id out of range")
+    if any(not 0 <= b < local.num_blocks for b in local_ids):
+        raise ValueError("local block id out of range")
+    runs = coalesce_block_runs(list(local_ids), list(remote_ids))
+    bb = local.block_bytes
+    local_descs, remote_descs = [], []
+    for lbase, rbase in zip(local.plane_base_addrs, remote.plane_base_addrs):
+        for l_start, r_start, n in runs:
+            local_descs.append((lbase + l_start * bb, n * bb))
+            remote_descs.append((rbase + r_start * bb, n * bb))
+    return local_descs, remote_descs

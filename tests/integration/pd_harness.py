@@ -1,0 +1,70 @@
+"""In-process P and D engines on the real default model, connected by a transfer
+backend (the fake one with fault knobs, or a real one) and the real side channel."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
+from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.loader import LoadedModel
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.kv_transfer.backends.base import TransferBackend
+from kvbridge.kv_transfer.connector.factory import build_connectors
+from kvbridge.kv_transfer.params import parse_kv_transfer_params
+
+_ids = itertools.count()
+
+
+def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBackend | None = None,
+                num_blocks: int = 96, block_size: int = 16, lease_s: float = 30.0,
+                policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE, backend_name: str = "fake",
+                handshake_timeout_s: float = 2.0, engine_id: str | None = None) -> LLMEngine:
+    kv = None
+    if role is not None:
+        kv = KVTransferConfig(role=role, backend=backend_name, engine_id=engine_id or f"{role.value}-{next(_ids)}",
+                              lease_seconds=lease_s, load_failure_policy=policy,
+                              handshake_timeout_s=handshake_timeout_s)
+    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), kv_transfer=kv,
+                          num_threads=2)
+    connectors = build_connectors(config, loaded.arch, loaded.name, backend) if kv is not None else None
+    return LLMEngine(config, loaded, connectors)
+
+
+def prefill(p: LLMEngine, prompt: list[int], request_id: str | None = None) -> dict:
+    """Run the P half of a request; returns the kv_transfer_params P answers with."""
+    rid = request_id or f"p-{next(_ids)}"
+    p.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0),
+                  parse_kv_transfer_params({"do_remote_decode": True}))
+    while True:
+        for out in p.step():
+            if out.request_id == rid and out.finished:
+                return out.kv_transfer_params
+
+
+def decode(d: LLMEngine, p: LLMEngine, prompt: list[int], params: dict, sp: SamplingParams,
+           request_id: str | None = None, timeout_s: float = 60.0):
+    """Run the D half while stepping P too (it must see notifications). Returns D's outputs."""
+    rid = request_id or f"d-{next(_ids)}"
+    d.add_request(rid, prompt, sp, parse_kv_transfer_params(params))
+    outs = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        outs += [o for o in d.step() if o.request_id == rid]
+        p.step()
+        if outs and outs[-1].finished:
+            return outs
+    raise TimeoutError("D did not finish")
+
+
+def settle(*engines: LLMEngine, timeout_s: float = 10.0) -> None:
+    """Step every engine until none has pending work (leases released, messages reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while any(e.has_pending_work() for e in engines) and time.monotonic() < deadline:
+        for e in engines:
+            e.step()
+
+
+def tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]

@@ -1,0 +1,162 @@
+"""Both connector halves end to end, in process: P and D engines on the real default
+model, the fake transfer backend (real copies, fault knobs) and the real side channel."""
+
+import pytest
+
+from kvbridge.config import KVRole, LoadFailurePolicy
+from kvbridge.engine.loader import load_model
+from kvbridge.engine.request import FinishReason
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
+
+from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def colocated(loaded):
+    return make_engine(loaded, None)
+
+
+@pytest.fixture
+def pd(loaded):
+    fabric = FakeFabric(seed=1)
+    p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P")
+    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D")
+    yield fabric, p, d
+    settle(p, d)
+    p.shutdown()
+    d.shutdown()
+
+
+def prompt_of(loaded, text):
+    tok = loaded.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+@pytest.mark.parametrize("text", ["Hi", "Tell me about the history of Rome, its emperors and its roads."])
+def test_pd_output_equals_colocated(loaded, colocated, pd, text):
+    _, p, d = pd
+    prompt = prompt_of(loaded, text) if len(text) > 2 else loaded.tokenizer.encode("Hi there")
+    assert len(prompt) < 16 or len(prompt) > 32  # shorter than a block, or several blocks
+    want = colocated.generate([prompt], GREEDY)[0]
+    params = prefill(p, prompt)
+    assert params["do_remote_prefill"] and params["remote_engine_id"] == "P"
+    assert p.metrics().num_held_for_remote == 1
+    assert tokens(decode(d, p, prompt, params, GREEDY)) == want
+    settle(p, d)
+    assert p.metrics().num_held_for_remote == 0  # freed on the read-done notification
+    assert d.connectors[1].stats.transfers == 1
+
+
+def test_partial_prefix_hit_on_d_reads_only_missing_blocks(loaded, colocated, pd):
+    _, p, d = pd
+    prompt = prompt_of(loaded, "Explain how a compiler turns source code into machine code, step by step.")
+    want = colocated.generate([prompt], GREEDY)[0]
+    assert d.generate([prompt[:40]], SamplingParams(max_tokens=1, temperature=0))  # D caches 2 blocks
+    params = prefill(p, prompt)
+    assert tokens(decode(d, p, prompt, params, GREEDY)) == want
+    stats = d.connectors[1].stats
+    n_blocks = -(-len(prompt) // 16)
+    block_bytes = d.connectors[1].layout.block_bytes * len(d.connectors[1].layout.plane_base_addrs)
+    assert stats.bytes == (n_blocks - 2) * block_bytes
+
+
+def test_eight_concurrent_requests(loaded, colocated, pd):
+    _, p, d = pd
+    prompts = [prompt_of(loaded, f"Count from {i} to {i + 5}.") for i in range(8)]
+    want = colocated.generate(prompts, GREEDY)
+    params = [prefill(p, pr) for pr in prompts]
+    from kvbridge.kv_transfer.params import parse_kv_transfer_params
+    for i, (pr, pa) in enumerate(zip(prompts, params)):
+        d.add_request(f"c{i}", pr, GREEDY, parse_kv_transfer_params(pa))
+    got = {f"c{i}": [] for i in range(8)}
+    while d.has_unfinished_requests():
+        for o in d.step():
+            got[o.request_id] += o.new_token_ids
+        p.step()
+    assert [got[f"c{i}"] for i in range(8)] == want
+
+
+@pytest.mark.parametrize("fault", ["error_state", "fail_read_setup", "raise_on_check_state"])
+@pytest.mark.parametrize("policy", [LoadFailurePolicy.RECOMPUTE, LoadFailurePolicy.FAIL])
+def test_transfer_faults_follow_the_policy(loaded, colocated, fault, policy):
+    fabric = FakeFabric(seed=2)
+    p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", lease_s=1.0)
+    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D", FaultConfig(**{fault: True})),
+                    engine_id="D", policy=policy)
+    try:
+        prompt = prompt_of(loaded, "What is the tallest mountain on Earth?")
+        want = colocated.generate([prompt], GREEDY)[0]
+        outs = decode(d, p, prompt, prefill(p, prompt), GREEDY)
+        if policy is LoadFailurePolicy.RECOMPUTE:
+            assert tokens(outs) == want
+        else:
+            assert outs[-1].finish_reason is FinishReason.ERROR and not tokens(outs)
+            assert "KV transfer failed" in outs[-1].error
+        # The engine lives on: a clean request right after is served.
+        d.connectors[1].backend.set_faults(FaultConfig())
+        assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
+        settle(p, d, timeout_s=5)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_abort_before_scheduling_releases_p_blocks_at_once(loaded, pd):
+    _, p, d = pd
+    prompt = prompt_of(loaded, "Name a fruit.")
+    params = prefill(p, prompt)
+    from kvbridge.kv_transfer.params import parse_kv_transfer_params
+    d.add_request("x", prompt, GREEDY, parse_kv_transfer_params(params))
+    d.abort_request("x")
+    settle(p, d)
+    assert p.metrics().num_held_for_remote == 0
+    assert p.connectors[1].stats.early_releases == 1
+
+
+def test_rejected_request_notifies_p(loaded, pd):
+    _, p, d = pd
+    prompt = prompt_of(loaded, "Name a color.")
+    params = prefill(p, prompt)
+    from kvbridge.kv_transfer.params import parse_kv_transfer_params
+    d.notify_kv_transfer_rejected("rejected", parse_kv_transfer_params(params))
+    settle(p, d)
+    assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.early_releases == 1
+
+
+def test_lease_expiry_frees_blocks_and_a_late_read_is_refused(loaded, colocated):
+    fabric = FakeFabric(seed=3)
+    p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", lease_s=0.2)
+    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D")
+    try:
+        prompt = prompt_of(loaded, "Name a planet.")
+        params = prefill(p, prompt)
+        settle(p, timeout_s=2)  # nobody reads: the lease expires
+        assert p.connectors[1].stats.expired_leases == 1 and p.metrics().num_held_for_remote == 0
+        outs = decode(d, p, prompt, params, GREEDY)  # a late reader: refused, recomputed
+        assert tokens(outs) == colocated.generate([prompt], GREEDY)[0]
+        assert d.connectors[1].stats.failed_transfers["stale_lease"] == 1
+        assert p.connectors[1].stats.refused_reads == 1
+    finally:
+        settle(p, d)
+        p.shutdown()
+        d.shutdown()
+
+
+def test_untrusted_prefill_host_is_a_client_error(loaded, pd):
+    _, p, d = pd
+    from kvbridge.engine.engine import EngineRequestError
+    from kvbridge.kv_transfer.params import parse_kv_transfer_params
+    prompt = prompt_of(loaded, "Hi")
+    params = parse_kv_transfer_params({
+        "do_remote_prefill": True, "remote_block_ids": [0, 1], "remote_engine_id": "P",
+        "remote_request_id": "r", "remote_host": "8.8.8.8", "remote_port": 1234})
+    with pytest.raises(EngineRequestError, match="trusted"):
+        d.add_request("u", prompt, GREEDY, params)
