@@ -1,0 +1,433 @@
+"""Serves one LLMEngine to asyncio code while the engine runs on its own thread.
+
+The engine is not thread-safe and its step blocks for the length of a forward pass,
+so exactly one thread, the engine thread, ever touches it. Everyone else talks to that
+thread through a command queue (add, abort, call, stop) that it drains between steps,
+and gets outputs back through per-request asyncio queues, filled with
+`loop.call_soon_threadsafe` so the HTTP event loop never waits on the engine.
+
+Life of a request: `add_request` enqueues the add and awaits its result, so bad
+input (EngineRequestError) or overload (EngineOverloadedError) reaches the caller as
+an exception before any output; once admitted, a RequestStream yields the request's
+outputs up to the finished one. A consumer that stops early must call
+`RequestStream.abort()` (`generate` does it for you) so the engine frees the blocks.
+
+Failure: an exception from `step()` does not end the thread silently. Every in-flight
+request gets a final output with FinishReason.ERROR, the engine is marked DEAD
+(/health answers 503) and new requests are refused with EngineUnavailableError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvbridge.engine.outputs import RequestOutput
+from kvbridge.engine.request import FinishReason
+from kvbridge.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvbridge.config import EngineConfig
+    from kvbridge.engine.engine import EngineMetrics, LLMEngine
+    from kvbridge.kv_transfer.params import KVTransferParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# While requests are in flight but steps produce nothing (chunked prefill, waiting for
+# remote KV), the thread waits this long between steps, doubling up to the maximum:
+# short against a forward pass, long enough not to burn a core while a transfer runs.
+_MIN_BACKOFF_S = 0.0005
+_MAX_BACKOFF_S = 0.01
+# With nothing in flight the thread sleeps on the queue; it re-checks the engine this
+# often anyway, in case work appeared without a command (e.g. from a connector).
+_IDLE_WAIT_S = 1.0
+
+
+class EngineState(enum.Enum):
+    RUNNING = "running"
+    SHUTTING_DOWN = "shutting_down"  # shutdown asked for: new requests are refused
+    DEAD = "dead"  # step() raised: in-flight requests were failed, new ones are refused
+    STOPPED = "stopped"  # the engine thread has exited
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is shutting down or dead; the API answers HTTP 503."""
+
+
+@dataclass(frozen=True)
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: KVTransferParams | None
+    sink: _Sink
+    future: concurrent.futures.Future[None]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future[Any]
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Call | _Stop
+
+
+class RequestStream:
+    """The outputs of one admitted request, in order; iteration ends after the finished one.
+
+    Lives on the event loop that admitted it. `abort()` is safe at any time; after the
+    finished output it does nothing.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, output: RequestOutput) -> None:
+        self._queue.put_nowait(output)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        self.finished = output.finished
+        return output
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and its thread. Constructing one starts the thread.
+
+    All methods may be called from any thread; the coroutine ones need a running loop.
+    """
+
+    def __init__(self, engine: LLMEngine, *, thread_name: str = "kvbridge-engine") -> None:
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _state and _stop_posted
+        self._state = EngineState.RUNNING
+        self._stop_posted = False
+        self.dead_reason: str | None = None
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        from kvbridge.engine.engine import LLMEngine  # heavy: torch and the model
+
+        return cls(LLMEngine.from_config(config))
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def has_kv_connector(self) -> bool:
+        return self._engine.has_kv_connector  # fixed at construction: safe to read anywhere
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._state is EngineState.RUNNING and self._thread.is_alive()
+
+    async def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                          params: SamplingParams,
+                          kv_transfer_params: KVTransferParams | None = None) -> RequestStream:
+        """Admit a request. Raises what `LLMEngine.add_request` raises (EngineRequestError,
+        EngineOverloadedError) or EngineUnavailableError; on return the engine owns it.
+        Cancelled while waiting: the request is aborted (or never added)."""
+        stream = RequestStream(request_id, self)
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        sink = _Sink(asyncio.get_running_loop(), stream)
+        self._submit(_Add(request_id, list(prompt_token_ids), params, kv_transfer_params,
+                          sink, future))
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may already have happened
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams,
+                       kv_transfer_params: KVTransferParams | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Admit a request and yield its outputs; the request is aborted if the consumer
+        stops early (close or cancellation). Admission errors raise at the first step."""
+        stream = await self.add_request(request_id, prompt_token_ids, params, kv_transfer_params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; safe for unknown or finished ids. Its final output (ABORT)
+        still reaches its stream."""
+        self._submit(_Abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        return await asyncio.wrap_future(self.call_threadsafe(fn))
+
+    def call_threadsafe(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Like `call`, for threads without a loop. Once the engine thread has exited, fn
+        runs on the caller's thread (nobody else owns the engine any more); while it is
+        stopping, the future fails with EngineUnavailableError."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if not self._stop_posted:
+                self._commands.put(_Call(fn, future))
+                return future
+        if self._thread.is_alive():
+            future.set_exception(EngineUnavailableError("the engine is stopping"))
+        else:
+            _run_call(_Call(fn, future), self._engine)
+        return future
+
+    async def get_metrics(self) -> EngineMetrics:
+        return await self.call(lambda engine: engine.metrics())
+
+    async def notify_kv_transfer_rejected(self, request_id: str,
+                                          kv_transfer_params: KVTransferParams) -> None:
+        """Tell the prefill instance to free the blocks it holds for a request this server
+        rejected before admission. Never raises: a failure is logged and the lease on P
+        frees the blocks later."""
+        try:
+            await self.call(lambda engine: engine.notify_kv_transfer_rejected(
+                request_id, kv_transfer_params))
+        except Exception:
+            logger.warning("request %s: could not notify the prefill instance of the "
+                           "rejection; its lease will free the blocks", request_id,
+                           exc_info=True)
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and ask the engine thread to stop; does not wait. In-flight
+        requests finish with FinishReason.ERROR."""
+        with self._lock:
+            if self._stop_posted:
+                return
+            if self._state is EngineState.RUNNING:
+                self._state = EngineState.SHUTTING_DOWN
+            self._stop_posted = True
+            self._commands.put(_Stop())
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """begin_shutdown(), then wait for the engine thread (it shuts the engine down)."""
+        self.begin_shutdown()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("engine thread did not stop within %.1f s", timeout_s)
+
+    # ------------------------------------------------------------ caller side
+
+    def _submit(self, command: _Command) -> None:
+        with self._lock:
+            if isinstance(command, _Add) and self._state is not EngineState.RUNNING:
+                raise EngineUnavailableError(self._unavailable_message())
+            if not self._stop_posted:
+                self._commands.put(command)
+                return
+        if isinstance(command, _Add):  # stop posted by a failed engine, state already DEAD
+            raise EngineUnavailableError(self._unavailable_message())
+
+    def _unavailable_message(self) -> str:
+        if self._state is EngineState.DEAD:
+            return f"the engine failed and cannot serve requests: {self.dead_reason}"
+        return "the server is shutting down"
+
+    # ------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        backoff = 0.0
+        try:
+            while True:
+                busy = self._state is not EngineState.DEAD and self._has_work()
+                for command in self._take_commands(busy, backoff):
+                    if isinstance(command, _Stop):
+                        return
+                    self._apply(command)
+                if self._state is EngineState.DEAD or not self._has_work():
+                    continue
+                try:
+                    outputs = self._engine.step()
+                except Exception as exc:  # a bug or a broken device: fail loudly, not silently
+                    self._die(exc)
+                    continue
+                self._dispatch(outputs)
+                backoff = 0.0 if outputs else min(max(2 * backoff, _MIN_BACKOFF_S), _MAX_BACKOFF_S)
+        finally:
+            self._stop()
+
+    def _has_work(self) -> bool:
+        # has_pending_work, not has_unfinished_requests: a prefill instance must keep
+        # stepping while it holds finished requests' blocks for remote readers (leases).
+        try:
+            return self._engine.has_pending_work()
+        except Exception as exc:
+            self._die(exc)
+            return False
+
+    def _take_commands(self, busy: bool, backoff: float) -> list[_Command]:
+        commands: list[_Command] = []
+        if not busy or backoff > 0:
+            try:
+                commands.append(self._commands.get(timeout=backoff if busy else _IDLE_WAIT_S))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Add):
+            self._apply_add(command)
+        elif isinstance(command, _Abort):
+            if self._state is not EngineState.DEAD:
+                try:
+                    self._engine.abort_request(command.request_id)
+                except Exception:
+                    logger.exception("request %s: abort failed", command.request_id)
+        else:
+            _run_call(command, self._engine)
+
+    def _apply_add(self, add: _Add) -> None:
+        if not add.future.set_running_or_notify_cancel():
+            # The caller gave up before the engine saw it: never add it. It was rejected
+            # before admission, so a prefill instance holding its KV must hear of it.
+            kv = add.kv_transfer_params
+            if kv is not None and kv.do_remote_prefill and self.has_kv_connector:
+                _run_call(_Call(lambda e: e.notify_kv_transfer_rejected(add.request_id, kv),
+                                concurrent.futures.Future()), self._engine)
+            return
+        if self._state is EngineState.DEAD:
+            add.future.set_exception(EngineUnavailableError(self._unavailable_message()))
+            return
+        try:
+            self._engine.add_request(add.request_id, add.prompt_token_ids, add.params,
+                                     add.kv_transfer_params)
+        except Exception as exc:
+            add.future.set_exception(exc)
+            return
+        self._sinks[add.request_id] = add.sink
+        add.future.set_result(None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            if output.finished:
+                del self._sinks[output.request_id]
+            by_loop.setdefault(sink.loop, []).append((sink.stream, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody will read these, free them
+                self._abort_in_engine([s.request_id for s, out in items if not out.finished])
+
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        """Abort requests in the engine, so it frees their blocks and the connector tells
+        prefill instances it will not read theirs. Best effort: the engine may be broken."""
+        for request_id in request_ids:
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:
+                logger.exception("request %s: abort failed", request_id)
+
+    def _fail_all(self, message: str) -> None:
+        failures = [RequestOutput(request_id=rid, new_token_ids=[], new_text="", finished=True,
+                                  finish_reason=FinishReason.ERROR, error=message)
+                    for rid in self._sinks]
+        self._dispatch(failures)
+        self._sinks.clear()
+
+    def _die(self, exc: BaseException) -> None:
+        logger.exception("engine step failed; failing %d in-flight requests and refusing "
+                         "new ones", len(self._sinks), exc_info=exc)
+        with self._lock:
+            self._state = EngineState.DEAD
+            self.dead_reason = f"{type(exc).__name__}: {exc}"
+        in_flight = list(self._sinks)
+        self._fail_all(f"the engine failed while serving this request ({self.dead_reason})")
+        self._abort_in_engine(in_flight)
+
+    def _stop(self) -> None:
+        in_flight = list(self._sinks)
+        if in_flight:
+            self._fail_all("the server is shutting down; the request did not complete")
+            self._abort_in_engine(in_flight)
+            try:
+                self._engine.step()  # lets the aborts take effect (the connector's notices)
+            except Exception:
+                logger.exception("engine step after aborting in-flight requests failed")
+        try:
+            self._engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
+        with self._lock:
+            self._state = EngineState.STOPPED
+            self._stop_posted = True
+        # Anything queued after the stop: fail it so no caller waits forever.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, (_Add, _Call)) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(EngineUnavailableError("the engine has stopped"))
+
+
+def _run_call(call: _Call, engine: LLMEngine) -> None:
+    if not call.future.set_running_or_notify_cancel():
+        return
+    try:
+        call.future.set_result(call.fn(engine))
+    except Exception as exc:
+        call.future.set_exception(exc)
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream._put(output)

@@ -1,0 +1,392 @@
+"""OpenAI wire format of /v1/completions and /v1/chat/completions: pydantic models at the HTTP edge.
+
+Requests are validated strictly (a string is not an int, a bool is not a number) and
+unknown fields are ignored, because OpenAI clients send extras. Every check a client
+can fail is a pydantic validator, so the server turns all of them into one HTTP 400.
+Features that would change what the client gets back and that kvbridge does not
+implement (n > 1, echo, penalties, logit_bias, tools) are refused rather than ignored.
+
+Responses and stream chunks mirror OpenAI's shapes; like vLLM they carry
+`kv_transfer_params` at the top level when the engine returned some (P side).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from kvbridge.engine.outputs import TokenLogprob
+from kvbridge.engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # SamplingParams' limit
+MAX_STOP_STRINGS = 16
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None  # None: the served model
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # extension; 0 or -1 disable it
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None  # extension
+    include_stop_str_in_output: bool = False  # extension
+    ignore_eos: bool = False  # extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # parsed by kvbridge.kv_transfer.params
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("presence and frequency penalties are not supported")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _sane_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo):
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stops),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions. `prompt` is text or token ids; a batch of exactly one is unwrapped."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError("only one prompt per request is supported")
+            value = value[0]
+        if not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: str
+    text: str | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f"content parts of type {value!r} are not supported (text only)")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """The {"role", "content"} dict the chat template takes ("developer" is OpenAI's
+        newer name for "system")."""
+        parts = self.content if isinstance(self.content, list) else [self.content or ""]
+        text = "".join(p if isinstance(p, str) else p.text or "" for p in parts)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions. Without max_tokens the answer may fill the context."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs", False):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tools are not supported")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """The server drops `usage` unless the client asked for usage, and
+    `kv_transfer_params` unless the engine returned some."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionChunk(BaseModel):
+    """Trimmed by the server like ChatCompletionChunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvbridge"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- logprob conversion
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str],
+                        text_offset: int) -> CompletionLogprobs:
+    """The legacy completions layout; `text_offset` is where the first token's text starts."""
+    out = CompletionLogprobs()
+    for entry in entries:
+        text = token_text(entry.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(entry.logprob)
+        out.top_logprobs.append({token_text(tid): lp for tid, lp in entry.top})
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob],
+                  token_text: Callable[[int], str]) -> ChatLogprobs:
+    def top(tid: int, lp: float) -> TopLogprob:
+        text = token_text(tid)
+        return TopLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
+
+    content = []
+    for entry in entries:
+        chosen = top(entry.token_id, entry.logprob)
+        content.append(ChatTokenLogprob(**chosen.model_dump(),
+                                        top_logprobs=[top(t, lp) for t, lp in entry.top]))
+    return ChatLogprobs(content=content)
