@@ -1,0 +1,357 @@
+"""Local cluster launcher: prefill and decode instances plus the P/D proxy, as child
+processes of this one on one host (`kvbridge up`, and tests through LocalCluster).
+
+It starts each child with the kvbridge CLI, keeps each child's stdout and stderr in a
+log file of its own, waits (bounded) until every child's /health answers 200, and
+stops exactly the pids it started: SIGTERM, a grace period, then SIGKILL.
+
+Contract with kvbridge/cli.py (the launcher builds these command lines):
+  serve MODEL --host H --port P --kv-role producer|consumer --kv-backend B
+        --kv-engine-id ID --kv-side-channel-port S --num-threads N [extra args]
+  proxy --prefill URL... --decode URL... --host H --port P
+Both must answer GET /health with 200 once ready, and exit on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from kvbridge.config import KVRole
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CLI: tuple[str, ...] = (sys.executable, "-m", "kvbridge.cli")
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+# Looked up now: between fork and exec the child should only call, never load.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+class ClusterStartError(RuntimeError):
+    """A child died or stayed unhealthy during start-up; the message names it and quotes its log."""
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One engine instance to launch."""
+
+    name: str  # "prefill-0", "decode-1": names its log file and error messages
+    role: KVRole
+    port: int
+    side_channel_port: int
+    engine_id: str
+
+
+@dataclass(frozen=True)
+class ClusterUrls:
+    proxy: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports the OS reports free now (all sockets held open together)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets = [socket.socket(family, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def http_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def plan_instances(num_prefill: int, num_decode: int, host: str = "127.0.0.1") -> list[InstanceSpec]:
+    """Prefill instances first, then decode ones, each with two fresh ports and a unique engine id."""
+    ports = free_ports(2 * (num_prefill + num_decode), host)
+    run_tag = secrets.token_hex(3)  # engine ids differ between runs, so a restarted P is a new peer
+    roles = [("prefill", KVRole.PRODUCER, i) for i in range(num_prefill)]
+    roles += [("decode", KVRole.CONSUMER, i) for i in range(num_decode)]
+    return [InstanceSpec(name=f"{kind}-{i}", role=role, port=ports[2 * k], side_channel_port=ports[2 * k + 1],
+                         engine_id=f"{kind}-{i}-{run_tag}")
+            for k, (kind, role, i) in enumerate(roles)]
+
+
+def threads_per_engine(num_engines: int, cores: int | None = None) -> int:
+    """Split the cores this process may use evenly between engines (at least one each)."""
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, cores // max(1, num_engines))
+
+
+def serve_command(cli: Sequence[str], model: str, spec: InstanceSpec, *, host: str, kv_backend: str,
+                  num_threads: int, extra_args: Sequence[str] = ()) -> list[str]:
+    return [*cli, "serve", model, "--host", host, "--port", str(spec.port), "--kv-role", spec.role.value,
+            "--kv-backend", kv_backend, "--kv-engine-id", spec.engine_id,
+            "--kv-side-channel-port", str(spec.side_channel_port), "--num-threads", str(num_threads),
+            *extra_args]
+
+
+def proxy_command(cli: Sequence[str], prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
+                  host: str, port: int) -> list[str]:
+    return [*cli, "proxy", "--prefill", *prefill_urls, "--decode", *decode_urls,
+            "--host", host, "--port", str(port)]
+
+
+def child_env(base: Mapping[str, str], *, loopback_only: bool, num_threads: int) -> dict[str, str]:
+    """The children's environment: `base` plus what engines sharing one host need."""
+    env = dict(base)
+    env["PYTHONUNBUFFERED"] = "1"  # logs reach the log files as they happen
+    # Busy-waiting OpenMP threads of one engine steal the cores of the others.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env["OMP_NUM_THREADS"] = str(num_threads)
+    if loopback_only:
+        # UCX otherwise opens lanes on every interface; every peer here is on loopback.
+        env["UCX_NET_DEVICES"] = "lo"
+        env.setdefault("UCX_MODULES", "^ib")  # NIXL crashes at exit when ibverbs providers load
+    return env
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if the launcher dies without stopping it."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ChildProcess:
+    """One process this launcher started, with a log file holding its stdout and stderr."""
+
+    def __init__(self, name: str, argv: Sequence[str], popen: subprocess.Popen, log_path: Path,
+                 log_file: IO[bytes]) -> None:
+        self.name, self.argv, self.popen, self.log_path = name, list(argv), popen, log_path
+        self._log_file = log_file
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        """The last `lines` lines of its output (empty if it wrote nothing)."""
+        try:
+            data = self.log_path.read_bytes()[-65536:]
+        except OSError:
+            return ""
+        return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+    def close_log(self) -> None:
+        self._log_file.close()
+
+
+def spawn_child(name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path) -> ChildProcess:
+    """Start `argv` in its own session (a terminal's Ctrl-C reaches only the launcher, which
+    then stops children in order), logging to `log_dir/<name>.log`.
+
+    On Linux the child gets SIGTERM if the thread that spawned it dies first.
+    """
+    log_path = Path(log_dir) / f"{name}.log"
+    log_file = open(log_path, "wb")
+    try:
+        popen = subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=log_file,
+                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+    except BaseException:
+        log_file.close()
+        raise
+    logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(argv))
+    return ChildProcess(name, argv, popen, log_path, log_file)
+
+
+def stop_children(children: Sequence[ChildProcess], grace_s: float = 10.0) -> None:
+    """SIGTERM each child still running, wait up to `grace_s` in all, SIGKILL the rest, reap all.
+
+    Signals only these pids, and only while Popen has not reaped them (no pid reuse race).
+    """
+    for child in children:
+        if child.alive():
+            child.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s (pid %d) ignored SIGTERM for %.1fs: killing it", child.name, child.pid, grace_s)
+            child.popen.kill()
+            child.popen.wait()
+        child.close_log()
+
+
+class LocalCluster:
+    """num_prefill P + num_decode D instances and a proxy on one host.
+
+    Use as a context manager, or call start() / stop(). `port` is the proxy's (0: any free).
+    `cli` is the command prefix that runs the kvbridge CLI (tests pass a stand-in).
+    """
+
+    def __init__(self, model: str, num_prefill: int = 1, num_decode: int = 1, port: int = 8000,
+                 kv_backend: str = "nixl", host: str = "127.0.0.1", extra_serve_args: Sequence[str] = (),
+                 ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI,
+                 log_dir: str | Path | None = None, num_threads: int | None = None,
+                 stop_grace_s: float = 10.0) -> None:
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode instance")
+        if ready_timeout_s <= 0 or stop_grace_s < 0:
+            raise ValueError("ready_timeout_s must be positive and stop_grace_s non-negative")
+        self.model, self.num_prefill, self.num_decode = model, num_prefill, num_decode
+        self.port, self.kv_backend, self.host = port, kv_backend, host
+        self.extra_serve_args, self.ready_timeout_s = tuple(extra_serve_args), ready_timeout_s
+        self.cli, self.stop_grace_s = tuple(cli), stop_grace_s
+        self.num_threads = num_threads or threads_per_engine(num_prefill + num_decode)
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.children: list[ChildProcess] = []  # in start order: instances, then the proxy
+        self._urls: ClusterUrls | None = None
+        self._health_urls: dict[str, str] = {}  # child name -> base URL
+
+    @property
+    def urls(self) -> ClusterUrls:
+        if self._urls is None:
+            raise RuntimeError("the cluster is not started")
+        return self._urls
+
+    def start(self) -> ClusterUrls:
+        """Launch every instance, wait until they are healthy, then the proxy, and wait for it.
+
+        Raises ClusterStartError (after stopping every child) if one dies or the deadline passes.
+        """
+        if any(c.alive() for c in self.children):
+            raise RuntimeError("the cluster is already started")
+        self.children, self._health_urls = [], {}
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="kvbridge-cluster-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.ready_timeout_s
+        env = child_env(os.environ, loopback_only=self.host in LOOPBACK_HOSTS, num_threads=self.num_threads)
+        try:
+            specs = plan_instances(self.num_prefill, self.num_decode, self.host)
+            for spec in specs:
+                argv = serve_command(self.cli, self.model, spec, host=self.host, kv_backend=self.kv_backend,
+                                     num_threads=self.num_threads, extra_args=self.extra_serve_args)
+                self._spawn(spec.name, argv, env, http_url(self.host, spec.port))
+            self.wait_healthy(deadline - time.monotonic())
+            prefill = tuple(self._health_urls[s.name] for s in specs if s.role is KVRole.PRODUCER)
+            decode = tuple(self._health_urls[s.name] for s in specs if s.role is KVRole.CONSUMER)
+            proxy_port = self.port or free_ports(1, self.host)[0]
+            argv = proxy_command(self.cli, prefill, decode, host=self.host, port=proxy_port)
+            self._spawn("proxy", argv, env, http_url(self.host, proxy_port))
+            self.wait_healthy(deadline - time.monotonic())
+        except BaseException:
+            self.stop()
+            raise
+        self._urls = ClusterUrls(http_url(self.host, proxy_port), prefill, decode)
+        return self._urls
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str], url: str) -> None:
+        assert self.log_dir is not None
+        self.children.append(spawn_child(name, argv, env, self.log_dir))
+        self._health_urls[name] = url
+
+    def first_dead_child(self) -> ChildProcess | None:
+        return next((c for c in self.children if not c.alive()), None)
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Block until every started child's /health answers 200 (timeout: ready_timeout_s).
+
+        Raises ClusterStartError naming the child that exited, or those still unhealthy.
+        """
+        deadline = time.monotonic() + (self.ready_timeout_s if timeout_s is None else timeout_s)
+        pending = list(self.children)
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while pending:
+                if (dead := next((c for c in pending if not c.alive()), None)) is not None:
+                    raise ClusterStartError(f"{dead.name} exited with code {dead.popen.returncode} during "
+                                            f"start-up; last output lines ({dead.log_path}):\n{dead.tail()}")
+                pending = [c for c in pending if not self._healthy(client, c)]
+                if pending and time.monotonic() >= deadline:
+                    names = ", ".join(c.name for c in pending)
+                    tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.tail(10)}" for c in pending)
+                    raise ClusterStartError(f"not healthy in time: {names}\n{tails}")
+                if pending:
+                    time.sleep(0.2)
+
+    def _healthy(self, client: httpx.Client, child: ChildProcess) -> bool:
+        try:
+            return client.get(self._health_urls[child.name] + "/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        """Stop every child this cluster started, the proxy first; safe to call twice.
+        `children` keeps the stopped (reaped) processes for inspection."""
+        stop_children(list(reversed(self.children)), self.stop_grace_s)
+        self._urls = None
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def curl_example(proxy_url: str, model: str) -> str:
+    return (f"curl {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+            f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+            f"\"max_tokens\": 32}}'")
+
+
+def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int = 8000,
+                kv_backend: str = "nixl", host: str = "127.0.0.1", extra_serve_args: Sequence[str] = (),
+                ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI) -> int:
+    """`kvbridge up`: run a LocalCluster until Ctrl-C or SIGTERM (exit 0) or a child dies (exit 1).
+
+    Call it from the main thread so it can turn SIGTERM into an orderly stop.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cluster = LocalCluster(model, num_prefill, num_decode, port, kv_backend, host, extra_serve_args,
+                           ready_timeout_s, cli=cli)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal needs it
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
+    if in_main_thread:
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        urls = cluster.start()
+        print(f"kvbridge cluster ready: proxy {urls.proxy}\n  prefill: {' '.join(urls.prefill)}\n"
+              f"  decode:  {' '.join(urls.decode)}\n  logs:    {cluster.log_dir}\n"
+              f"try:\n  {curl_example(urls.proxy, model)}\nCtrl-C stops everything.", flush=True)
+        while (dead := cluster.first_dead_child()) is None:
+            time.sleep(0.5)
+        print(f"kvbridge up: {dead.name} exited with code {dead.popen.returncode}; stopping the cluster. "
+              f"Last output lines ({dead.log_path}):\n{dead.tail()}", file=sys.stderr, flush=True)
+        return 1
+    except ClusterStartError as exc:
+        print(f"kvbridge up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("kvbridge up: stopping the cluster", flush=True)
+        return 0
+    finally:
+        for sig in previous:  # a second Ctrl-C must not leave children half-stopped
+            signal.signal(sig, signal.SIG_IGN)
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
