@@ -135,6 +135,22 @@ class LLMEngine:
             return
         self.connectors[0].notify_rejected(request_id, kv_transfer_params)
 
+    def release_kv(self, kv_transfer_params) -> bool:
+        """P side: free the blocks held for a finished request at once (the proxy found no
+        decode instance to read them). Idempotent; False if nothing was held or the params
+        name another engine."""
+        if self.connectors is None or kv_transfer_params is None:
+            return False
+        worker = self.connectors[1]
+        p = kv_transfer_params
+        if p.remote_engine_id != worker.engine_id or p.remote_request_id is None:
+            return False
+        return worker.release_local(p.remote_request_id, p.lease_generation or 0)
+
+    def prometheus_collectors(self) -> list:
+        """Collectors a server registers on its /metrics registry (the KV connector's)."""
+        return [self.connectors[1].stats] if self.connectors is not None else []
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 

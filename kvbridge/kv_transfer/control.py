@@ -84,6 +84,9 @@ class ControlServer:
         renewed = sum(self.leases.renew(*_rid_gen(item)) for item in items)
         return str(renewed).encode()
 
+    def queue_released(self, request_id: str) -> None:
+        self._released.put(request_id)
+
     def drain_released(self) -> list[str]:
         out = []
         while True:

@@ -394,6 +394,8 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.registry = metrics.registry
+    for collector in engine.engine_collectors():
+        metrics.registry.register(collector)
 
     async def check_api_key(raw: Request) -> None:
         if api_key is None:
@@ -428,7 +430,22 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
                            code="model_not_found")
         return _json(model_card())
 
+    async def release_kv(raw: Request) -> Response:
+        """P: free the blocks held for a request no decode instance will read (the proxy
+        calls it when it could reach no D). Idempotent: unknown ids answer released=false."""
+        try:
+            body = await raw.json()
+            params = parse_kv_transfer_params(body.get("kv_transfer_params") if isinstance(body, dict) else None)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"bad release request: {exc}") from None
+        if params is None:
+            raise ApiError(400, "kv_transfer_params is required", param="kv_transfer_params")
+        released = await engine.call(lambda e: e.release_kv(params))
+        return Response(json.dumps({"released": bool(released)}), media_type="application/json")
+
     app.include_router(v1)
+    app.add_api_route("/kvbridge/release_kv", release_kv, methods=["POST"],
+                      dependencies=[Depends(check_api_key)], include_in_schema=False)
 
     @app.get("/health")
     async def health() -> Response:

@@ -156,6 +156,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ public API
 
+    def engine_collectors(self) -> list:
+        """The engine's own Prometheus collectors (thread-safe objects, fixed at construction)."""
+        return self._engine.prometheus_collectors()
+
     @property
     def has_kv_connector(self) -> bool:
         return self._engine.has_kv_connector  # fixed at construction: safe to read anywhere

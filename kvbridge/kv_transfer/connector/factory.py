@@ -6,7 +6,6 @@ import uuid
 
 from kvbridge.config import EngineConfig, KVRole
 from kvbridge.engine.models.config import ModelArchConfig
-from kvbridge.kv_transfer.backends import create_backend
 from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.connector.scheduler_side import KVBridgeSchedulerConnector
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
@@ -36,6 +35,7 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
     if kv.role in (KVRole.PRODUCER, KVRole.BOTH):
         side_channel = SideChannelServer({}, kv.side_channel_host, kv.side_channel_port).start()
     if backend is None:
+        from kvbridge.kv_transfer.backends import create_backend  # imports NIXL only when asked for
         backend = create_backend(kv.backend, agent_name=engine_id)
     worker = KVBridgeWorkerConnector(
         kv, engine_id, backend, compatibility_of(config, arch, model_identity), leases, FailureHandler(stats),

@@ -53,21 +53,10 @@ class ReleaseSpec:
     lease_generation: int
 
 
-@dataclass(frozen=True)
-class SendSpec:
-    """P: keep `block_ids` of a finished request for a remote reader until released or expired."""
-
-    request_id: str
-    block_ids: BlockIds
-    lease_generation: int
-    lease_seconds: float
-
-
 @dataclass
 class ConnectorMetadata:
     reqs_to_recv: list[RecvSpec] = field(default_factory=list)
     reqs_to_release: list[ReleaseSpec] = field(default_factory=list)
-    reqs_to_send: list[SendSpec] = field(default_factory=list)
     heartbeats: dict[RemoteEngine, list[tuple[str, int]]] = field(default_factory=dict)
 
 

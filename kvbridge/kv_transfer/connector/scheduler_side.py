@@ -17,8 +17,7 @@ from typing import Callable
 from kvbridge.config import KVTransferConfig
 from kvbridge.engine.request import FinishReason, Request
 from kvbridge.kv_transfer.connector.base import BlockIds, KVConnectorOutput, SchedulerConnector
-from kvbridge.kv_transfer.connector.metadata import (ConnectorMetadata, RecvSpec, ReleaseSpec, RemoteEngine,
-                                                     SendSpec, remote_of)
+from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, ReleaseSpec, RemoteEngine, remote_of
 from kvbridge.kv_transfer.failure import recompute_on_failure
 from kvbridge.kv_transfer.handshake import is_trusted_host
 from kvbridge.kv_transfer.lease import LeaseTable
@@ -131,8 +130,9 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             return False, None
         if request.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not block_ids[0]:
             return False, None
+        # Granted now, before the response carrying these params can reach any reader.
         generation = self.leases.new_generation()
-        self._meta.reqs_to_send.append(SendSpec(rid, block_ids, generation, self.config.lease_seconds))
+        self.leases.grant(rid, block_ids, generation)
         host, port = self._side_channel_addr()
         return True, {
             "do_remote_decode": False, "do_remote_prefill": True,

@@ -125,8 +125,6 @@ class KVBridgeWorkerConnector(WorkerConnector):
     def start_load_kv(self, metadata: ConnectorMetadata | None) -> None:
         if metadata is None:
             return
-        for s in metadata.reqs_to_send:
-            self.leases.grant(s.request_id, s.block_ids, s.lease_generation)
         for r in metadata.reqs_to_recv:
             self._start_recv(r)
         for rel in metadata.reqs_to_release:
@@ -293,6 +291,15 @@ class KVBridgeWorkerConnector(WorkerConnector):
             logger.warning("lease expired: request_id=%s engine=%s; freeing its KV blocks unread", rid,
                            self.engine_id)
             out.finished_sending.add(rid)
+
+    def release_local(self, request_id: str, generation: int) -> bool:
+        """P: free a request's held blocks now (e.g. the proxy could not reach any D).
+        Thread-safe; False if no such lease is held."""
+        if self.control_server is None or not self.leases.release(request_id, generation):
+            return False
+        self.stats.incr("early_releases")
+        self.control_server.queue_released(request_id)
+        return True
 
     def has_work(self) -> bool:
         return bool(self._recvs or self._side_requests or len(self.leases))

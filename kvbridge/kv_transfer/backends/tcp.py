@@ -1,0 +1,524 @@
+"""Pure-Python TCP transfer backend: NIXL's read/notify semantics without NIXL.
+
+Each agent runs a small server thread (127.0.0.1 and an OS-chosen port by default)
+that serves reads of its registered host memory, refusing any span outside it, and
+receives notifications. A ``read`` runs in a background thread that asks the peer's
+server for the remote spans and receives the bytes straight into local memory
+(``recv_into`` on a view of the address, no extra copy). Only after every byte has
+arrived does it send READ_DONE; the server then queues the read's notif for its
+agent. So the notif exists only for reads that completed.
+
+Wire protocol v1. Every frame is ``!4sBI`` (magic b"KVBT", op, payload length)
+followed by the payload; byte strings inside payloads are u32-length-prefixed.
+
+    READ       sender, notif, u32 n, n x (u64 addr, u64 length)
+               -> OK(u64 total) and the raw bytes, or ERR(reason)
+    READ_DONE  (empty) -> OK, after the server queued the READ's notif
+    NOTIF      sender, message -> OK
+    ERR        UTF-8 reason; the server closes the connection after sending it
+
+Malformed frames get ERR and a closed connection; the server keeps serving others.
+Connections are pooled per peer and reused. Every socket wait has a timeout.
+Host memory only (device "cpu").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Callable, Sequence
+
+from kvbridge.kv_transfer.backends.base import (
+    DescList, MemoryRegion, NotificationError, RemoteAgentError, TransferBackend,
+    TransferError, TransferSetupError, TransferState, XferHandle, check_read_pairing,
+    host_view, in_regions, validate_descs,
+)
+
+logger = logging.getLogger(__name__)
+
+_META_KIND = "kvbridge-tcp"
+PROTOCOL_VERSION = 1
+_HEADER = struct.Struct("!4sBI")
+_MAGIC = b"KVBT"
+_MAX_PAYLOAD = 16 << 20  # a READ of 1M descriptors; anything larger is garbage
+_CHUNK = 8 << 20  # recv granularity: bounds how long a cancelled read keeps writing
+_SERVER_IDLE_S = 60.0  # a server drops a connection idle this long
+_POOL_MAX_IDLE_S = 20.0  # so clients reuse pooled connections well before that
+_SOCK_BUF = 4 << 20
+
+
+class _Op(IntEnum):
+    READ = 1
+    READ_DONE = 2
+    NOTIF = 3
+    OK = 4
+    ERR = 5
+
+
+class _ProtocolError(Exception):
+    """A frame or request the other side must not send; the connection is dropped."""
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # control frames are tiny
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
+
+
+def _send_frame(sock: socket.socket, op: _Op, payload: bytes = b"") -> None:
+    sock.sendall(_HEADER.pack(_MAGIC, op, len(payload)) + payload)
+
+
+def _recv_into(sock: socket.socket, view: memoryview,
+               cancel: threading.Event | None = None) -> None:
+    got = 0
+    while got < len(view):
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled()
+        n = sock.recv_into(view[got:got + _CHUNK])
+        if n == 0:
+            raise ConnectionError("connection closed by peer")
+        got += n
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> tuple[_Op, bytes]:
+    magic, op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if magic != _MAGIC:
+        raise _ProtocolError("bad magic")
+    if length > _MAX_PAYLOAD:
+        raise _ProtocolError(f"payload of {length} bytes is over the limit")
+    try:
+        return _Op(op), _recv_exact(sock, length)
+    except ValueError:
+        raise _ProtocolError(f"unknown op {op}") from None
+
+
+def _blobs(*items: bytes) -> bytes:
+    return b"".join(struct.pack("!I", len(x)) + x for x in items)
+
+
+class _Cursor:
+    """Reads a payload front to back; any overrun or leftover is a _ProtocolError."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._pos = data, 0
+
+    def take(self, n: int) -> bytes:
+        if self._pos + n > len(self._data):
+            raise _ProtocolError("truncated payload")
+        self._pos += n
+        return self._data[self._pos - n:self._pos]
+
+    def u32(self) -> int:
+        return struct.unpack("!I", self.take(4))[0]
+
+    def blob(self) -> bytes:
+        return self.take(self.u32())
+
+    def text(self) -> str:
+        try:
+            return self.blob().decode()
+        except UnicodeDecodeError:
+            raise _ProtocolError("name is not UTF-8") from None
+
+    def end(self) -> None:
+        if self._pos != len(self._data):
+            raise _ProtocolError("trailing bytes in payload")
+
+
+def _encode_read(sender: str, notif: bytes, spans: Sequence[tuple[int, int]]) -> bytes:
+    flat = [v for span in spans for v in span]
+    return (_blobs(sender.encode(), notif) + struct.pack("!I", len(spans))
+            + struct.pack(f"!{len(flat)}Q", *flat))
+
+
+def _decode_read(payload: bytes) -> tuple[str, bytes, list[tuple[int, int]]]:
+    cur = _Cursor(payload)
+    sender, notif, n = cur.text(), cur.blob(), cur.u32()
+    flat = struct.unpack(f"!{2 * n}Q", cur.take(16 * n))
+    cur.end()
+    return sender, notif, list(zip(flat[0::2], flat[1::2]))
+
+
+class _Server:
+    """Accepts connections and serves each in its own thread until stopped."""
+
+    def __init__(self, host: str, port: int, regions: Callable[[], list[MemoryRegion]],
+                 on_notif: Callable[[str, bytes], None], io_timeout_s: float) -> None:
+        self._regions, self._on_notif, self._io_timeout_s = regions, on_notif, io_timeout_s
+        self._listener = socket.create_server((host, port))
+        self._listener.settimeout(0.2)  # how often the accept loop checks for stop
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"kvbridge-tcp-server-{self.port}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        _shutdown_quietly(self._listener)  # wakes accept() at once on Linux
+        self._thread.join(timeout=2.0)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns.items())
+        for conn, thread in conns:
+            _shutdown_quietly(conn)
+            thread.join(timeout=self._io_timeout_s)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            _tune(conn)
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                      name=f"kvbridge-tcp-conn-{self.port}")
+            with self._lock:
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        pending: tuple[str, bytes] | None = None  # the notif of a READ awaiting READ_DONE
+        try:
+            while not self._stop.is_set():
+                conn.settimeout(_SERVER_IDLE_S)
+                op, payload = _recv_frame(conn)
+                conn.settimeout(self._io_timeout_s)
+                if op is _Op.READ:
+                    pending = self._serve_read(conn, payload)
+                elif op is _Op.READ_DONE and pending is not None and not payload:
+                    self._on_notif(*pending)
+                    pending = None
+                    _send_frame(conn, _Op.OK)
+                elif op is _Op.NOTIF:
+                    cur = _Cursor(payload)
+                    sender, msg = cur.text(), cur.blob()
+                    cur.end()
+                    self._on_notif(sender, msg)
+                    _send_frame(conn, _Op.OK)
+                else:
+                    raise _ProtocolError(f"unexpected {op.name}")
+        except _ProtocolError as exc:
+            logger.warning("tcp backend port %s refused a request: %s", self.port, exc)
+            try:
+                _send_frame(conn, _Op.ERR, str(exc).encode())
+            except OSError:
+                pass
+        except (OSError, ConnectionError, struct.error):
+            pass  # peer went away or timed out: nothing to answer
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _serve_read(self, conn: socket.socket, payload: bytes) -> tuple[str, bytes]:
+        sender, notif, spans = _decode_read(payload)
+        regions = self._regions()
+        for addr, length in spans:
+            if length == 0 or not in_regions(regions, addr, length, "cpu"):
+                raise _ProtocolError(f"span ({addr:#x}, {length}) is outside registered memory")
+        _send_frame(conn, _Op.OK, struct.pack("!Q", sum(n for _, n in spans)))
+        for addr, length in spans:
+            conn.sendall(host_view(addr, length))
+        return sender, notif
+
+
+def _shutdown_quietly(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class _Peer:
+    name: str
+    host: str
+    port: int
+
+
+@dataclass(eq=False)
+class _TcpRead:
+    payload: bytes
+    local: tuple[tuple[int, int], ...]
+    peer: _Peer
+    cancel: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sock: socket.socket | None = None
+    thread: threading.Thread | None = None
+    state: TransferState = TransferState.IN_PROGRESS
+    error: str = ""
+
+
+class TcpBackend(TransferBackend):
+    """One agent; its server starts in the constructor so the metadata has its port."""
+
+    def __init__(self, agent_name: str, *, host: str = "127.0.0.1", port: int = 0,
+                 connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0) -> None:
+        super().__init__(agent_name)
+        self._connect_timeout_s, self._io_timeout_s = connect_timeout_s, io_timeout_s
+        self._lock = threading.RLock()
+        self._regions: list[MemoryRegion] = []
+        self._peers: dict[str, _Peer] = {}
+        self._pool: dict[_Peer, list[tuple[socket.socket, float]]] = {}
+        self._live: dict[int, XferHandle] = {}
+        self._inbox: dict[str, list[bytes]] = {}
+        self._closed = False
+        self._server = _Server(host, port, self._snapshot_regions, self._deliver, io_timeout_s)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.host, self._server.port
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        if any(r.device != "cpu" for r in regions):
+            raise TransferError("the tcp backend serves host memory only (device 'cpu')")
+        with self._lock:
+            self._ensure_open()
+            self._regions.extend(regions)
+
+    def agent_metadata(self) -> bytes:
+        self._ensure_open()
+        host, port = self.address
+        return json.dumps({"kind": _META_KIND, "version": PROTOCOL_VERSION,
+                           "name": self.agent_name, "host": host, "port": port}).encode()
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        try:
+            meta = json.loads(metadata)
+            peer = _Peer(meta["name"], meta["host"], meta["port"])
+            kind, version = meta["kind"], meta["version"]
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RemoteAgentError(f"malformed tcp agent metadata: {exc}") from exc
+        if kind != _META_KIND or version != PROTOCOL_VERSION:
+            raise RemoteAgentError(f"metadata is {kind!r} v{version}, "
+                                   f"not {_META_KIND} v{PROTOCOL_VERSION}")
+        if not (isinstance(peer.name, str) and peer.name and isinstance(peer.host, str)
+                and isinstance(peer.port, int) and 0 < peer.port < 65536):
+            raise RemoteAgentError(f"bad tcp agent metadata fields: {peer}")
+        with self._lock:
+            self._ensure_open()
+            self._peers[peer.name] = peer
+        return peer.name
+
+    def remove_remote_agent(self, name: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(name, None)
+            idle = self._pool.pop(peer, []) if peer else []
+        for sock, _ in idle:
+            sock.close()
+
+    def prep_descs(self, descs: Sequence[tuple[int, int]], device: str = "cpu",
+                   device_id: int = 0) -> DescList:
+        return DescList(validate_descs(descs, device, device_id), device, device_id)
+
+    def read(self, remote_agent: str, local: DescList, remote: DescList,
+             notif: bytes) -> XferHandle:
+        check_read_pairing(local, remote)
+        if local.device != "cpu" or remote.device != "cpu":
+            raise TransferSetupError("the tcp backend moves host memory only (device 'cpu')")
+        with self._lock:
+            self._ensure_open()
+            peer = self._peers.get(remote_agent)
+            if peer is None:
+                raise TransferSetupError(f"unknown remote agent {remote_agent!r}")
+            if not all(in_regions(self._regions, a, n, "cpu") for a, n in local.descs):
+                raise TransferSetupError("local descriptors outside registered memory")
+            read = _TcpRead(_encode_read(self.agent_name, bytes(notif), remote.descs),
+                            local.descs, peer)
+            handle = XferHandle(remote_agent, local.nbytes, len(local), bytes(notif), native=read)
+            read.thread = threading.Thread(target=self._run_read, args=(read,), daemon=True,
+                                           name=f"kvbridge-tcp-read-{handle.handle_id}")
+            self._live[handle.handle_id] = handle
+        self._count(reads_started=1)
+        read.thread.start()
+        return handle
+
+    def check_state(self, handle: XferHandle) -> TransferState:
+        with self._lock:
+            if handle.released or self._live.get(handle.handle_id) is not handle:
+                raise ValueError(f"handle {handle.handle_id} is released or not from this agent")
+        read: _TcpRead = handle.native
+        state = read.state
+        if state is TransferState.IN_PROGRESS:
+            time.sleep(0)  # lets the read's thread take the GIL when the caller busy-polls
+        elif state is TransferState.ERROR and not handle.settled:
+            logger.warning("tcp read from %s failed: %s", handle.remote_agent, read.error)
+        self._settle(handle, state)
+        return state
+
+    def release(self, handle: XferHandle) -> None:
+        with self._lock:
+            if self._live.get(handle.handle_id) is not handle:
+                return  # released before, or not ours
+            del self._live[handle.handle_id]
+            handle.released = True
+        read: _TcpRead = handle.native
+        with read.lock:
+            read.cancel.set()
+            if read.sock is not None:
+                _shutdown_quietly(read.sock)  # wakes a blocked recv at once
+        if read.thread is not None and read.thread is not threading.current_thread():
+            read.thread.join(timeout=self._io_timeout_s)
+            if read.thread.is_alive():
+                logger.warning("tcp read %s still running after release", handle.handle_id)
+
+    def send_notif(self, remote_agent: str, msg: bytes) -> None:
+        with self._lock:
+            self._ensure_open()
+            peer = self._peers.get(remote_agent)
+        if peer is None:
+            raise NotificationError(f"unknown remote agent {remote_agent!r}")
+        sock = None
+        try:
+            sock = self._checkout(peer)
+            _send_frame(sock, _Op.NOTIF, _blobs(self.agent_name.encode(), bytes(msg)))
+            op, body = _recv_frame(sock)
+            if op is not _Op.OK:
+                raise NotificationError(f"{remote_agent} refused the notification: {body!r}")
+        except (OSError, ConnectionError, _ProtocolError, struct.error) as exc:
+            if sock is not None:
+                sock.close()
+            raise NotificationError(f"cannot notify {remote_agent}: {exc}") from exc
+        self._checkin(peer, sock)
+        self._count(notifs_sent=1)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        with self._lock:
+            self._ensure_open()
+            inbox, self._inbox = self._inbox, {}
+        self._count(notifs_received=sum(len(v) for v in inbox.values()))
+        return inbox
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handles = list(self._live.values())
+        self._server.stop()  # before forgetting regions: no reader touches them after
+        for handle in handles:
+            self.release(handle)
+        with self._lock:
+            for conns in self._pool.values():
+                for sock, _ in conns:
+                    sock.close()
+            self._pool.clear()
+            self._peers.clear()
+            self._regions.clear()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _run_read(self, read: _TcpRead) -> None:
+        """Body of a read's thread: request, receive into local memory, confirm."""
+        sock = None
+        try:
+            sock = self._checkout(read.peer)
+            with read.lock:
+                if read.cancel.is_set():
+                    raise _Cancelled()
+                read.sock = sock
+            _send_frame(sock, _Op.READ, read.payload)
+            op, body = _recv_frame(sock)
+            if op is _Op.ERR:
+                raise _ProtocolError(f"refused by {read.peer.name}: {body.decode(errors='replace')}")
+            total = sum(n for _, n in read.local)
+            if op is not _Op.OK or body != struct.pack("!Q", total):
+                raise _ProtocolError(f"unexpected answer {op.name} to READ")
+            for addr, length in read.local:
+                _recv_into(sock, host_view(addr, length), read.cancel)
+            if read.cancel.is_set():
+                raise _Cancelled()
+            _send_frame(sock, _Op.READ_DONE)
+            if _recv_frame(sock)[0] is not _Op.OK:
+                raise _ProtocolError("READ_DONE not acknowledged")
+            with read.lock:
+                read.state = TransferState.DONE
+                if not read.cancel.is_set():  # else release() has shut the socket down
+                    read.sock = None
+                    self._checkin(read.peer, sock)
+                    sock = None
+        except _Cancelled:
+            pass
+        except (OSError, ConnectionError, _ProtocolError, struct.error) as exc:
+            read.error = str(exc) or type(exc).__name__
+            read.state = TransferState.ERROR
+        finally:
+            if sock is not None:
+                sock.close()
+
+    def _checkout(self, peer: _Peer) -> socket.socket:
+        """A pooled connection that is still open, or a new one."""
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                idle = self._pool.get(peer)
+                sock, since = idle.pop() if idle else (None, 0.0)
+            if sock is None:
+                break
+            if now - since < _POOL_MAX_IDLE_S and _reusable(sock, self._io_timeout_s):
+                return sock
+            sock.close()
+        sock = socket.create_connection((peer.host, peer.port), timeout=self._connect_timeout_s)
+        _tune(sock)
+        sock.settimeout(self._io_timeout_s)
+        return sock
+
+    def _checkin(self, peer: _Peer, sock: socket.socket) -> None:
+        """Return a healthy connection to the pool (closed if the peer is gone)."""
+        with self._lock:
+            if not self._closed and self._peers.get(peer.name) == peer:
+                self._pool.setdefault(peer, []).append((sock, time.monotonic()))
+                return
+        sock.close()
+
+    def _deliver(self, sender: str, msg: bytes) -> None:
+        with self._lock:
+            self._inbox.setdefault(sender, []).append(msg)
+
+    def _snapshot_regions(self) -> list[MemoryRegion]:
+        with self._lock:
+            return list(self._regions)
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"agent {self.agent_name!r} is shut down")
+
+
+def _reusable(sock: socket.socket, io_timeout_s: float) -> bool:
+    """True when an idle pooled connection has nothing to read: not closed by the
+    peer (EOF) and no stray bytes."""
+    try:
+        sock.setblocking(False)
+        sock.recv(1, socket.MSG_PEEK)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        try:
+            sock.settimeout(io_timeout_s)
+        except OSError:
+            pass
