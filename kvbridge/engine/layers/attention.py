@@ -1,0 +1,224 @@
+"""Paged attention over a block-structured KV cache, with torch's scaled_dot_product_attention.
+
+One step's batch is flattened sequence-major into T tokens. `AttentionMetadata` describes it
+and precomputes, once per step, every index and mask tensor the layers need, so each layer
+does no Python work beyond a loop over prefill sequences:
+
+- sequences with one new token (decode) are attended together in ONE padded SDPA call per
+  layer over K/V gathered block by block from the cache, with a boolean padding mask;
+- sequences with several new tokens (prefill, or a prefill chunk) are attended one by one:
+  causally over the new K/V when they start at position 0, otherwise over their whole
+  context read back from the cache with a causal mask shifted by the tokens computed before.
+
+KV cache layout (fixed by the transfer code, which copies whole blocks): per layer a view
+[2, num_blocks, block_size, num_kv_heads, head_dim], index 0 = K, 1 = V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """The step's decode sequences (one new token each), attended by one padded SDPA call."""
+
+    token_index: torch.Tensor | None  # [Bd] rows of the step's tokens; None = all T tokens, in order
+    block_index: torch.Tensor  # [Bd * max_blocks] each sequence's blocks, padded with its first block
+    max_blocks: int
+    max_context: int  # keys per sequence after dropping the padded tail of the last block
+    mask: torch.Tensor | None  # [Bd, 1, 1, max_context], True = attend; None when nothing is padding
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """One sequence with several new tokens (rows start:end of the step)."""
+
+    start: int
+    end: int
+    context_len: int
+    # None when the sequence starts at position 0: it attends causally over its new K/V only.
+    block_index: torch.Tensor | None  # [ceil(context_len / block_size)]
+    mask: torch.Tensor | None  # [1, 1, query_len, context_len], True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch, flattened sequence-major: sequence i owns tokens query_start_loc[i]:query_start_loc[i+1].
+
+    Built by the model runner once per step (`build` computes slot_mapping from the block
+    tables); the derived fields are filled in `__post_init__` on slot_mapping's device.
+    Raises ValueError when the fields are inconsistent.
+    """
+
+    query_start_loc: list[int]  # len B+1
+    context_lens: list[int]  # per seq: tokens in its KV after this step (computed before + new)
+    block_tables: list[list[int]]  # per seq: the block ids holding its KV, in order (cover context_lens)
+    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset of each new token
+    block_size: int
+    decode: DecodeGroup | None = field(init=False)
+    prefills: list[PrefillSeq] = field(init=False)
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str) -> AttentionMetadata:
+        """Metadata for sequences computing query_lens[i] new tokens that end at context_lens[i]."""
+        if not (len(query_lens) == len(context_lens) == len(block_tables)):
+            raise ValueError("query_lens, context_lens and block_tables must have one entry per sequence")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        starts = [0]
+        slots: list[int] = []
+        for q_len, ctx, table in zip(query_lens, context_lens, block_tables):
+            starts.append(starts[-1] + q_len)
+            _check_sequence(q_len, ctx, table, block_size)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx))
+        slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device)
+        return cls(starts, list(context_lens), [list(t) for t in block_tables], slot_mapping, block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return not self.prefills
+
+    def __post_init__(self) -> None:
+        self._validate()
+        device = self.slot_mapping.device
+        decode_seqs: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for i, ctx in enumerate(self.context_lens):
+            start, end = self.query_start_loc[i], self.query_start_loc[i + 1]
+            if end - start == 1:
+                decode_seqs.append(i)
+            else:
+                prefills.append(self._prefill_seq(start, end, ctx, self.block_tables[i], device))
+        self.prefills = prefills
+        self.decode = self._decode_group(decode_seqs, device) if decode_seqs else None
+
+    def _validate(self) -> None:
+        num_seqs = len(self.context_lens)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if len(self.query_start_loc) != num_seqs + 1 or len(self.block_tables) != num_seqs:
+            raise ValueError(f"query_start_loc needs {num_seqs + 1} entries and block_tables {num_seqs}, "
+                             f"got {len(self.query_start_loc)} and {len(self.block_tables)}")
+        if num_seqs == 0 or self.query_start_loc[0] != 0:
+            raise ValueError("a step needs at least one sequence and query_start_loc[0] == 0")
+        for i in range(num_seqs):
+            q_len = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            _check_sequence(q_len, self.context_lens[i], self.block_tables[i], self.block_size)
+        if tuple(self.slot_mapping.shape) != (self.num_tokens,) or self.slot_mapping.dtype != torch.int64:
+            raise ValueError(f"slot_mapping must be int64 of shape ({self.num_tokens},), "
+                             f"got {self.slot_mapping.dtype} {tuple(self.slot_mapping.shape)}")
+
+    def _prefill_seq(self, start: int, end: int, ctx: int, table: list[int],
+                     device: torch.device) -> PrefillSeq:
+        q_len = end - start
+        if ctx == q_len:
+            return PrefillSeq(start, end, ctx, None, None)
+        num_blocks = -(-ctx // self.block_size)
+        block_index = torch.tensor(table[:num_blocks], dtype=torch.int64)
+        # Query i sits at absolute position (ctx - q_len + i) and sees every key up to it.
+        query_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        mask = (torch.arange(ctx)[None, :] <= query_pos).view(1, 1, q_len, ctx)
+        return PrefillSeq(start, end, ctx, block_index.to(device), mask.to(device))
+
+    def _decode_group(self, seqs: list[int], device: torch.device) -> DecodeGroup:
+        ctxs = [self.context_lens[i] for i in seqs]
+        max_context = max(ctxs)
+        max_blocks = -(-max_context // self.block_size)
+        blocks: list[int] = []
+        for i, ctx in zip(seqs, ctxs):
+            table = self.block_tables[i][:-(-ctx // self.block_size)]
+            blocks.extend(table + [table[0]] * (max_blocks - len(table)))
+        mask = None
+        if min(ctxs) != max_context:
+            keys = torch.arange(max_context)[None, :]
+            mask = (keys < torch.tensor(ctxs)[:, None]).view(len(seqs), 1, 1, max_context).to(device)
+        token_index = None
+        if len(seqs) != len(self.context_lens):
+            token_index = torch.tensor([self.query_start_loc[i] for i in seqs], dtype=torch.int64).to(device)
+        block_index = torch.tensor(blocks, dtype=torch.int64).to(device)
+        return DecodeGroup(token_index, block_index, max_blocks, max_context, mask)
+
+
+def _check_sequence(q_len: int, ctx: int, table: list[int], block_size: int) -> None:
+    if q_len < 1:
+        raise ValueError(f"every sequence needs at least one new token, got query_len {q_len}")
+    if ctx < q_len:
+        raise ValueError(f"context_len {ctx} is smaller than query_len {q_len}")
+    if len(table) * block_size < ctx:
+        raise ValueError(f"{len(table)} blocks of {block_size} cannot hold a context of {ctx} tokens")
+
+
+class PagedAttention(nn.Module):
+    """Writes the step's K/V into one layer's cache, then attends each query over its context.
+
+    `fold_gqa_decode` picks how decode handles grouped-query attention: False passes
+    enable_gqa to SDPA (fastest on CPU); True folds each KV head's query heads into the
+    query-length axis, which keeps CUDA on its fused kernels when a padding mask is present.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, fold_gqa_decode: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.fold_gqa_decode = fold_gqa_decode
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
+        """q [T, heads, D], k/v [T, kv_heads, D], kv_layer [2, blocks, block_size, kv_heads, D] -> [T, heads*D]."""
+        flat = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)
+        flat[0].index_copy_(0, attn.slot_mapping, k.to(flat.dtype))
+        flat[1].index_copy_(0, attn.slot_mapping, v.to(flat.dtype))
+        decode = attn.decode
+        if decode is not None and decode.token_index is None:
+            return self._decode(q, kv_layer, decode)
+        if decode is None and len(attn.prefills) == 1:
+            return self._prefill(q, k, v, kv_layer, attn.prefills[0])
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if decode is not None:
+            out.index_copy_(0, decode.token_index, self._decode(q.index_select(0, decode.token_index),
+                                                                kv_layer, decode))
+        for seq in attn.prefills:
+            out[seq.start:seq.end] = self._prefill(q, k, v, kv_layer, seq)
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        num_seqs = q.shape[0]
+        _, _, block_size, kv_heads, head_dim = kv_layer.shape
+        kv = kv_layer.index_select(1, group.block_index)
+        kv = kv.view(2, num_seqs, group.max_blocks * block_size, kv_heads, head_dim)[:, :, :group.max_context]
+        k, v = kv[0].transpose(1, 2).to(q.dtype), kv[1].transpose(1, 2).to(q.dtype)  # [Bd, kv_heads, S, D]
+        if self.fold_gqa_decode:
+            group_size = self.num_heads // kv_heads
+            out = F.scaled_dot_product_attention(q.view(num_seqs, kv_heads, group_size, head_dim), k, v,
+                                                 attn_mask=group.mask)
+        else:
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=group.mask,
+                                                 enable_gqa=kv_heads != self.num_heads)
+        return out.reshape(num_seqs, self.num_heads * head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                 seq: PrefillSeq) -> torch.Tensor:
+        qs = q[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
+        gqa = self.num_kv_heads != self.num_heads
+        if seq.block_index is None:
+            ks = k[seq.start:seq.end].transpose(0, 1).unsqueeze(0)
+            vs = v[seq.start:seq.end].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        else:
+            kv = kv_layer.index_select(1, seq.block_index)
+            kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, :seq.context_len]
+            ks, vs = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=seq.mask,
+                                                 enable_gqa=gqa)
+        return out[0].transpose(0, 1).reshape(seq.end - seq.start, self.num_heads * self.head_dim)

@@ -1,0 +1,33 @@
+"""RMSNorm as Llama-family checkpoints define it (weight * x / rms(x), statistics in fp32)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise the last dimension of x and scale by weight (broadcastable to x).
+
+    Below fp32 the statistics are taken in fp32 and the scale is applied after the cast
+    back to x's dtype, as the reference implementation does.
+    """
+    if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension with a learned scale.
+
+    The weight is left uninitialised; `load_weights` of the owning model fills it.
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

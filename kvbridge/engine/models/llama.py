@@ -1,0 +1,246 @@
+"""The Llama family: Llama, Qwen2 (bias on Q/K/V) and Qwen3 (per-head RMSNorm on Q and K).
+
+The three differ only in two `ModelArchConfig` flags (`attention_bias`, `qk_norm`), so one
+class serves them all. For speed the Q/K/V projections are fused into one matmul and so are
+the MLP's gate/up projections; `load_weights` takes the Hugging Face names and writes each
+tensor into its slice of the fused weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention
+from kvbridge.engine.layers.linear import Linear
+from kvbridge.engine.layers.norm import RMSNorm, rms_norm
+from kvbridge.engine.layers.rotary import RotaryEmbedding
+from kvbridge.engine.models import CausalLM
+from kvbridge.engine.models.config import ModelArchConfig
+
+# Non-persistent buffers that older checkpoints sometimes contain; they carry no weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 fold_gqa_decode: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.eps = arch.rms_norm_eps
+        qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        self.qkv_proj = Linear(arch.hidden_size, qkv_out, arch.attention_bias, dtype, device)
+        self.o_proj = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, False, dtype, device)
+        self.q_norm = self.k_norm = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device)
+            # q_norm's weight repeated per query head, then k_norm's per KV head, so Q and K are
+            # normalised by one call; refreshed by `refresh_derived` after loading.
+            self.register_buffer("qk_norm_weight", torch.empty(
+                arch.num_heads + arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device), persistent=False)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, fold_gqa_decode)
+
+    def refresh_derived(self) -> None:
+        if self.q_norm is not None and self.k_norm is not None:
+            self.qk_norm_weight[:self.num_heads] = self.q_norm.weight
+            self.qk_norm_weight[self.num_heads:] = self.k_norm.weight
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :qk_width].view(num_tokens, -1, self.head_dim)  # Q and K heads side by side
+        if self.q_norm is not None:
+            qk = rms_norm(qk, self.qk_norm_weight, self.eps)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, kv_layer, attn))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[:, :self.intermediate_size]) * gate_up[:, self.intermediate_size:])
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 fold_gqa_decode: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(arch, dtype, device, fold_gqa_decode)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(arch, dtype, device)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
+        """Updates the residual stream h in place and returns it."""
+        h += self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, attn)
+        h += self.mlp(self.post_attention_layernorm(h))
+        return h
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LlamaModel(nn.Module):
+    """The transformer body, named like the Hugging Face `model.` prefix."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 fold_gqa_decode: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype, device, fold_gqa_decode)
+                                    for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+
+
+@dataclass(frozen=True)
+class _WeightSlot:
+    """Where one checkpoint tensor goes: rows [start, start + rows) of a (possibly fused) parameter."""
+
+    param: torch.Tensor
+    start: int
+    rows: int
+
+    @property
+    def target(self) -> torch.Tensor:
+        return self.param.narrow(0, self.start, self.rows)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache. Parameters stay uninitialised
+    until `load_weights`.
+
+    fold_gqa_decode: see `PagedAttention`; None picks per device (True on CUDA).
+    """
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
+                 fold_gqa_decode: bool | None = None) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.arch = arch
+        fold = device.type == "cuda" if fold_gqa_decode is None else fold_gqa_decode
+        self.model = LlamaModel(arch, dtype, device, fold)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(
+            arch.hidden_size, arch.vocab_size, False, dtype, device)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position_embeddings, dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden], for the step's T tokens.
+
+        Writes each token's K/V into kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim]
+        at attn.slot_mapping. Positions must be < max_position_embeddings.
+        """
+        self._check_kv_cache(kv_cache)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, kv_cache[i], attn)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.inference_mode()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face state dict (any dtype/device) into the model, all or nothing.
+
+        Raises ValueError naming every missing, unexpected or mis-shaped tensor; on error
+        nothing is copied. `lm_head.weight` is accepted and ignored when embeddings are tied.
+        """
+        slots = self._weight_slots()
+        unexpected, misshaped, tied_head = [], [], None
+        for name, tensor in weights.items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                tied_head = tensor
+                continue
+            slot = slots.get(name)
+            if slot is None:
+                unexpected.append(name)
+            elif tuple(tensor.shape) != tuple(slot.target.shape):
+                misshaped.append(f"{name}: expected {tuple(slot.target.shape)}, got {tuple(tensor.shape)}")
+        if tied_head is not None and tuple(tied_head.shape) != tuple(self.model.embed_tokens.weight.shape):
+            misshaped.append(f"lm_head.weight: expected {tuple(self.model.embed_tokens.weight.shape)}, "
+                             f"got {tuple(tied_head.shape)}")
+        missing = sorted(set(slots) - set(weights))
+        if missing or unexpected or misshaped:
+            raise ValueError(_describe_problems(missing, sorted(unexpected), misshaped))
+        for name, slot in slots.items():
+            slot.target.copy_(weights[name])
+        for layer in self.model.layers:
+            layer.self_attn.refresh_derived()
+
+    def _weight_slots(self) -> dict[str, _WeightSlot]:
+        arch = self.arch
+        q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        slots = {"model.embed_tokens.weight": _whole(self.model.embed_tokens.weight),
+                 "model.norm.weight": _whole(self.model.norm.weight)}
+        if self.lm_head is not None:
+            slots["lm_head.weight"] = _whole(self.lm_head.weight)
+        for i, layer in enumerate(self.model.layers):
+            p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
+            kinds = ["weight"] + (["bias"] if arch.attention_bias else [])
+            for kind in kinds:
+                fused = getattr(attn.qkv_proj, kind)
+                slots[f"{p}self_attn.q_proj.{kind}"] = _WeightSlot(fused, 0, q_rows)
+                slots[f"{p}self_attn.k_proj.{kind}"] = _WeightSlot(fused, q_rows, kv_rows)
+                slots[f"{p}self_attn.v_proj.{kind}"] = _WeightSlot(fused, q_rows + kv_rows, kv_rows)
+            slots[f"{p}self_attn.o_proj.weight"] = _whole(attn.o_proj.weight)
+            if attn.q_norm is not None and attn.k_norm is not None:
+                slots[f"{p}self_attn.q_norm.weight"] = _whole(attn.q_norm.weight)
+                slots[f"{p}self_attn.k_norm.weight"] = _whole(attn.k_norm.weight)
+            size = arch.intermediate_size
+            slots[f"{p}mlp.gate_proj.weight"] = _WeightSlot(mlp.gate_up_proj.weight, 0, size)
+            slots[f"{p}mlp.up_proj.weight"] = _WeightSlot(mlp.gate_up_proj.weight, size, size)
+            slots[f"{p}mlp.down_proj.weight"] = _whole(mlp.down_proj.weight)
+            slots[f"{p}input_layernorm.weight"] = _whole(layer.input_layernorm.weight)
+            slots[f"{p}post_attention_layernorm.weight"] = _whole(layer.post_attention_layernorm.weight)
+        return slots
+
+    def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        arch = self.arch
+        if (kv_cache.dim() != 6 or kv_cache.shape[0] != arch.num_layers or kv_cache.shape[1] != 2
+                or tuple(kv_cache.shape[4:]) != (arch.num_kv_heads, arch.head_dim)
+                or not kv_cache.is_contiguous()):
+            raise ValueError(f"kv_cache must be one contiguous [{arch.num_layers}, 2, blocks, block_size, "
+                             f"{arch.num_kv_heads}, {arch.head_dim}] tensor, got {tuple(kv_cache.shape)}")
+
+
+def _whole(param: torch.Tensor) -> _WeightSlot:
+    return _WeightSlot(param, 0, param.shape[0])
+
+
+def _describe_problems(missing: list[str], unexpected: list[str], misshaped: list[str]) -> str:
+    def listed(label: str, items: list[str]) -> str:
+        shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+        return f"{label}: {shown}"
+    parts = [listed(label, items) for label, items in
+             (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)) if items]
+    return "cannot load weights; " + "; ".join(parts)
