@@ -15,10 +15,12 @@ Semantics every implementation keeps (nixl.py, tcp.py, fake.py):
   memory into its own registered memory.
 * The remote agent receives the read's ``notif`` exactly once, and only if the read
   completed DONE. It may arrive slightly after the initiator first sees DONE.
-* Progress: without a progress thread an agent's transport advances only inside its
-  own calls. An agent that peers read from must call ``get_new_notifs`` regularly
-  (every engine step, and from an idle loop while it holds leased blocks), or reads
-  from it may stay IN_PROGRESS.
+* Progress: without a progress thread (nixl) an agent's transport advances only
+  inside its own calls, on both sides. The target of reads must call
+  ``get_new_notifs`` regularly (every engine step, and from an idle loop while it
+  holds leased blocks), or reads from it stay IN_PROGRESS; a sender's notifications
+  leave only while it keeps calling into its agent (``check_state`` or
+  ``get_new_notifs``). tcp and fake progress on their own.
 * Failures are typed: ``TransferError`` subclasses for the backend refusing or
   failing, ``ValueError`` for a caller breaking a contract (unknown handle, mismatched
   descriptor lengths).

@@ -285,7 +285,8 @@ class FakeBackend(TransferBackend):
             return TransferState.ERROR
         if self.fabric.strict_progress and target._progress_epoch <= read.posted_epoch:
             return TransferState.IN_PROGRESS
-        if not all(in_regions(target._regions, ra, n, read.remote_device) for _, ra, n in read.pairs):
+        regions = target._regions
+        if not all(in_regions(regions, ra, n, read.remote_device) for _, ra, n in read.pairs):
             return TransferState.ERROR  # the peer deregistered the memory meanwhile
         for local_addr, remote_addr, length in read.pairs:
             ctypes.memmove(local_addr, remote_addr, length)
@@ -309,7 +310,8 @@ class FakeBackend(TransferBackend):
         except (ValueError, TypeError, KeyError) as exc:
             raise RemoteAgentError(f"malformed fake agent metadata: {exc}") from exc
         if kind != _META_KIND or version != _META_VERSION:
-            raise RemoteAgentError(f"metadata is {kind!r} v{version}, not {_META_KIND} v{_META_VERSION}")
+            raise RemoteAgentError(f"metadata is {kind!r} v{version}, "
+                                   f"not {_META_KIND} v{_META_VERSION}")
         if fabric != self.fabric.fabric_id:
             raise RemoteAgentError("metadata comes from another fabric")
         if not isinstance(name, str) or self.fabric.lookup(name) is None:

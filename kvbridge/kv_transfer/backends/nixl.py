@@ -15,8 +15,9 @@ every process that runs NIXL, before start-up):
 The progress thread is off by default (it cut throughput by 40-50% on 2 cores), so
 an agent progresses only inside its own calls: the target of reads must call
 ``get_new_notifs`` regularly or reads from it stay IN_PROGRESS (measured: a READ
-between two agents never completes while the target is idle). NIXL's own handles are
-not thread-safe in this mode; one lock serialises every call into the agent.
+between two agents never completes while the target is idle), and a notification
+to a peer not yet connected leaves only while the sender keeps calling in. NIXL's
+agent is not thread-safe in this mode; one lock serialises every call into it.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class NixlBackend(TransferBackend):
                     descs = self._agent.get_reg_descs(tuples, mem_type)
                     self._agent.register_memory(descs)
                 except Exception as exc:  # nixl's binding errors share no public base
-                    raise TransferError(f"NIXL refused to register {mem_type} memory: {exc}") from exc
+                    raise TransferError(
+                        f"NIXL refused to register {mem_type} memory: {exc}") from exc
                 self._reg_descs.append(descs)
 
     def agent_metadata(self) -> bytes:

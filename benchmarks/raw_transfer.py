@@ -1,0 +1,158 @@
+"""Raw READ throughput of the transfer backends, next to memcpy, in GB/s (1e9 B/s).
+
+The target agent (P) runs in a child process that registers a buffer and keeps
+calling get_new_notifs, as a prefill engine does; this process (D) reads the whole
+buffer as ``num_descs`` descriptors and times read() -> DONE. Each figure is the
+median of ``reps`` timed reads after one untimed warm-up read (connection set-up).
+With several descriptors, the remote ones are taken in reverse order so that no
+backend can merge neighbours into one.
+
+    python benchmarks/raw_transfer.py --mib 256 --reps 5 --descs 1,16384
+
+The KV transfer benchmark imports ``raw_read_gbps`` for its physical-limit baseline.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL must stay on loopback here
+os.environ.setdefault("UCX_MODULES", "^ib")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import logging
+import multiprocessing as mp
+import statistics
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from kvbridge.kv_transfer.backends import MemoryRegion, TransferState, create_backend
+
+READ_TIMEOUT_S = 120.0
+CHILD_TIMEOUT_S = 60.0
+POLL_TARGET_S = 0.001  # how often P calls get_new_notifs
+POLL_READER_S = 20e-6  # pause between D's check_state calls (lets tcp's read thread run)
+
+
+def _target_main(kind: str, nbytes: int, conn: Connection) -> None:
+    """The child process: P's agent serving ``nbytes`` of a known pattern."""
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    src = np.arange(nbytes, dtype=np.uint64).astype(np.uint8) if nbytes < (1 << 20) else \
+        np.tile(np.arange(251, dtype=np.uint8), nbytes // 251 + 1)[:nbytes].copy()
+    agent = create_backend(kind, "bench-P")
+    agent.register_memory([MemoryRegion.of(src)])
+    conn.send((agent.agent_metadata(), src.ctypes.data))
+    try:
+        while not conn.poll(POLL_TARGET_S):  # an engine step's cadence; a busy loop would
+            agent.get_new_notifs()  # steal the reader's core. Drives NIXL progress too.
+    finally:
+        agent.shutdown()
+
+
+def _spans(base: int, nbytes: int, num_descs: int, reverse: bool) -> list[tuple[int, int]]:
+    size = nbytes // num_descs
+    order = range(num_descs - 1, -1, -1) if reverse else range(num_descs)
+    return [(base + i * size, size) for i in order]
+
+
+def _memcpy_gbps(nbytes: int, reps: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)  # warm-up: page faults out of the timing
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def raw_read_gbps(backend: str, nbytes: int, reps: int = 5, num_descs: int = 1) -> float:
+    """Median GB/s of a raw READ of ``nbytes`` from a peer process (``backend``:
+    "nixl" or "tcp"), or of a numpy memcpy (``backend="memcpy"``).
+
+    ``nbytes`` must be a multiple of ``num_descs``. Raises RuntimeError if a read
+    fails or copies wrong bytes.
+    """
+    if nbytes % num_descs:
+        raise ValueError("nbytes must be a multiple of num_descs")
+    if backend == "memcpy":
+        return _memcpy_gbps(nbytes, reps)
+    ctx = mp.get_context("spawn")  # no forked UCX or threads
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target_main, args=(backend, nbytes, child), daemon=True)
+    proc.start()
+    agent = None
+    try:
+        if not parent.poll(CHILD_TIMEOUT_S):
+            raise RuntimeError(f"{backend} target process did not start")
+        metadata, remote_base = parent.recv()
+        dst = np.zeros(nbytes, dtype=np.uint8)
+        dst[:] = 1  # fault the pages in before timing
+        agent = create_backend(backend, "bench-D")
+        agent.register_memory([MemoryRegion.of(dst)])
+        peer = agent.add_remote_agent(metadata)
+        local = agent.prep_descs(_spans(dst.ctypes.data, nbytes, num_descs, False))
+        remote = agent.prep_descs(_spans(remote_base, nbytes, num_descs, num_descs > 1))
+        times = [_timed_read(agent, peer, local, remote) for _ in range(reps + 1)][1:]
+        _verify(dst, nbytes, num_descs)
+        return nbytes / statistics.median(times) / 1e9
+    finally:
+        if agent is not None:
+            agent.shutdown()
+        parent.send("stop")
+        proc.join(timeout=CHILD_TIMEOUT_S)
+        if proc.is_alive():
+            proc.terminate()
+
+
+def _timed_read(agent, peer: str, local, remote) -> float:
+    start = time.perf_counter()
+    handle = agent.read(peer, local, remote, b"bench")
+    try:
+        while (state := agent.check_state(handle)) is TransferState.IN_PROGRESS:
+            if time.perf_counter() - start > READ_TIMEOUT_S:
+                raise RuntimeError("read timed out")
+            time.sleep(POLL_READER_S)
+        if state is not TransferState.DONE:
+            raise RuntimeError(f"read ended {state.name}")
+        return time.perf_counter() - start
+    finally:
+        agent.release(handle)
+
+
+def _verify(dst: np.ndarray, nbytes: int, num_descs: int) -> None:
+    """The first descriptor holds the bytes of the remote one it was paired with."""
+    size = nbytes // num_descs
+    offset = (num_descs - 1) * size if num_descs > 1 else 0
+    if nbytes < (1 << 20):
+        expected = np.arange(offset, offset + size, dtype=np.uint64).astype(np.uint8)
+    else:
+        expected = (np.arange(offset, offset + size) % 251).astype(np.uint8)
+    if not np.array_equal(dst[:size], expected):
+        raise RuntimeError("the read copied wrong bytes")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=256, help="bytes per read, in MiB")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--backends", default="nixl,tcp", help="comma-separated: nixl,tcp")
+    ap.add_argument("--descs", default="1", help="comma-separated descriptor counts")
+    args = ap.parse_args()
+    nbytes = args.mib << 20
+    base = _memcpy_gbps(nbytes, args.reps)
+    print(f"{'path':<8} {'MiB':>6} {'descs':>7} {'desc KiB':>9} {'GB/s':>7} {'vs memcpy':>10}")
+    print(f"{'memcpy':<8} {args.mib:>6} {1:>7} {nbytes >> 10:>9} {base:>7.2f} {1.0:>10.2f}")
+    for kind in args.backends.split(","):
+        for n in (int(x) for x in args.descs.split(",")):
+            gbps = raw_read_gbps(kind, nbytes, args.reps, n)
+            print(f"{kind:<8} {args.mib:>6} {n:>7} {(nbytes // n) >> 10:>9} {gbps:>7.2f} "
+                  f"{gbps / base:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
