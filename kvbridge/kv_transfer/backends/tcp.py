@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 from kvbridge.kv_transfer.backends.base import (
     DescList, MemoryRegion, NotificationError, RemoteAgentError, TransferBackend,
     TransferError, TransferSetupError, TransferState, XferHandle, check_read_pairing,
-    host_view, in_regions, validate_descs,
+    host_view, validate_descs,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ PROTOCOL_VERSION = 1
 _HEADER = struct.Struct("!4sBI")
 _MAGIC = b"KVBT"
 _MAX_PAYLOAD = 16 << 20  # a READ of 1M descriptors; anything larger is garbage
-_CHUNK = 8 << 20  # recv granularity: bounds how long a cancelled read keeps writing
+_IOV_BATCH = 512  # buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024)
 _SERVER_IDLE_S = 60.0  # a server drops a connection idle this long
 _POOL_MAX_IDLE_S = 20.0  # so clients reuse pooled connections well before that
 
@@ -78,21 +78,43 @@ def _send_frame(sock: socket.socket, op: _Op, payload: bytes = b"") -> None:
     sock.sendall(_HEADER.pack(_MAGIC, op, len(payload)) + payload)
 
 
-def _recv_into(sock: socket.socket, view: memoryview,
-               cancel: threading.Event | None = None) -> None:
-    got = 0
-    while got < len(view):
+def _advance(views: list[memoryview], first: int, n: int) -> int:
+    """Consume ``n`` transferred bytes from ``views[first:]``; returns the new first."""
+    while n:
+        if n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        else:
+            views[first] = views[first][n:]
+            n = 0
+    return first
+
+
+def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """sendall for many buffers: one gathering syscall per batch, not per block."""
+    first = 0
+    while first < len(views):
+        first = _advance(views, first, sock.sendmsg(views[first:first + _IOV_BATCH]))
+
+
+def _recv_views(sock: socket.socket, views: list[memoryview],
+                cancel: threading.Event | None = None) -> None:
+    """Fill every buffer from the stream in order (scattering syscalls); checks
+    ``cancel`` between syscalls, so a cancelled read stops writing promptly."""
+    first = 0
+    while first < len(views):
         if cancel is not None and cancel.is_set():
             raise _Cancelled()
-        n = sock.recv_into(view[got:got + _CHUNK])
+        n = sock.recvmsg_into(views[first:first + _IOV_BATCH])[0]
         if n == 0:
             raise ConnectionError("connection closed by peer")
-        got += n
+        first = _advance(views, first, n)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    if n:
+        _recv_views(sock, [memoryview(buf)])
     return bytes(buf)
 
 
@@ -158,9 +180,10 @@ def _decode_read(payload: bytes) -> tuple[str, bytes, list[tuple[int, int]]]:
 class _Server:
     """Accepts connections and serves each in its own thread until stopped."""
 
-    def __init__(self, host: str, port: int, regions: Callable[[], list[MemoryRegion]],
+    def __init__(self, host: str, port: int,
+                 views: Callable[[Sequence[tuple[int, int]]], list[memoryview] | None],
                  on_notif: Callable[[str, bytes], None], io_timeout_s: float) -> None:
-        self._regions, self._on_notif, self._io_timeout_s = regions, on_notif, io_timeout_s
+        self._views, self._on_notif, self._io_timeout_s = views, on_notif, io_timeout_s
         self._listener = socket.create_server((host, port))
         self._listener.settimeout(0.2)  # how often the accept loop checks for stop
         self.host, self.port = self._listener.getsockname()[:2]
@@ -244,13 +267,11 @@ class _Server:
 
     def _serve_read(self, conn: socket.socket, payload: bytes) -> tuple[str, bytes]:
         sender, notif, spans = _decode_read(payload)
-        regions = self._regions()
-        for addr, length in spans:
-            if length == 0 or not in_regions(regions, addr, length, "cpu"):
-                raise _ProtocolError(f"span ({addr:#x}, {length}) is outside registered memory")
+        views = self._views(spans)
+        if views is None:
+            raise _ProtocolError("a span is empty or outside registered memory")
         _send_frame(conn, _Op.OK, struct.pack("!Q", sum(n for _, n in spans)))
-        for addr, length in spans:
-            conn.sendall(host_view(addr, length))
+        _send_views(conn, views)
         return sender, notif
 
 
@@ -268,10 +289,27 @@ class _Peer:
     port: int
 
 
+def _views_of(table: Sequence[tuple[MemoryRegion, memoryview]],
+              spans: Sequence[tuple[int, int]]) -> list[memoryview] | None:
+    """Slices of the registered regions' views for ``spans``; None if any span is
+    empty or not inside one region. Slicing a cached view is ~50x cheaper per block
+    than building a ctypes view for each span."""
+    out = []
+    for addr, length in spans:
+        for region, view in table:
+            if length > 0 and region.contains(addr, length):
+                out.append(view[addr - region.addr:addr - region.addr + length])
+                break
+        else:
+            return None
+    return out
+
+
 @dataclass(eq=False)
 class _TcpRead:
     payload: bytes
-    local: tuple[tuple[int, int], ...]
+    local: list[memoryview]  # where the bytes land, in stream order
+    nbytes: int
     peer: _Peer
     cancel: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -289,13 +327,13 @@ class TcpBackend(TransferBackend):
         super().__init__(agent_name)
         self._connect_timeout_s, self._io_timeout_s = connect_timeout_s, io_timeout_s
         self._lock = threading.RLock()
-        self._regions: list[MemoryRegion] = []
+        self._regions: list[tuple[MemoryRegion, memoryview]] = []  # with a view of each
         self._peers: dict[str, _Peer] = {}
         self._pool: dict[_Peer, list[tuple[socket.socket, float]]] = {}
         self._live: dict[int, XferHandle] = {}
         self._inbox: dict[str, list[bytes]] = {}
         self._closed = False
-        self._server = _Server(host, port, self._snapshot_regions, self._deliver, io_timeout_s)
+        self._server = _Server(host, port, self._views_for, self._deliver, io_timeout_s)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -306,7 +344,7 @@ class TcpBackend(TransferBackend):
             raise TransferError("the tcp backend serves host memory only (device 'cpu')")
         with self._lock:
             self._ensure_open()
-            self._regions.extend(regions)
+            self._regions.extend((r, host_view(r.addr, r.length)) for r in regions)
 
     def agent_metadata(self) -> bytes:
         self._ensure_open()
@@ -353,10 +391,11 @@ class TcpBackend(TransferBackend):
             peer = self._peers.get(remote_agent)
             if peer is None:
                 raise TransferSetupError(f"unknown remote agent {remote_agent!r}")
-            if not all(in_regions(self._regions, a, n, "cpu") for a, n in local.descs):
+            views = _views_of(self._regions, local.descs)
+            if views is None:
                 raise TransferSetupError("local descriptors outside registered memory")
             read = _TcpRead(_encode_read(self.agent_name, bytes(notif), remote.descs),
-                            local.descs, peer)
+                            views, local.nbytes, peer)
             handle = XferHandle(remote_agent, local.nbytes, len(local), bytes(notif), native=read)
             read.thread = threading.Thread(target=self._run_read, args=(read,), daemon=True,
                                            name=f"kvbridge-tcp-read-{handle.handle_id}")
@@ -456,11 +495,9 @@ class TcpBackend(TransferBackend):
             if op is _Op.ERR:
                 reason = body.decode(errors="replace")
                 raise _ProtocolError(f"refused by {read.peer.name}: {reason}")
-            total = sum(n for _, n in read.local)
-            if op is not _Op.OK or body != struct.pack("!Q", total):
+            if op is not _Op.OK or body != struct.pack("!Q", read.nbytes):
                 raise _ProtocolError(f"unexpected answer {op.name} to READ")
-            for addr, length in read.local:
-                _recv_into(sock, host_view(addr, length), read.cancel)
+            _recv_views(sock, read.local, read.cancel)
             if read.cancel.is_set():
                 raise _Cancelled()
             _send_frame(sock, _Op.READ_DONE)
@@ -510,9 +547,10 @@ class TcpBackend(TransferBackend):
         with self._lock:
             self._inbox.setdefault(sender, []).append(msg)
 
-    def _snapshot_regions(self) -> list[MemoryRegion]:
+    def _views_for(self, spans: Sequence[tuple[int, int]]) -> list[memoryview] | None:
         with self._lock:
-            return list(self._regions)
+            table = list(self._regions)
+        return _views_of(table, spans)
 
     def _ensure_open(self) -> None:
         if self._closed:
