@@ -84,31 +84,6 @@ def test_eight_concurrent_requests(loaded, colocated, pd):
     assert [got[f"c{i}"] for i in range(8)] == want
 
 
-@pytest.mark.parametrize("fault", ["error_state", "fail_read_setup", "raise_on_check_state"])
-@pytest.mark.parametrize("policy", [LoadFailurePolicy.RECOMPUTE, LoadFailurePolicy.FAIL])
-def test_transfer_faults_follow_the_policy(loaded, colocated, fault, policy):
-    fabric = FakeFabric(seed=2)
-    p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", lease_s=1.0)
-    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D", FaultConfig(**{fault: True})),
-                    engine_id="D", policy=policy)
-    try:
-        prompt = prompt_of(loaded, "What is the tallest mountain on Earth?")
-        want = colocated.generate([prompt], GREEDY)[0]
-        outs = decode(d, p, prompt, prefill(p, prompt), GREEDY)
-        if policy is LoadFailurePolicy.RECOMPUTE:
-            assert tokens(outs) == want
-        else:
-            assert outs[-1].finish_reason is FinishReason.ERROR and not tokens(outs)
-            assert "KV transfer failed" in outs[-1].error
-        # The engine lives on: a clean request right after is served.
-        d.connectors[1].backend.set_faults(FaultConfig())
-        assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
-        settle(p, d, timeout_s=5)
-    finally:
-        p.shutdown()
-        d.shutdown()
-
-
 def test_abort_before_scheduling_releases_p_blocks_at_once(loaded, pd):
     _, p, d = pd
     prompt = prompt_of(loaded, "Name a fruit.")

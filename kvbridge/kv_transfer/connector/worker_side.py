@@ -87,6 +87,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._done_recv: set[str] = set()
         self._side_requests: list[tuple[str, Future]] = []  # (what, future) of releases and heartbeats
         self._closed = False
+        self._last_backend_error_log = float("-inf")
 
     @property
     def is_consumer(self) -> bool:
@@ -280,7 +281,12 @@ class KVBridgeWorkerConnector(WorkerConnector):
     def _collect_sending(self, out: KVConnectorOutput) -> None:
         if self.control_server is None:
             return
-        for msgs in self.backend.get_new_notifs().values():
+        try:
+            notifs = self.backend.get_new_notifs()
+        except Exception as exc:  # a broken agent must not stop the engine; leases still expire
+            notifs = {}
+            self._log_backend_error("get_new_notifs", exc)
+        for msgs in notifs.values():
             for msg in msgs:
                 done = decode_done(msg)
                 if done is not None and self.leases.release(*done):
@@ -300,6 +306,12 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.stats.incr("early_releases")
         self.control_server.queue_released(request_id)
         return True
+
+    def _log_backend_error(self, what: str, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_backend_error_log >= 10.0:  # rate-limited: it repeats every step
+            self._last_backend_error_log = now
+            logger.error("transfer backend %s failed on engine %s: %s", what, self.engine_id, exc)
 
     def has_work(self) -> bool:
         return bool(self._recvs or self._side_requests or len(self.leases))

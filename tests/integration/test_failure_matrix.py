@@ -1,0 +1,189 @@
+"""Every failure class x {recompute, fail}, injected for real: rogue or dead side
+channels for the handshake classes, the fake backend's knobs for the transfer classes.
+
+recompute: D's greedy output equals the colocated engine's. fail: the request finishes
+with an error saying the KV transfer failed. Both: the class is counted, D serves the
+next request, and every block is free on P and D afterwards (P's by the lease)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+
+import pytest
+
+from kvbridge.config import KVRole, LoadFailurePolicy
+from kvbridge.engine.loader import load_model
+from kvbridge.engine.request import FinishReason
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
+from kvbridge.kv_transfer.handshake import SideChannelServer, encode_payload, HandshakeMetadata, RankLayout
+import dataclasses
+
+from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+HANDSHAKE_FAULTS = ["refused", "timeout", "version", "hash", "engine_id", "layout", "undecodable"]
+TRANSFER_FAULTS = {"fail_read_setup": "transfer_setup", "error_state": "transfer_state",
+                   "raise_on_check_state": "transfer_poll", "peer_killed": "transfer_state"}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def prompt(loaded):
+    tok = loaded.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": "Which ocean is the largest?"}]))
+
+
+@pytest.fixture(scope="module")
+def want(loaded, prompt):
+    return make_engine(loaded, None).generate([prompt], GREEDY)[0]
+
+
+def p_payload(p) -> bytes:
+    return p.connectors[1].side_channel._payloads[0]
+
+
+@contextlib.contextmanager
+def rogue_side_channel(fault: str, p):
+    """A side channel at another port that misbehaves as `fault` says; yields its port."""
+    if fault in ("refused",):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()  # nothing listens there any more
+        yield port
+        return
+    if fault == "timeout":
+        s = socket.create_server(("127.0.0.1", 0))
+        conns = []
+        stop = threading.Event()
+
+        def accept_and_hold():
+            s.settimeout(0.1)
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    conns.append(s.accept()[0])
+        t = threading.Thread(target=accept_and_hold, daemon=True)
+        t.start()
+        yield s.getsockname()[1]
+        stop.set()
+        t.join()
+        for c in conns:
+            c.close()
+        s.close()
+        return
+    good = p_payload(p)
+    if fault == "version":
+        payload = good[:4] + struct.pack("!H", 99) + good[6:]
+    elif fault == "hash":
+        payload = good[:6] + bytes(b ^ 0xFF for b in good[6:38]) + good[38:]
+    elif fault == "layout":
+        w = p.connectors[1]
+        meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(),
+                                 RankLayout(1, 0, w.layout.plane_base_addrs,
+                                            (w.layout.block_bytes,) * len(w.layout.plane_base_addrs),
+                                            w.layout.num_blocks, 32, "NHD"))
+        payload = encode_payload(meta, w.compat.hash())
+    else:  # undecodable
+        payload = good[:38] + struct.pack("!I", 9) + b"not json!"
+    with SideChannelServer({0: payload}).start() as server:
+        yield server.port
+
+
+def engines(loaded, policy, d_faults=None):
+    fabric = FakeFabric(seed=7)
+    p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", lease_s=1.0)
+    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D", d_faults), engine_id="D", policy=policy,
+                    handshake_timeout_s=0.5)
+    return fabric, p, d
+
+
+def check_outcome(outs, policy, want):
+    if policy is LoadFailurePolicy.RECOMPUTE:
+        assert tokens(outs) == want
+    else:
+        assert outs[-1].finish_reason is FinishReason.ERROR and not tokens(outs)
+        assert "KV transfer failed" in outs[-1].error and "retried" in outs[-1].error
+
+
+@pytest.mark.parametrize("policy", [LoadFailurePolicy.RECOMPUTE, LoadFailurePolicy.FAIL])
+@pytest.mark.parametrize("fault", HANDSHAKE_FAULTS)
+def test_handshake_failures_follow_the_policy(loaded, prompt, want, fault, policy):
+    fabric, p, d = engines(loaded, policy)
+    try:
+        params = prefill(p, prompt)
+        if fault == "engine_id":
+            outs = decode(d, p, prompt, {**params, "remote_engine_id": "not-P"}, GREEDY)
+        else:
+            with rogue_side_channel(fault, p) as port:
+                outs = decode(d, p, prompt, {**params, "remote_port": port}, GREEDY)
+        check_outcome(outs, policy, want)
+        assert d.connectors[1].stats.failed_transfers["handshake"] == 1
+        # The engine lives on and the real P still works.
+        assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
+        settle(p, d, timeout_s=5)  # the abandoned lease expires on P
+        assert p.connectors[1].stats.expired_leases == 1
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("policy", [LoadFailurePolicy.RECOMPUTE, LoadFailurePolicy.FAIL])
+@pytest.mark.parametrize("fault", list(TRANSFER_FAULTS))
+def test_transfer_failures_follow_the_policy(loaded, prompt, want, fault, policy):
+    faults = None if fault == "peer_killed" else FaultConfig(**{fault: True})
+    fabric, p, d = engines(loaded, policy, faults)
+    try:
+        params = prefill(p, prompt)
+        if fault == "peer_killed":
+            fabric.kill("P")  # P's transfer agent dies; its side channel still answers
+        check_outcome(decode(d, p, prompt, params, GREEDY), policy, want)
+        assert d.connectors[1].stats.failed_transfers[TRANSFER_FAULTS[fault]] == 1
+        # The engine lives on: with the fault gone (a fresh P if it died), D serves again.
+        if fault == "peer_killed":
+            settle(p, timeout_s=5)  # its process "lives on" with a dead agent: the lease still expires
+            assert p.connectors[1].stats.expired_leases == 1
+            p.shutdown()
+            p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P2"), engine_id="P2", lease_s=1.0)
+        else:
+            d.connectors[1].backend.set_faults(FaultConfig())
+        assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
+        settle(p, d, timeout_s=5)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_lost_read_done_notification_is_covered_by_the_lease(loaded, prompt, want):
+    fabric, p, d = engines(loaded, LoadFailurePolicy.FAIL, FaultConfig(drop_completion_notif=True))
+    try:
+        assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
+        assert p.metrics().num_held_for_remote == 1
+        settle(p, d, timeout_s=5)
+        assert p.connectors[1].stats.expired_leases == 1 and p.metrics().num_held_for_remote == 0
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_failed_release_notification_is_counted_and_the_lease_frees(loaded, prompt):
+    fabric, p, d = engines(loaded, LoadFailurePolicy.RECOMPUTE)
+    try:
+        params = prefill(p, prompt)
+        with rogue_side_channel("refused", p) as port:
+            from kvbridge.kv_transfer.params import parse_kv_transfer_params
+            d.add_request("gone", prompt, GREEDY, parse_kv_transfer_params({**params, "remote_port": port}))
+            d.abort_request("gone")  # aborted before scheduling: D sends a release to a dead port
+            settle(p, d, timeout_s=5)
+        assert d.connectors[1].stats.failed_notifications == 1
+        assert p.connectors[1].stats.expired_leases == 1
+    finally:
+        p.shutdown()
+        d.shutdown()
