@@ -12,6 +12,7 @@ reachable by anyone who can connect.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
 from typing import Any
@@ -45,6 +46,10 @@ def _rid_gen(obj: Any) -> tuple[str, int]:
     return rid, gen
 
 
+def incarnation_of(agent_metadata: bytes) -> str:
+    return hashlib.sha256(agent_metadata).hexdigest()[:32]
+
+
 class ControlServer:
     """P side. Released request ids are queued for the engine thread (drain_released)."""
 
@@ -52,6 +57,9 @@ class ControlServer:
         self.leases = leases
         self.stats = stats
         self._released: "queue.SimpleQueue[str]" = queue.SimpleQueue()
+        # Identifies this process's transfer agent; D compares it with the agent it
+        # handshook with, to notice a P restarted under the same address.
+        self.incarnation = ""
         server.register_handler(MSG_CHECK_READ, self._check_read)
         server.register_handler(MSG_RELEASE, self._release)
         server.register_handler(MSG_HEARTBEAT, self._heartbeat)
@@ -67,7 +75,7 @@ class ControlServer:
         if reason is not None:
             self.stats.incr("refused_reads")
             raise HandlerRefusal(reason)
-        return b"ok"
+        return self.incarnation.encode()
 
     def _release(self, body: bytes) -> bytes:
         obj = _load(body)
@@ -103,9 +111,10 @@ class ControlClient:
         self.timeout_s = timeout_s
         self._client = client or HandshakeClient()
 
-    def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...]) -> None:
+    def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...]) -> str:
+        """Returns P's incarnation (see ControlServer.incarnation)."""
         body = json.dumps({"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks]}).encode()
-        self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s)
+        return self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s).decode("ascii", "replace")
 
     def release(self, host: str, port: int, rid: str, gen: int) -> None:
         body = json.dumps({"rid": rid, "gen": gen}).encode()

@@ -23,7 +23,7 @@ from kvbridge.kv_transfer.backends.base import MemoryRegion, TransferBackend, Tr
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, WorkerConnector
 from kvbridge.kv_transfer.connector.metadata import (ConnectorMetadata, RecvSpec, RemoteEngine, decode_done,
                                                      encode_done)
-from kvbridge.kv_transfer.control import ControlClient, ControlServer
+from kvbridge.kv_transfer.control import ControlClient, ControlServer, incarnation_of
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
 from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, HandshakeFailureKind,
                                             HandshakeLayoutMismatch, HandshakeManager, HandshakeMetadata,
@@ -52,6 +52,8 @@ class _Recv:
     agent: str | None = None
     remote_layout: PlaneLayout | None = None
     handle: object | None = None
+    incarnation: str = ""
+    rehandshaken: bool = False
     nbytes: int = 0
     ndescs: int = 0
 
@@ -61,6 +63,7 @@ class _Peer:
     agent: str
     layout: PlaneLayout
     agent_metadata: bytes
+    incarnation: str
 
 
 class KVBridgeWorkerConnector(WorkerConnector):
@@ -107,6 +110,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
             block_size=block_size, kv_layout=KV_LAYOUT)
         if self.side_channel is not None:
             meta = HandshakeMetadata(self.engine_id, self.config.backend, self.backend.agent_metadata(), rank_layout)
+            self.control_server.incarnation = incarnation_of(meta.agent_metadata)
             self.side_channel.set_payload(0, encode_payload(meta, self.compat.hash()))
         if self.is_consumer:
             self._handshakes = HandshakeManager(
@@ -181,7 +185,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
             self._fail(rid, recv, FailureKind.HANDSHAKE, f"{kind}: {exc}")
             return
         peer = self._peer(recv.spec.remote, recv.future.result())
-        recv.agent, recv.remote_layout = peer.agent, peer.layout
+        recv.agent, recv.remote_layout, recv.incarnation = peer.agent, peer.layout, peer.incarnation
         s = recv.spec
         recv.phase = _Phase.CHECK
         recv.future = self._executor.submit(self.control.check_read, s.remote.host, s.remote.port,
@@ -196,7 +200,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         t0 = time.perf_counter()
         agent = self.backend.add_remote_agent(meta.agent_metadata)
         layout = PlaneLayout(meta.layout.region_base_addrs, meta.layout.block_len_bytes[0], meta.layout.num_blocks)
-        peer = self._peers[remote] = _Peer(agent, layout, meta.agent_metadata)
+        peer = self._peers[remote] = _Peer(agent, layout, meta.agent_metadata, incarnation_of(meta.agent_metadata))
         self.stats.record_handshake(time.perf_counter() - t0, None)
         logger.info("connected to prefill engine %s at %s:%s (agent %s)", remote.engine_id, remote.host,
                     remote.port, agent)
@@ -223,6 +227,16 @@ class KVBridgeWorkerConnector(WorkerConnector):
                 self._fail(rid, recv, FailureKind.PEER_DEATH, str(exc))
             return
         s = recv.spec
+        if recv.future.result() != recv.incarnation:
+            # P restarted under the same address: its old agent is gone. Handshake afresh, once.
+            self._drop_peer(s.remote)
+            if recv.rehandshaken:
+                self._fail(rid, recv, FailureKind.HANDSHAKE, "the prefill engine restarted during the handshake")
+                return
+            recv.rehandshaken = True
+            recv.phase = _Phase.HANDSHAKE
+            recv.future = self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, 0)
+            return
         assert self.layout is not None and recv.remote_layout is not None
         local, remote = [], []
         for l_ids, r_ids in zip(s.local_block_ids, s.remote_block_ids):
