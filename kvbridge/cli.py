@@ -98,6 +98,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chaos(a: argparse.Namespace) -> int:
+    from kvbridge.chaos import main as chaos_main
+    return chaos_main(a.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     proxy = sub.add_parser("proxy", help="a P/D proxy in front of prefill and decode instances")
-    proxy.add_argument("--prefill", nargs="+", required=True, help="prefill instance URLs")
+    proxy.add_argument("--prefill", nargs="*", default=[],
+                       help="prefill instance URLs (none: colocated mode, straight to --decode instances)")
     proxy.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8000)
@@ -130,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="e.g. engine_vs_transformers")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
+    chaos = sub.add_parser("chaos", help="requests through a proxy with random injected transfer faults",
+                           add_help=False)
+    chaos.add_argument("args", nargs=argparse.REMAINDER)
+    chaos.set_defaults(func=cmd_chaos)
     return parser
 
 

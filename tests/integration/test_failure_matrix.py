@@ -146,10 +146,12 @@ def test_transfer_failures_follow_the_policy(loaded, prompt, want, fault, policy
             fabric.kill("P")  # P's transfer agent dies; its side channel still answers
         check_outcome(decode(d, p, prompt, params, GREEDY), policy, want)
         assert d.connectors[1].stats.failed_transfers[TRANSFER_FAULTS[fault]] == 1
+        settle(p, d, timeout_s=0.5)  # well within the 1 s lease: D's release after the failure frees P's blocks
+        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
         # The engine lives on: with the fault gone (a fresh P if it died), D serves again.
         if fault == "peer_killed":
-            settle(p, timeout_s=5)  # its process "lives on" with a dead agent: the lease still expires
-            assert p.connectors[1].stats.expired_leases == 1
+            settle(p, timeout_s=5)  # its process "lives on" with a dead agent; D's release frees the blocks
+            assert p.metrics().num_held_for_remote == 0
             p.shutdown()
             p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P2"), engine_id="P2", lease_s=1.0)
         else:

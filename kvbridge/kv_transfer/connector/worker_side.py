@@ -34,7 +34,9 @@ from kvbridge.kv_transfer.topology import PlaneLayout, read_descriptors
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
-KV_LAYOUT = "NHD"  # [blocks, block_size, kv_heads, head_dim] per (layer, K|V) plane
+KV_LAYOUT = "NHD"
+# Failures after which D tells P to release: the read failed, but P's side channel answered.
+_RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL})  # [blocks, block_size, kv_heads, head_dim] per (layer, K|V) plane
 
 
 class _Phase(enum.Enum):
@@ -184,7 +186,12 @@ class KVBridgeWorkerConnector(WorkerConnector):
             self.stats.record_handshake(0.0, kind)
             self._fail(rid, recv, FailureKind.HANDSHAKE, f"{kind}: {exc}")
             return
-        peer = self._peer(recv.spec.remote, recv.future.result())
+        try:
+            peer = self._peer(recv.spec.remote, recv.future.result())
+        except Exception as exc:  # the backend refused the peer's agent metadata
+            self.stats.record_handshake(0.0, "add_remote_agent")
+            self._fail(rid, recv, FailureKind.HANDSHAKE, f"adding the peer's transfer agent failed: {exc}")
+            return
         recv.agent, recv.remote_layout, recv.incarnation = peer.agent, peer.layout, peer.incarnation
         s = recv.spec
         recv.phase = _Phase.CHECK
@@ -272,6 +279,10 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._release_handle(recv)
         self._recvs.pop(rid, None)
         self.failures.handle(rid, kind, cause, recv.spec.local_block_ids, recv.spec.remote.engine_id)
+        if kind in _RELEASE_AFTER:  # P is known and reachable: let it free now, not at lease expiry
+            s = recv.spec
+            self._side_request("release", self.control.release, s.remote.host, s.remote.port,
+                               s.remote_request_id, s.lease_generation)
 
     def _release_handle(self, recv: _Recv) -> None:
         if recv.handle is not None:
