@@ -135,3 +135,31 @@ def test_untrusted_prefill_host_is_a_client_error(loaded, pd):
         "remote_request_id": "r", "remote_host": "8.8.8.8", "remote_port": 1234})
     with pytest.raises(EngineRequestError, match="trusted"):
         d.add_request("u", prompt, GREEDY, params)
+
+
+def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
+    """D has no room for the remote request until a long local one finishes, far past P's
+    lease; D's heartbeats renew the lease, so the read still succeeds."""
+    fabric = FakeFabric(seed=4)
+    p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", lease_s=0.6)
+    # D heartbeats every sixth of its own --kv-lease-seconds: configure it like P's.
+    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D", num_blocks=8, lease_s=0.6)
+    try:
+        from kvbridge.kv_transfer.params import parse_kv_transfer_params
+        hog = loaded.tokenizer.encode("word " * 100)
+        d.add_request("hog", hog, SamplingParams(max_tokens=27, temperature=0, ignore_eos=True))  # all 8 blocks
+        d.step()
+        prompt = prompt_of(loaded, "Name a bird.")
+        want = colocated.generate([prompt], GREEDY)[0]
+        d.add_request("remote", prompt, GREEDY, parse_kv_transfer_params(prefill(p, prompt)))
+        got, started = [], __import__("time").monotonic()
+        while d.has_unfinished_requests():
+            got += [t for o in d.step() if o.request_id == "remote" for t in o.new_token_ids]
+            p.step()
+        assert __import__("time").monotonic() - started > 1.2  # two leases long
+        assert got == want
+        assert p.connectors[1].stats.expired_leases == 0 and d.connectors[1].stats.transfers == 1
+    finally:
+        settle(p, d)
+        p.shutdown()
+        d.shutdown()
