@@ -64,7 +64,9 @@ class ChaosReport:
         return "\n".join(f"| {str(k).ljust(width)} | {v} |" for k, v in rows)
 
 
-class _ThreadServer:
+class ThreadServer:
+    """A uvicorn server for `app` on a background thread, on 127.0.0.1 and an OS-chosen port."""
+
     def __init__(self, app) -> None:
         sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -79,7 +81,7 @@ class _ThreadServer:
         self.thread.join(timeout=15)
 
 
-def _engine(loaded: LoadedModel, role: KVRole | None, backend, policy: LoadFailurePolicy, engine_id: str,
+def make_engine(loaded: LoadedModel, role: KVRole | None, backend, policy: LoadFailurePolicy, engine_id: str,
             lease_s: float, num_blocks: int) -> LLMEngine:
     kv = None if role is None else KVTransferConfig(
         role=role, backend="fake", engine_id=engine_id, lease_seconds=lease_s, load_failure_policy=policy,
@@ -99,18 +101,18 @@ def run_chaos(num_requests: int = 32, concurrency: int = 8, fault_rate: float = 
     tok = loaded.tokenizer
     prompts = [f"Write a short line about {TOPICS[i % len(TOPICS)]}, variation {i // len(TOPICS)}."
                for i in range(max(4, min(num_requests, 24)))]
-    reference = _engine(loaded, None, None, LoadFailurePolicy.RECOMPUTE, "ref", lease_s, 256)
+    reference = make_engine(loaded, None, None, LoadFailurePolicy.RECOMPUTE, "ref", lease_s, 256)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0)
     want = {p: tok.decode(out) for p, out in
             zip(prompts, reference.generate([tok.encode(p) for p in prompts], greedy))}
 
     fabric = FakeFabric(seed=seed)
     pol = LoadFailurePolicy(policy)
-    p_engine = AsyncEngine(_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), pol, "P", lease_s, 256))
-    d_engine = AsyncEngine(_engine(loaded, KVRole.CONSUMER, fabric.create_agent(
+    p_engine = AsyncEngine(make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), pol, "P", lease_s, 256))
+    d_engine = AsyncEngine(make_engine(loaded, KVRole.CONSUMER, fabric.create_agent(
         "D", FaultConfig.chaos(fault_rate)), pol, "D", lease_s, 256))
-    servers = [_ThreadServer(build_app(p_engine)), _ThreadServer(build_app(d_engine))]
-    servers.append(_ThreadServer(build_proxy_app([servers[0].url], [servers[1].url], health_interval_s=0.5)))
+    servers = [ThreadServer(build_app(p_engine)), ThreadServer(build_app(d_engine))]
+    servers.append(ThreadServer(build_proxy_app([servers[0].url], [servers[1].url], health_interval_s=0.5)))
     report = ChaosReport(requests=num_requests)
     start = time.monotonic()
     try:

@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chaos"]:  # its own options, parsed by kvbridge.chaos
+        from kvbridge.chaos import main as chaos_main
+        return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

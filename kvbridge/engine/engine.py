@@ -158,7 +158,8 @@ class LLMEngine:
         """Requests, blocks held for remote readers (whose leases a step must advance), or
         connector messages in flight: the owner of the loop keeps stepping while True."""
         return (self.has_unfinished_requests() or self.scheduler.has_pending_work()
-                or (self.connectors is not None and self.connectors[1].has_work()))
+                or (self.connectors is not None
+                    and (self.connectors[0].has_pending() or self.connectors[1].has_work())))
 
     # ---- the step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:

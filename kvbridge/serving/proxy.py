@@ -9,6 +9,12 @@ Life of a request (docs: ARCHITECTURE.md, "The life of a P/D request"):
      D's answer (JSON or SSE, success or error) goes back unchanged, streamed as it comes.
 Both upstream calls carry the same `X-Request-Id` (the client's, else a new one).
 
+Colocated mode (no prefill URLs): each request goes straight to a decode-list instance
+(a plain `kvbridge serve`), its body unchanged but for any client `kv_transfer_params`,
+which are dropped as in P/D mode (only the proxy sets them). Everything else — client,
+selection, health, SSE passthrough, errors — is the same code path; it is the baseline
+that P/D latency is compared with (benchmarks/pd_ttft.py).
+
 Release contract (the API server must implement it on P):
   `POST {P}/kvbridge/release_kv` with JSON `{"kv_transfer_params": <P's response params>}`
   and the request's `X-Request-Id`. P frees the blocks it holds for
@@ -235,9 +241,10 @@ class _PassthroughStream(StreamingResponse):
 
 
 class PDProxy:
-    """Routes requests over two pools; owns the pooled HTTP client and the health loop."""
+    """Routes requests over two pools (or only the decode pool: colocated mode, `prefill`
+    None); owns the pooled HTTP client and the health loop."""
 
-    def __init__(self, prefill: UpstreamPool, decode: UpstreamPool, *, health_interval_s: float,
+    def __init__(self, prefill: UpstreamPool | None, decode: UpstreamPool, *, health_interval_s: float,
                  health_timeout_s: float, timeout_s: float, connect_timeout_s: float,
                  api_key: str | None, upstream_api_key: str | None) -> None:
         self.prefill, self.decode = prefill, decode
@@ -249,6 +256,11 @@ class PDProxy:
         self.api_key, self.upstream_api_key = api_key, upstream_api_key
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
+
+    @property
+    def pools(self) -> tuple[UpstreamPool, ...]:
+        """The configured pools, prefill first (decode only in colocated mode)."""
+        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -268,7 +280,7 @@ class PDProxy:
 
     # ---- health ----------------------------------------------------------------------
     async def check_health_once(self) -> None:
-        probes = [self._probe(pool, u) for pool in (self.prefill, self.decode) for u in pool.upstreams]
+        probes = [self._probe(pool, u) for pool in self.pools for u in pool.upstreams]
         await asyncio.gather(*probes)
 
     async def _probe(self, pool: UpstreamPool, upstream: Upstream) -> None:
@@ -289,15 +301,18 @@ class PDProxy:
                 logger.exception("health check round failed")
 
     def refresh_gauges(self) -> None:
-        for pool in (self.prefill, self.decode):
+        for pool in self.pools:
             self.metrics.healthy.labels(pool.kind.value).set(len(pool.healthy()))
             self.metrics.outstanding.labels(pool.kind.value).set(sum(u.outstanding for u in pool.upstreams))
 
     def health_report(self) -> tuple[bool, dict]:
-        report = {pool.kind.value: [{"url": u.url, "healthy": u.healthy, "outstanding": u.outstanding}
-                                    for u in pool.upstreams] for pool in (self.prefill, self.decode)}
-        ok = bool(self.prefill.healthy() and self.decode.healthy())
-        return ok, {"status": "ok" if ok else "unavailable", **report}
+        report = {kind.value: [] for kind in UpstreamKind}
+        for pool in self.pools:
+            report[pool.kind.value] = [{"url": u.url, "healthy": u.healthy, "outstanding": u.outstanding}
+                                       for u in pool.upstreams]
+        ok = all(pool.healthy() for pool in self.pools)
+        mode = "colocated" if self.prefill is None else "pd"
+        return ok, {"status": "ok" if ok else "unavailable", "mode": mode, **report}
 
     # ---- requests --------------------------------------------------------------------
     def _auth_headers(self, client_request: Request | None) -> dict[str, str]:
@@ -360,7 +375,8 @@ class PDProxy:
                         headers={REQUEST_ID_HEADER: request_id})
 
     async def handle(self, request: Request, route: str) -> Response:
-        """Serve one completions or chat-completions request through P then D."""
+        """Serve one completions or chat-completions request through P then D (colocated
+        mode: straight to a decode-list instance)."""
         given = request.headers.get(REQUEST_ID_HEADER)
         request_id = given if given and _REQUEST_ID_RE.fullmatch(given) else f"kvb-{uuid.uuid4().hex}"
         if not self.authorized(request):
@@ -371,7 +387,7 @@ class PDProxy:
             return openai_error(400, "the request body is not valid JSON", "invalid_json", request_id)
         if not isinstance(body, dict):
             return openai_error(400, "the request body must be a JSON object", "invalid_json", request_id)
-        for pool in (self.prefill, self.decode):
+        for pool in self.pools:
             if not pool.healthy():  # checked before P works, so no KV is held for nothing
                 return openai_error(503, f"no healthy {pool.kind.value} instance", "no_healthy_instance",
                                     request_id)
@@ -379,6 +395,9 @@ class PDProxy:
         gone = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(request, gone))
         try:  # the watcher must stop before a StreamingResponse listens to the client itself
+            if self.prefill is None:
+                answer = await _unless(gone, self._colocated(route, body, headers, request_id))
+                return answer if answer is not None else Response(status_code=499)
             prefilled = await _unless(gone, self._prefill(route, body, headers, request_id))
             if isinstance(prefilled, tuple) and gone.is_set():
                 # Nobody else knows P's params yet: releasing now is safe and frees P at once.
@@ -397,6 +416,7 @@ class PDProxy:
     async def _prefill(self, route: str, body: dict, headers: dict[str, str],
                        request_id: str) -> tuple[Upstream, dict] | Response:
         """Step 1: P's upstream and kv_transfer_params, or the response for the client."""
+        assert self.prefill is not None, "P/D mode only"
         started = time.monotonic()
         try:
             sent = await self._send(self.prefill, route, prefill_body(body), headers)
@@ -433,6 +453,21 @@ class PDProxy:
             # Shielded: a client hanging up now must not cancel the release half-sent.
             await asyncio.shield(self.release_on_prefill(prefill_upstream, params, headers, request_id))
             return openai_error(sent.status, sent.message, sent.code, request_id)
+        return await self._answer(sent, body, request_id)
+
+    async def _colocated(self, route: str, body: dict, headers: dict[str, str], request_id: str) -> Response:
+        """Colocated mode: the client's body, without kv_transfer_params, to one decode-list instance."""
+        forwarded = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        try:
+            sent = await self._send(self.decode, route, forwarded, headers)
+        except httpx.HTTPError as exc:
+            return self._upstream_failed(UpstreamKind.DECODE, exc, request_id)
+        if isinstance(sent, _Unavailable):
+            return openai_error(sent.status, sent.message, sent.code, request_id)
+        return await self._answer(sent, body, request_id)
+
+    async def _answer(self, sent: _Exchange, body: dict, request_id: str) -> Response:
+        """The instance's answer for the client: streamed through for a successful stream, else whole."""
         if sent.response.status_code >= 400 or not body.get("stream"):
             return await self._read_all(sent, request_id)
         return _PassthroughStream(sent, request_id)
@@ -501,11 +536,14 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
 
     `api_key` guards the proxy's /v1 routes (Bearer); upstreams get `upstream_api_key` if
     set, else the client's Authorization header. `timeout_s` bounds each upstream read
-    (for a stream: the gap between two chunks). ValueError for empty URL lists or bad names.
+    (for a stream: the gap between two chunks). Empty `prefill_urls`: colocated mode (see
+    the module docstring). ValueError for an empty decode list or bad names.
     """
     if health_interval_s <= 0 or health_timeout_s <= 0 or timeout_s <= 0 or connect_timeout_s <= 0:
         raise ValueError("intervals and timeouts must be positive")
-    proxy = PDProxy(UpstreamPool(UpstreamKind.PREFILL, prefill_urls, make_policy(prefill_policy)),
+    prefill = (UpstreamPool(UpstreamKind.PREFILL, prefill_urls, make_policy(prefill_policy))
+               if prefill_urls else None)
+    proxy = PDProxy(prefill,
                     UpstreamPool(UpstreamKind.DECODE, decode_urls, make_policy(decode_policy)),
                     health_interval_s=health_interval_s, health_timeout_s=health_timeout_s,
                     timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
@@ -564,8 +602,9 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
     sock.listen(2048)  # connections made right after the URL is printed wait in the backlog
     bound_port = sock.getsockname()[1]
     url_host = f"[{host}]" if family == socket.AF_INET6 else host
-    print(f"kvbridge proxy: http://{url_host}:{bound_port} (prefill: {' '.join(prefill_urls)}; "
-          f"decode: {' '.join(decode_urls)})", flush=True)
+    prefill = f"prefill: {' '.join(prefill_urls)}" if prefill_urls else "colocated: no prefill"
+    print(f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: {' '.join(decode_urls)})",
+          flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     return 0

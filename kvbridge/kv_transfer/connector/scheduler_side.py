@@ -73,6 +73,12 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         with self._lock:
             self._rejected.append(spec)
 
+    def has_pending(self) -> bool:
+        """Messages queued for the worker half (releases, reads): the engine must step."""
+        with self._lock:
+            rejected = bool(self._rejected)
+        return rejected or bool(self._meta.reqs_to_recv or self._meta.reqs_to_release)
+
     # ---- SchedulerConnector -----------------------------------------------
     def on_new_request(self, request: Request) -> None:
         p = request.kv_transfer_params
