@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RELEASE_PATH = "/kvbridge/release_kv"
+UPSTREAM_KEEPALIVE_S = 2.0
 REQUEST_ID_HEADER = "X-Request-Id"
 # The same rule as api_server.py: printable ASCII without spaces, else the server makes its own id.
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")
@@ -267,7 +268,10 @@ class PDProxy:
         """Open the client and run one health round before serving, then poll in the background."""
         # trust_env=False: an HTTP(S)_PROXY variable must never reroute upstream calls.
         self.client = httpx.AsyncClient(timeout=self.timeout, trust_env=False,
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                            # below uvicorn's 5 s keep-alive: never reuse a
+                                                            # connection the upstream is closing
+                                                            keepalive_expiry=UPSTREAM_KEEPALIVE_S))
         await self.check_health_once()
         self._health_task = asyncio.create_task(self._health_loop(), name="kvbridge-proxy-health")
 
