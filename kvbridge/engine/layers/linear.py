@@ -2,9 +2,15 @@
 
 Random initialisation of a multi-billion-parameter model costs seconds and is thrown away
 by `load_weights`, so parameters start as `torch.empty`.
+
+On CPU in fp32 the weight can be prepacked once for oneDNN (`prepack`): MKL's fp32
+matmul here costs about 9x more at 16 rows than at 1, oneDNN's prepacked one about
+half of MKL's at batch sizes 16-64 (benchmarks/README.md). KVBRIDGE_ONEDNN=0 turns it off.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +27,28 @@ class Linear(nn.Module):
             torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self._packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Call after the weight is loaded (again after any later change to it)."""
+        self._packed = prepack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-prepacked copy of an fp32 CPU weight, or None where that does not apply."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or os.environ.get("KVBRIDGE_ONEDNN") == "0"
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    return weight.detach().to_mkldnn()
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ packed.T (+ bias), for a weight from prepack_weight."""
+    shape = x.shape
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none", [], "")
+    return y.reshape(*shape[:-1], y.shape[-1])

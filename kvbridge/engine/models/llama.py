@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention
-from kvbridge.engine.layers.linear import Linear
+from kvbridge.engine.layers.linear import Linear, packed_linear, prepack_weight
 from kvbridge.engine.layers.norm import RMSNorm, rms_norm
 from kvbridge.engine.layers.rotary import RotaryEmbedding
 from kvbridge.engine.models import CausalLM
@@ -141,6 +141,7 @@ class LlamaForCausalLM(CausalLM):
         self.arch = arch
         fold = device.type == "cuda" if fold_gqa_decode is None else fold_gqa_decode
         self.model = LlamaModel(arch, dtype, device, fold)
+        self._packed_head: torch.Tensor | None = None  # tied embeddings, prepacked by load_weights
         self.lm_head = None if arch.tie_word_embeddings else Linear(
             arch.hidden_size, arch.vocab_size, False, dtype, device)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position_embeddings, dtype, device)
@@ -163,8 +164,11 @@ class LlamaForCausalLM(CausalLM):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self._packed_head is not None:
+            return packed_linear(hidden, self._packed_head, None).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     @torch.inference_mode()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -196,6 +200,10 @@ class LlamaForCausalLM(CausalLM):
             slot.target.copy_(weights[name])
         for layer in self.model.layers:
             layer.self_attn.refresh_derived()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        self._packed_head = prepack_weight(self.model.embed_tokens.weight) if self.lm_head is None else None
 
     def _weight_slots(self) -> dict[str, _WeightSlot]:
         arch = self.arch
