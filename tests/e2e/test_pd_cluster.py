@@ -102,10 +102,15 @@ def test_prefix_cache_hits_on_d_read_only_what_is_missing(cluster, reference):
     before = transfer_bytes(cluster)
     assert complete(cluster, prompt) == reference(prompt)
     block_bytes = (transfer_bytes(cluster) - before) / n_blocks  # a cold read moves every block
-    # Full local hit: the same prompt again; D holds every full block and reads only the last.
-    before = transfer_bytes(cluster)
+    # Full local hit: the same prompt again; D holds every full block, computes the tail
+    # itself and only tells P to release (nothing is read).
+    before, released = transfer_bytes(cluster), metric(cluster.urls.prefill[0], "kvbridge_kv_early_releases_total")
     assert complete(cluster, prompt) == reference(prompt)
-    assert transfer_bytes(cluster) - before == block_bytes
+    assert transfer_bytes(cluster) - before == 0
+    deadline = time.monotonic() + 5
+    while metric(cluster.urls.prefill[0], "kvbridge_kv_early_releases_total") == released:
+        assert time.monotonic() < deadline, "P never got the release notification"
+        time.sleep(0.05)
     # Partial hit: a shared prefix and a new tail; D reads only the blocks past its hit.
     longer = prompt + " Then say which planet is the largest and why it matters."
     before = transfer_bytes(cluster)

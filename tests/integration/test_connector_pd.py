@@ -59,13 +59,14 @@ def test_partial_prefix_hit_on_d_reads_only_missing_blocks(loaded, colocated, pd
     _, p, d = pd
     prompt = prompt_of(loaded, "Explain how a compiler turns source code into machine code, step by step.")
     want = colocated.generate([prompt], GREEDY)[0]
-    assert d.generate([prompt[:40]], SamplingParams(max_tokens=1, temperature=0))  # D caches 2 blocks
+    assert len(prompt) > 33  # three blocks or more
+    assert d.generate([prompt[:20]], SamplingParams(max_tokens=1, temperature=0))  # D caches 1 block
     params = prefill(p, prompt)
     assert tokens(decode(d, p, prompt, params, GREEDY)) == want
     stats = d.connectors[1].stats
     n_blocks = -(-len(prompt) // 16)
     block_bytes = d.connectors[1].layout.block_bytes * len(d.connectors[1].layout.plane_base_addrs)
-    assert stats.bytes == (n_blocks - 2) * block_bytes
+    assert stats.bytes == (n_blocks - 1) * block_bytes
 
 
 def test_eight_concurrent_requests(loaded, colocated, pd):
@@ -163,3 +164,15 @@ def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
         settle(p, d)
         p.shutdown()
         d.shutdown()
+
+
+def test_full_prefix_hit_on_d_sends_only_a_release(loaded, colocated, pd):
+    _, p, d = pd
+    prompt = prompt_of(loaded, "Describe the water cycle in two sentences for a child.")
+    want = colocated.generate([prompt], GREEDY)[0]
+    d.generate([prompt], SamplingParams(max_tokens=1, temperature=0))  # D caches every full block
+    params = prefill(p, prompt)
+    assert tokens(decode(d, p, prompt, params, GREEDY)) == want
+    settle(p, d)
+    assert d.connectors[1].stats.transfers == 0 and d.connectors[1].stats.bytes == 0
+    assert p.connectors[1].stats.early_releases == 1 and p.metrics().num_held_for_remote == 0

@@ -89,8 +89,12 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         p = request.kv_transfer_params
         if p is None or not p.wants_remote_prefill or request.request_id in self._consumed:
             return 0, False
-        count = request.num_prompt_tokens - num_local_computed
-        return (count, True) if count > 0 else (0, False)
+        full_hit = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+        if num_local_computed > 0 and num_local_computed == full_hit:
+            # D already holds every full block it can cache: it computes the short tail itself
+            # and P only hears that it may free (update_state_after_alloc sends the release).
+            return 0, False
+        return request.num_prompt_tokens - num_local_computed, True
 
     def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_local_computed: int,
                                  num_external_tokens: int) -> None:
