@@ -12,7 +12,7 @@ import os
 import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
-from kvbridge.engine.models import build_model
+from kvbridge.engine.models import build_model, kv_cache_shape
 from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -40,7 +40,7 @@ def resolve_device(device: str) -> torch.device:
 
 def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
-    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem  # one block, every layer
 
 
 class ModelRunner:
@@ -54,9 +54,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.model = build_model(arch, self.dtype, self.device)
         self.model.load_weights(weights)
-        self.kv_cache = torch.zeros(
-            (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim),
-            dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(kv_cache_shape(arch, num_blocks, block_size), dtype=self.dtype,
+                                    device=self.device)
         self.sampler = Sampler(seed)
         self.connector = connector
         if connector is not None:

@@ -1,10 +1,10 @@
 """Where blocks live in memory, and which byte ranges a read copies.
 
-The engine's KV cache is one tensor [layers, 2, num_blocks, block_size, kv_heads,
-head_dim]; each (layer, K|V) plane is a run of equal-sized blocks. A read of blocks
-`remote -> local` becomes, per plane, one descriptor per run of blocks consecutive
-on both sides (coalescing), so a freshly allocated request moves as a few large
-copies instead of thousands of 12 KiB ones.
+The engine's KV cache is one block-major tensor [num_blocks, layers, 2, block_size,
+kv_heads, head_dim]: one block of every layer is one contiguous span (a "plane" of
+equal-sized blocks; the layout keeps room for several planes). A read of blocks
+`remote -> local` becomes one descriptor per run of blocks consecutive on both sides
+(coalescing), so a request moves as a few large copies, not thousands of small ones.
 
 Tensor parallelism is 1 on both sides in kvbridge today: a D rank reads from the
 one P rank; head-slicing for differing TP sizes is not implemented.
@@ -28,11 +28,10 @@ class PlaneLayout:
 
     @classmethod
     def of_kv_cache(cls, kv_cache) -> "PlaneLayout":
-        layers, kv, num_blocks = kv_cache.shape[:3]
-        block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
-        plane_bytes = num_blocks * block_bytes
-        base = kv_cache.data_ptr()
-        return cls(tuple(base + i * plane_bytes for i in range(layers * kv)), block_bytes, num_blocks)
+        """The block-major engine cache: one plane whose blocks are kv_cache[b]."""
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache must be contiguous")
+        return cls((kv_cache.data_ptr(),), kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0])
 
 
 def read_descriptors(local: PlaneLayout, remote: PlaneLayout, local_ids: Sequence[int],

@@ -189,7 +189,7 @@ def test_kv_cache_holds_hf_keys_and_values_at_each_tokens_slot(pair: Pair) -> No
         hf_cache = pair.hf(input_ids=torch.tensor([tokens]), use_cache=True).past_key_values
     table = steps.tables["a"]
     for layer in range(pair.arch.num_layers):
-        ours = torch.stack([steps.kv_cache[layer, :, table[p // BLOCK_SIZE], p % BLOCK_SIZE]
+        ours = torch.stack([steps.kv_cache[table[p // BLOCK_SIZE], layer, :, p % BLOCK_SIZE]
                             for p in range(len(tokens))], dim=1)  # [2, tokens, kv_heads, head_dim]
         hf_layer = hf_cache.layers[layer]
         expected = torch.stack([hf_layer.keys[0].transpose(0, 1), hf_layer.values[0].transpose(0, 1)])

@@ -10,8 +10,11 @@ does no Python work beyond a loop over prefill sequences:
   causally over the new K/V when they start at position 0, otherwise over their whole
   context read back from the cache with a causal mask shifted by the tokens computed before.
 
-KV cache layout (fixed by the transfer code, which copies whole blocks): per layer a view
-[2, num_blocks, block_size, num_kv_heads, head_dim], index 0 = K, 1 = V.
+KV cache layout (fixed by the transfer code, which copies whole blocks): one tensor
+[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], block-major so that one
+block of every layer is one contiguous span and a run of blocks moves as one descriptor.
+Layer i gets the strided view kv_cache[:, i] = [num_blocks, 2, block_size, kv_heads, head_dim],
+index 0 = K, 1 = V.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class AttentionMetadata:
     block_size: int
     decode: DecodeGroup | None = field(init=False)
     prefills: list[PrefillSeq] = field(init=False)
+    slot_blocks: torch.Tensor = field(init=False)  # [T] block of each new token's slot
+    slot_offsets: torch.Tensor = field(init=False)  # [T] offset of each new token within its block
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -101,6 +106,8 @@ class AttentionMetadata:
                 prefills.append(self._prefill_seq(start, end, ctx, self.block_tables[i], device))
         self.prefills = prefills
         self.decode = self._decode_group(decode_seqs, device) if decode_seqs else None
+        self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+        self.slot_offsets = self.slot_mapping - self.slot_blocks * self.block_size
 
     def _validate(self) -> None:
         num_seqs = len(self.context_lens)
@@ -175,10 +182,11 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
-        """q [T, heads, D], k/v [T, kv_heads, D], kv_layer [2, blocks, block_size, kv_heads, D] -> [T, heads*D]."""
-        flat = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)
-        flat[0].index_copy_(0, attn.slot_mapping, k.to(flat.dtype))
-        flat[1].index_copy_(0, attn.slot_mapping, v.to(flat.dtype))
+        """q [T, heads, D], k/v [T, kv_heads, D], kv_layer [blocks, 2, block_size, kv_heads, D] (a strided
+        view of the block-major cache) -> [T, heads*D]."""
+        where = (attn.slot_blocks, attn.slot_offsets)
+        kv_layer[:, 0].index_put_(where, k.to(kv_layer.dtype))
+        kv_layer[:, 1].index_put_(where, v.to(kv_layer.dtype))
         decode = attn.decode
         if decode is not None and decode.token_index is None:
             return self._decode(q, kv_layer, decode)
@@ -195,9 +203,9 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         num_seqs = q.shape[0]
         _, _, block_size, kv_heads, head_dim = kv_layer.shape
-        kv = kv_layer.index_select(1, group.block_index)
-        kv = kv.view(2, num_seqs, group.max_blocks * block_size, kv_heads, head_dim)[:, :, :group.max_context]
-        k, v = kv[0].transpose(1, 2).to(q.dtype), kv[1].transpose(1, 2).to(q.dtype)  # [Bd, kv_heads, S, D]
+        shape = (num_seqs, group.max_blocks * block_size, kv_heads, head_dim)
+        k, v = (kv_layer[:, i].index_select(0, group.block_index).view(shape)[:, :group.max_context]
+                .transpose(1, 2).to(q.dtype) for i in (0, 1))  # [Bd, kv_heads, S, D]
         if self.fold_gqa_decode:
             group_size = self.num_heads // kv_heads
             out = F.scaled_dot_product_attention(q.view(num_seqs, kv_heads, group_size, head_dim), k, v,
@@ -216,9 +224,9 @@ class PagedAttention(nn.Module):
             vs = v[seq.start:seq.end].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
-            kv = kv_layer.index_select(1, seq.block_index)
-            kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, :seq.context_len]
-            ks, vs = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
+            ks, vs = (kv_layer[:, i].index_select(0, seq.block_index)
+                      .view(-1, self.num_kv_heads, self.head_dim)[:seq.context_len].transpose(0, 1).unsqueeze(0)
+                      for i in (0, 1))
             out = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=seq.mask,
                                                  enable_gqa=gqa)
         return out[0].transpose(0, 1).reshape(seq.end - seq.start, self.num_heads * self.head_dim)

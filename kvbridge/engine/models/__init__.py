@@ -4,8 +4,9 @@ Contract (the model runner codes against it):
 - `build_model(arch, dtype, device)` returns a `CausalLM` with uninitialised weights;
   the runner then calls `load_weights` with Hugging Face tensor names.
 - The runner allocates ONE KV cache tensor of shape `kv_cache_shape(arch, num_blocks,
-  block_size)` = [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K,
-  1 = V) and passes it to every `forward`; layer i uses `kv_cache[i]`.
+  block_size)` = [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (0 = K,
+  1 = V; block-major, so a block of every layer is contiguous for KV transfers) and passes
+  it to every `forward`; layer i uses the view `kv_cache[:, i]`.
 - Each step: `forward(input_ids, positions, attn, kv_cache)` -> hidden [T, hidden], then
   `compute_logits(hidden[rows])` -> fp32 logits for the rows it samples from.
 """
@@ -45,7 +46,7 @@ class CausalLM(torch.nn.Module, ABC):
 
 def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     """The shape of the single KV cache tensor the runner allocates for `arch`."""
-    return (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    return (num_blocks, arch.num_layers, 2, block_size, arch.num_kv_heads, arch.head_dim)
 
 
 def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:

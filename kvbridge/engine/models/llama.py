@@ -158,7 +158,7 @@ class LlamaForCausalLM(CausalLM):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_cache[i], attn)
+            h = layer(h, cos, sin, kv_cache[:, i], attn)
         return self.model.norm(h)
 
     @torch.inference_mode()
@@ -234,10 +234,10 @@ class LlamaForCausalLM(CausalLM):
 
     def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
         arch = self.arch
-        if (kv_cache.dim() != 6 or kv_cache.shape[0] != arch.num_layers or kv_cache.shape[1] != 2
+        if (kv_cache.dim() != 6 or kv_cache.shape[1] != arch.num_layers or kv_cache.shape[2] != 2
                 or tuple(kv_cache.shape[4:]) != (arch.num_kv_heads, arch.head_dim)
                 or not kv_cache.is_contiguous()):
-            raise ValueError(f"kv_cache must be one contiguous [{arch.num_layers}, 2, blocks, block_size, "
+            raise ValueError(f"kv_cache must be one contiguous [blocks, {arch.num_layers}, 2, block_size, "
                              f"{arch.num_kv_heads}, {arch.head_dim}] tensor, got {tuple(kv_cache.shape)}")
 
 
