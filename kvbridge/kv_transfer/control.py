@@ -17,8 +17,8 @@ import json
 import queue
 from typing import Any
 
-from kvbridge.kv_transfer.handshake import HandlerRefusal, HandshakeClient, SideChannelServer
 from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.side_channel import HandlerRefusal, HandshakeClient, SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 
 MSG_CHECK_READ = "kv_check_read"

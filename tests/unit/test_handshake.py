@@ -19,32 +19,33 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.kv_transfer.handshake import (
-    FRAME_MAGIC,
     KVBRIDGE_CONNECTOR_VERSION,
     PAYLOAD_MAGIC,
     CompatibilityInfo,
-    FrameError,
-    HandlerRefusal,
-    HandshakeClient,
     HandshakeDecodeError,
     HandshakeEngineMismatch,
     HandshakeError,
     HandshakeFailureKind,
     HandshakeHashMismatch,
     HandshakeLayoutMismatch,
-    HandshakeManager,
     HandshakeMetadata,
     HandshakePeerError,
     HandshakeRefused,
     HandshakeTimeout,
     HandshakeVersionMismatch,
     RankLayout,
+    decode_payload,
+    encode_payload,
+)
+from kvbridge.kv_transfer.handshake_manager import HandshakeManager, is_trusted_host
+from kvbridge.kv_transfer.side_channel import (
+    FRAME_MAGIC,
+    FrameError,
+    HandlerRefusal,
+    HandshakeClient,
     SideChannelServer,
     decode_frame,
-    decode_payload,
     encode_frame,
-    encode_payload,
-    is_trusted_host,
 )
 
 pytestmark = pytest.mark.timeout(120)

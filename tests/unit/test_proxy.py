@@ -21,8 +21,8 @@ import pytest
 
 from kvbridge.config import KVRole
 from kvbridge.serving import cluster
-from kvbridge.serving.proxy import (LeastOutstandingPolicy, RoundRobinPolicy, Upstream, build_proxy_app,
-                                    make_policy, prefill_body)
+from kvbridge.serving.proxy import build_proxy_app, prefill_body
+from kvbridge.serving.routing import LeastOutstandingPolicy, RoundRobinPolicy, Upstream, make_policy
 from tests.unit.proxy_upstreams import FakeInstance, RunningServer, serve
 
 pytestmark = pytest.mark.timeout(60)

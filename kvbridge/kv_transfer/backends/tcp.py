@@ -8,173 +8,42 @@ server for the remote spans and receives the bytes straight into local memory
 arrived does it send READ_DONE; the server then queues the read's notif for its
 agent. So the notif exists only for reads that completed.
 
-Wire protocol v1. Every frame is ``!4sBI`` (magic b"KVBT", op, payload length)
-followed by the payload; byte strings inside payloads are u32-length-prefixed.
-
-    READ       sender, notif, u32 n, n x (u64 addr, u64 length)
-               -> OK(u64 total) and the raw bytes, or ERR(reason)
-    READ_DONE  (empty) -> OK, after the server queued the READ's notif
-    NOTIF      sender, message -> OK
-    ERR        UTF-8 reason; the server closes the connection after sending it
-
-Malformed frames get ERR and a closed connection; the server keeps serving others.
-Connections are pooled per peer and reused. Every socket wait has a timeout.
-Host memory only (device "cpu").
+The wire protocol (frames, READ/READ_DONE/NOTIF payloads, agent metadata) lives in
+tcp_wire.py. Malformed frames get ERR and a closed connection; the server keeps
+serving others. Connections are pooled per peer and reused. Every socket wait has a
+timeout. Host memory only (device "cpu").
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Callable, Sequence
 
 from kvbridge.kv_transfer.backends.base import (
-    DescList, MemoryRegion, NotificationError, RemoteAgentError, TransferBackend,
-    TransferError, TransferSetupError, TransferState, XferHandle, check_read_pairing,
-    host_view, validate_descs,
+    DescList, MemoryRegion, NotificationError, TransferBackend, TransferError,
+    TransferSetupError, TransferState, XferHandle, check_read_pairing, host_view, validate_descs,
+)
+from kvbridge.kv_transfer.backends.tcp_wire import (
+    Cancelled, Op, Peer, ProtocolError, decode_agent_metadata, decode_notif, decode_read,
+    encode_agent_metadata, encode_notif, encode_read, recv_frame, recv_views, send_frame,
+    send_views,
 )
 
 logger = logging.getLogger(__name__)
 
-_META_KIND = "kvbridge-tcp"
-PROTOCOL_VERSION = 1
-_HEADER = struct.Struct("!4sBI")
-_MAGIC = b"KVBT"
-_MAX_PAYLOAD = 16 << 20  # a READ of 1M descriptors; anything larger is garbage
-_IOV_BATCH = 512  # buffers per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024)
 _SERVER_IDLE_S = 60.0  # a server drops a connection idle this long
 _POOL_MAX_IDLE_S = 20.0  # so clients reuse pooled connections well before that
-
-
-class _Op(IntEnum):
-    READ = 1
-    READ_DONE = 2
-    NOTIF = 3
-    OK = 4
-    ERR = 5
-
-
-class _ProtocolError(Exception):
-    """A frame or request the other side must not send; the connection is dropped."""
-
-
-class _Cancelled(Exception):
-    pass
 
 
 def _tune(sock: socket.socket) -> None:
     # Control frames are tiny: no Nagle delay. Buffer sizes stay auto-tuned (fixing
     # them at 4 MiB measured slower on loopback).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _send_frame(sock: socket.socket, op: _Op, payload: bytes = b"") -> None:
-    sock.sendall(_HEADER.pack(_MAGIC, op, len(payload)) + payload)
-
-
-def _advance(views: list[memoryview], first: int, n: int) -> int:
-    """Consume ``n`` transferred bytes from ``views[first:]``; returns the new first."""
-    while n:
-        if n >= len(views[first]):
-            n -= len(views[first])
-            first += 1
-        else:
-            views[first] = views[first][n:]
-            n = 0
-    return first
-
-
-def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """sendall for many buffers: one gathering syscall per batch, not per block."""
-    first = 0
-    while first < len(views):
-        first = _advance(views, first, sock.sendmsg(views[first:first + _IOV_BATCH]))
-
-
-def _recv_views(sock: socket.socket, views: list[memoryview],
-                cancel: threading.Event | None = None) -> None:
-    """Fill every buffer from the stream in order (scattering syscalls); checks
-    ``cancel`` between syscalls, so a cancelled read stops writing promptly."""
-    first = 0
-    while first < len(views):
-        if cancel is not None and cancel.is_set():
-            raise _Cancelled()
-        n = sock.recvmsg_into(views[first:first + _IOV_BATCH])[0]
-        if n == 0:
-            raise ConnectionError("connection closed by peer")
-        first = _advance(views, first, n)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    if n:
-        _recv_views(sock, [memoryview(buf)])
-    return bytes(buf)
-
-
-def _recv_frame(sock: socket.socket) -> tuple[_Op, bytes]:
-    magic, op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if magic != _MAGIC:
-        raise _ProtocolError("bad magic")
-    if length > _MAX_PAYLOAD:
-        raise _ProtocolError(f"payload of {length} bytes is over the limit")
-    try:
-        return _Op(op), _recv_exact(sock, length)
-    except ValueError:
-        raise _ProtocolError(f"unknown op {op}") from None
-
-
-def _blobs(*items: bytes) -> bytes:
-    return b"".join(struct.pack("!I", len(x)) + x for x in items)
-
-
-class _Cursor:
-    """Reads a payload front to back; any overrun or leftover is a _ProtocolError."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data, self._pos = data, 0
-
-    def take(self, n: int) -> bytes:
-        if self._pos + n > len(self._data):
-            raise _ProtocolError("truncated payload")
-        self._pos += n
-        return self._data[self._pos - n:self._pos]
-
-    def u32(self) -> int:
-        return struct.unpack("!I", self.take(4))[0]
-
-    def blob(self) -> bytes:
-        return self.take(self.u32())
-
-    def text(self) -> str:
-        try:
-            return self.blob().decode()
-        except UnicodeDecodeError:
-            raise _ProtocolError("name is not UTF-8") from None
-
-    def end(self) -> None:
-        if self._pos != len(self._data):
-            raise _ProtocolError("trailing bytes in payload")
-
-
-def _encode_read(sender: str, notif: bytes, spans: Sequence[tuple[int, int]]) -> bytes:
-    flat = [v for span in spans for v in span]
-    return (_blobs(sender.encode(), notif) + struct.pack("!I", len(spans))
-            + struct.pack(f"!{len(flat)}Q", *flat))
-
-
-def _decode_read(payload: bytes) -> tuple[str, bytes, list[tuple[int, int]]]:
-    cur = _Cursor(payload)
-    sender, notif, n = cur.text(), cur.blob(), cur.u32()
-    flat = struct.unpack(f"!{2 * n}Q", cur.take(16 * n))
-    cur.end()
-    return sender, notif, list(zip(flat[0::2], flat[1::2]))
 
 
 class _Server:
@@ -226,26 +95,23 @@ class _Server:
         try:
             while not self._stop.is_set():
                 conn.settimeout(_SERVER_IDLE_S)
-                op, payload = _recv_frame(conn)
+                op, payload = recv_frame(conn)
                 conn.settimeout(self._io_timeout_s)
-                if op is _Op.READ:
+                if op is Op.READ:
                     pending = self._serve_read(conn, payload)
-                elif op is _Op.READ_DONE and pending is not None and not payload:
+                elif op is Op.READ_DONE and pending is not None and not payload:
                     self._on_notif(*pending)
                     pending = None
-                    _send_frame(conn, _Op.OK)
-                elif op is _Op.NOTIF:
-                    cur = _Cursor(payload)
-                    sender, msg = cur.text(), cur.blob()
-                    cur.end()
-                    self._on_notif(sender, msg)
-                    _send_frame(conn, _Op.OK)
+                    send_frame(conn, Op.OK)
+                elif op is Op.NOTIF:
+                    self._on_notif(*decode_notif(payload))
+                    send_frame(conn, Op.OK)
                 else:
-                    raise _ProtocolError(f"unexpected {op.name}")
-        except _ProtocolError as exc:
+                    raise ProtocolError(f"unexpected {op.name}")
+        except ProtocolError as exc:
             self._warn_refused(exc)
             try:
-                _send_frame(conn, _Op.ERR, str(exc).encode())
+                send_frame(conn, Op.ERR, str(exc).encode())
             except OSError:
                 pass
         except (OSError, ConnectionError, struct.error):
@@ -255,7 +121,7 @@ class _Server:
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _warn_refused(self, exc: _ProtocolError) -> None:
+    def _warn_refused(self, exc: ProtocolError) -> None:
         with self._lock:
             now = time.monotonic()
             if now - self._last_warning < 5.0:
@@ -266,12 +132,12 @@ class _Server:
                        self.port, exc, suppressed)
 
     def _serve_read(self, conn: socket.socket, payload: bytes) -> tuple[str, bytes]:
-        sender, notif, spans = _decode_read(payload)
+        sender, notif, spans = decode_read(payload)
         views = self._views(spans)
         if views is None:
-            raise _ProtocolError("a span is empty or outside registered memory")
-        _send_frame(conn, _Op.OK, struct.pack("!Q", sum(n for _, n in spans)))
-        _send_views(conn, views)
+            raise ProtocolError("a span is empty or outside registered memory")
+        send_frame(conn, Op.OK, struct.pack("!Q", sum(n for _, n in spans)))
+        send_views(conn, views)
         return sender, notif
 
 
@@ -280,13 +146,6 @@ def _shutdown_quietly(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-
-
-@dataclass(frozen=True)
-class _Peer:
-    name: str
-    host: str
-    port: int
 
 
 def _views_of(table: Sequence[tuple[MemoryRegion, memoryview]],
@@ -310,7 +169,7 @@ class _TcpRead:
     payload: bytes
     local: list[memoryview]  # where the bytes land, in stream order
     nbytes: int
-    peer: _Peer
+    peer: Peer
     cancel: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
@@ -328,8 +187,8 @@ class TcpBackend(TransferBackend):
         self._connect_timeout_s, self._io_timeout_s = connect_timeout_s, io_timeout_s
         self._lock = threading.RLock()
         self._regions: list[tuple[MemoryRegion, memoryview]] = []  # with a view of each
-        self._peers: dict[str, _Peer] = {}
-        self._pool: dict[_Peer, list[tuple[socket.socket, float]]] = {}
+        self._peers: dict[str, Peer] = {}
+        self._pool: dict[Peer, list[tuple[socket.socket, float]]] = {}
         self._live: dict[int, XferHandle] = {}
         self._inbox: dict[str, list[bytes]] = {}
         self._closed = False
@@ -349,22 +208,10 @@ class TcpBackend(TransferBackend):
     def agent_metadata(self) -> bytes:
         self._ensure_open()
         host, port = self.address
-        return json.dumps({"kind": _META_KIND, "version": PROTOCOL_VERSION,
-                           "name": self.agent_name, "host": host, "port": port}).encode()
+        return encode_agent_metadata(self.agent_name, host, port)
 
     def add_remote_agent(self, metadata: bytes) -> str:
-        try:
-            meta = json.loads(metadata)
-            peer = _Peer(meta["name"], meta["host"], meta["port"])
-            kind, version = meta["kind"], meta["version"]
-        except (ValueError, TypeError, KeyError) as exc:
-            raise RemoteAgentError(f"malformed tcp agent metadata: {exc}") from exc
-        if kind != _META_KIND or version != PROTOCOL_VERSION:
-            raise RemoteAgentError(f"metadata is {kind!r} v{version}, "
-                                   f"not {_META_KIND} v{PROTOCOL_VERSION}")
-        if not (isinstance(peer.name, str) and peer.name and isinstance(peer.host, str)
-                and isinstance(peer.port, int) and 0 < peer.port < 65536):
-            raise RemoteAgentError(f"bad tcp agent metadata fields: {peer}")
+        peer = decode_agent_metadata(metadata)
         with self._lock:
             self._ensure_open()
             self._peers[peer.name] = peer
@@ -394,7 +241,7 @@ class TcpBackend(TransferBackend):
             views = _views_of(self._regions, local.descs)
             if views is None:
                 raise TransferSetupError("local descriptors outside registered memory")
-            read = _TcpRead(_encode_read(self.agent_name, bytes(notif), remote.descs),
+            read = _TcpRead(encode_read(self.agent_name, bytes(notif), remote.descs),
                             views, local.nbytes, peer)
             handle = XferHandle(remote_agent, local.nbytes, len(local), bytes(notif), native=read)
             read.thread = threading.Thread(target=self._run_read, args=(read,), daemon=True,
@@ -444,11 +291,11 @@ class TcpBackend(TransferBackend):
         sock = None
         try:
             sock = self._checkout(peer)
-            _send_frame(sock, _Op.NOTIF, _blobs(self.agent_name.encode(), bytes(msg)))
-            op, body = _recv_frame(sock)
-            if op is not _Op.OK:
+            send_frame(sock, Op.NOTIF, encode_notif(self.agent_name, bytes(msg)))
+            op, body = recv_frame(sock)
+            if op is not Op.OK:
                 raise NotificationError(f"{remote_agent} refused the notification: {body!r}")
-        except (OSError, ConnectionError, _ProtocolError, struct.error) as exc:
+        except (OSError, ConnectionError, ProtocolError, struct.error) as exc:
             if sock is not None:
                 sock.close()
             raise NotificationError(f"cannot notify {remote_agent}: {exc}") from exc
@@ -488,37 +335,37 @@ class TcpBackend(TransferBackend):
             sock = self._checkout(read.peer)
             with read.lock:
                 if read.cancel.is_set():
-                    raise _Cancelled()
+                    raise Cancelled()
                 read.sock = sock
-            _send_frame(sock, _Op.READ, read.payload)
-            op, body = _recv_frame(sock)
-            if op is _Op.ERR:
+            send_frame(sock, Op.READ, read.payload)
+            op, body = recv_frame(sock)
+            if op is Op.ERR:
                 reason = body.decode(errors="replace")
-                raise _ProtocolError(f"refused by {read.peer.name}: {reason}")
-            if op is not _Op.OK or body != struct.pack("!Q", read.nbytes):
-                raise _ProtocolError(f"unexpected answer {op.name} to READ")
-            _recv_views(sock, read.local, read.cancel)
+                raise ProtocolError(f"refused by {read.peer.name}: {reason}")
+            if op is not Op.OK or body != struct.pack("!Q", read.nbytes):
+                raise ProtocolError(f"unexpected answer {op.name} to READ")
+            recv_views(sock, read.local, read.cancel)
             if read.cancel.is_set():
-                raise _Cancelled()
-            _send_frame(sock, _Op.READ_DONE)
-            if _recv_frame(sock)[0] is not _Op.OK:
-                raise _ProtocolError("READ_DONE not acknowledged")
+                raise Cancelled()
+            send_frame(sock, Op.READ_DONE)
+            if recv_frame(sock)[0] is not Op.OK:
+                raise ProtocolError("READ_DONE not acknowledged")
             with read.lock:
                 read.state = TransferState.DONE
                 if not read.cancel.is_set():  # else release() has shut the socket down
                     read.sock = None
                     self._checkin(read.peer, sock)
                     sock = None
-        except _Cancelled:
+        except Cancelled:
             pass
-        except (OSError, ConnectionError, _ProtocolError, struct.error) as exc:
+        except (OSError, ConnectionError, ProtocolError, struct.error) as exc:
             read.error = str(exc) or type(exc).__name__
             read.state = TransferState.ERROR
         finally:
             if sock is not None:
                 sock.close()
 
-    def _checkout(self, peer: _Peer) -> socket.socket:
+    def _checkout(self, peer: Peer) -> socket.socket:
         """A pooled connection that is still open, or a new one."""
         now = time.monotonic()
         while True:
@@ -535,7 +382,7 @@ class TcpBackend(TransferBackend):
         sock.settimeout(self._io_timeout_s)
         return sock
 
-    def _checkin(self, peer: _Peer, sock: socket.socket) -> None:
+    def _checkin(self, peer: Peer, sock: socket.socket) -> None:
         """Return a healthy connection to the pool (closed if the peer is gone)."""
         with self._lock:
             if not self._closed and self._peers.get(peer.name) == peer:

@@ -10,8 +10,9 @@ from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.connector.scheduler_side import KVBridgeSchedulerConnector
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
 from kvbridge.kv_transfer.failure import FailureHandler
-from kvbridge.kv_transfer.handshake import CompatibilityInfo, SideChannelServer
+from kvbridge.kv_transfer.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 
 

@@ -19,7 +19,7 @@ from kvbridge.engine.request import FinishReason, Request
 from kvbridge.kv_transfer.connector.base import BlockIds, KVConnectorOutput, SchedulerConnector
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, ReleaseSpec, RemoteEngine, remote_of
 from kvbridge.kv_transfer.failure import recompute_on_failure
-from kvbridge.kv_transfer.handshake import is_trusted_host
+from kvbridge.kv_transfer.handshake_manager import is_trusted_host
 from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError
 from kvbridge.kv_transfer.stats import KVTransferStats

@@ -26,9 +26,11 @@ from kvbridge.kv_transfer.connector.metadata import (ConnectorMetadata, RecvSpec
 from kvbridge.kv_transfer.control import ControlClient, ControlServer, incarnation_of
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
 from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, HandshakeFailureKind,
-                                            HandshakeLayoutMismatch, HandshakeManager, HandshakeMetadata,
-                                            RankLayout, SideChannelServer, encode_payload)
+                                            HandshakeLayoutMismatch, HandshakeMetadata, RankLayout,
+                                            encode_payload)
+from kvbridge.kv_transfer.handshake_manager import HandshakeManager
 from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.kv_transfer.topology import PlaneLayout, read_descriptors
 
