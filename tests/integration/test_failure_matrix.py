@@ -21,7 +21,6 @@ from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.handshake import encode_payload, HandshakeMetadata, RankLayout
 from kvbridge.kv_transfer.side_channel import SideChannelServer
-import dataclasses
 
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
