@@ -369,6 +369,58 @@ def test_empty_url_list_is_refused():
         build_proxy_app(["http://127.0.0.1:1"], [])
 
 
+# ---- colocated mode: no prefill URLs ---------------------------------------------------------------
+async def test_colocated_mode_sends_the_client_body_unchanged_to_decode_only():
+    async with pd_cluster(num_prefill=0) as pd:
+        body = {**COMPLETION, "min_tokens": 4, "n": 2, "stream_options": {"include_usage": True}}
+        r = await pd.http.post("/v1/completions", json=body, headers={"X-Request-Id": "rid-c"})
+        assert r.json()["choices"][0]["text"] == "answer from decode-0"
+        [received] = pd.decode[0].received
+        assert (received.body, received.headers["x-request-id"]) == (body, "rid-c")
+
+
+async def test_colocated_mode_drops_client_kv_transfer_params():
+    async with pd_cluster(num_prefill=0) as pd:
+        await pd.http.post("/v1/completions", json={**COMPLETION, "kv_transfer_params": {"do_remote_prefill": True}})
+        assert pd.decode[0].received[0].body == COMPLETION
+
+
+async def test_colocated_mode_stream_passthrough_is_byte_exact_with_the_official_client():
+    async with pd_cluster(num_prefill=0) as pd, openai_client(pd) as client:
+        async with pd.http.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "rid-s"},
+                                  json={"model": "m", "messages": [], "stream": True}) as r:
+            received = b"".join([chunk async for chunk in r.aiter_raw()])
+        assert received == b"".join(pd.decode[0].stream_chunks("/v1/chat/completions", "rid-s"))
+        stream = await client.completions.create(model="m", prompt="Hi", max_tokens=5, stream=True)
+        assert "".join([chunk.choices[0].text async for chunk in stream]) == "answer from decode-0"
+
+
+async def test_colocated_mode_health_needs_only_decode_and_503_without_it():
+    async with pd_cluster(num_prefill=0, health_interval_s=0.05) as pd:
+        assert await pd.health() == {"status": "ok", "mode": "colocated", "prefill": [],
+                                     "decode": [{"url": pd.servers["decode-0"].url, "healthy": True,
+                                                 "outstanding": 0}]}
+        pd.decode[0].healthy = False
+        await pd.wait_health("decode", 0, healthy=False)
+        r = await pd.http.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_instance"
+        assert (await pd.http.get("/health")).status_code == 503
+
+
+async def test_colocated_mode_fails_over_between_decode_instances():
+    async with pd_cluster(num_prefill=0, num_decode=2, health_interval_s=60) as pd:
+        await pd.servers["decode-0"].stop()
+        texts = [(await pd.http.post("/v1/completions", json=COMPLETION)).json()["choices"][0]["text"]
+                 for _ in range(2)]
+        assert texts == ["answer from decode-1"] * 2
+
+
+def test_proxy_command_line_without_prefill_is_colocated():
+    from kvbridge.cli import build_parser
+    args = build_parser().parse_args(["proxy", "--decode", "http://d0"])
+    assert (args.prefill, args.decode) == ([], ["http://d0"])
+
+
 # ---- local cluster: command lines, environment, children --------------------------------------------
 def test_serve_command_names_every_kv_option():
     spec = cluster.InstanceSpec("prefill-0", KVRole.PRODUCER, 9001, 9002, "prefill-0-abc")
