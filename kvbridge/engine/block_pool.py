@@ -56,6 +56,9 @@ class BlockPool:
             self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
+        # Ascending ids: a request's fresh blocks then form runs that a KV transfer moves as
+        # one descriptor each (the free list hands them out tail-first after frees).
+        out.sort(key=lambda b: b.block_id)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

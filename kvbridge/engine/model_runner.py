@@ -38,6 +38,27 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+_MADV_HUGEPAGE = 14
+_PAGE = 4096
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux for transparent huge pages under a large CPU tensor (before it is touched).
+
+    NIXL/UCX pins the KV cache page by page for its zero-copy reads: on 4 KiB pages a read
+    ran at about 6 GB/s here, on huge pages at 14-17 GB/s. Best effort: False if refused."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        start = -(-t.data_ptr() // _PAGE) * _PAGE
+        end = (t.data_ptr() + t.numel() * t.element_size()) // _PAGE * _PAGE
+        if end <= start:
+            return False
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem  # one block, every layer
@@ -54,8 +75,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.model = build_model(arch, self.dtype, self.device)
         self.model.load_weights(weights)
-        self.kv_cache = torch.zeros(kv_cache_shape(arch, num_blocks, block_size), dtype=self.dtype,
+        self.kv_cache = torch.empty(kv_cache_shape(arch, num_blocks, block_size), dtype=self.dtype,
                                     device=self.device)
+        if self.device.type == "cpu":
+            advise_huge_pages(self.kv_cache)
+        self.kv_cache.zero_()
         self.sampler = Sampler(seed)
         self.connector = connector
         if connector is not None:
