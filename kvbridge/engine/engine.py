@@ -176,9 +176,13 @@ class LLMEngine:
                 self.output_processor.detokenize(req)
             lp = result.logprobs.get(req.request_id)
             outputs.append(self.output_processor.make_output(req, [lp] if lp is not None else None))
-        if not sched.scheduled and not outputs:
+        if not sched.scheduled and not outputs and not self.transfers_in_flight():
             time.sleep(IDLE_SLEEP_S)
         return outputs
+
+    def transfers_in_flight(self) -> bool:
+        """KV loads under way: the loop's owner should step again promptly to see them complete."""
+        return self.connectors is not None and self.connectors[1].has_loads_in_flight()
 
     def metrics(self) -> EngineMetrics:
         s, kvm = self.scheduler, self.kv_cache_manager

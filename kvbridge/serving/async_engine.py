@@ -297,7 +297,10 @@ class AsyncEngine:
                     self._die(exc)
                     continue
                 self._dispatch(outputs)
-                backoff = 0.0 if outputs else min(max(2 * backoff, _MIN_BACKOFF_S), _MAX_BACKOFF_S)
+                # KV reads in flight: poll at the shortest interval, or their completion waits
+                # for the backoff (up to 10 ms, a third of an 8k-token read here).
+                cap = _MIN_BACKOFF_S if self._engine.transfers_in_flight() else _MAX_BACKOFF_S
+                backoff = 0.0 if outputs else min(max(2 * backoff, _MIN_BACKOFF_S), cap)
         finally:
             self._stop()
 

@@ -340,6 +340,9 @@ class KVBridgeWorkerConnector(WorkerConnector):
             self._last_backend_error_log = now
             logger.error("transfer backend %s failed on engine %s: %s", what, self.engine_id, exc)
 
+    def has_loads_in_flight(self) -> bool:
+        return bool(self._recvs)
+
     def has_work(self) -> bool:
         return bool(self._recvs or self._side_requests or len(self.leases))
 
