@@ -89,7 +89,7 @@ def main() -> None:
     p50, p99 = statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
     result = {"rounds": a.rounds, "statuses": sorted(set(statuses)), "p50_ms": p50, "p99_ms": p99,
               "max_ms": lat[-1], "lease_s_without_notification": LEASE_S}
-    print(f"\n| rounds | D statuses | P freed after D's answer: p50 | p99 | max | without the notification |")
+    print("\n| rounds | D statuses | P freed after D's answer: p50 | p99 | max | without the notification |")
     print(f"| {a.rounds} | {result['statuses']} | {p50:.1f} ms | {p99:.1f} ms | {lat[-1]:.1f} ms | "
           f"lease expiry ({LEASE_S:.0f} s) |")
     if a.json:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.engine.outputs import RequestOutput, TokenLogprob
-from kvbridge.engine.request import FinishReason, Request
+from kvbridge.engine.request import Request
 from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -1,14 +1,16 @@
 """Both connector halves end to end, in process: P and D engines on the real default
 model, the fake transfer backend (real copies, fault knobs) and the real side channel."""
 
+import time
+
 import pytest
 
-from kvbridge.config import KVRole, LoadFailurePolicy
+from kvbridge.config import KVRole
+from kvbridge.engine.engine import EngineRequestError
 from kvbridge.engine.loader import load_model
-from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
-
+from kvbridge.kv_transfer.backends.fake import FakeFabric
+from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -74,7 +76,6 @@ def test_eight_concurrent_requests(loaded, colocated, pd):
     prompts = [prompt_of(loaded, f"Count from {i} to {i + 5}.") for i in range(8)]
     want = colocated.generate(prompts, GREEDY)
     params = [prefill(p, pr) for pr in prompts]
-    from kvbridge.kv_transfer.params import parse_kv_transfer_params
     for i, (pr, pa) in enumerate(zip(prompts, params)):
         d.add_request(f"c{i}", pr, GREEDY, parse_kv_transfer_params(pa))
     got = {f"c{i}": [] for i in range(8)}
@@ -89,7 +90,6 @@ def test_abort_before_scheduling_releases_p_blocks_at_once(loaded, pd):
     _, p, d = pd
     prompt = prompt_of(loaded, "Name a fruit.")
     params = prefill(p, prompt)
-    from kvbridge.kv_transfer.params import parse_kv_transfer_params
     d.add_request("x", prompt, GREEDY, parse_kv_transfer_params(params))
     d.abort_request("x")
     settle(p, d)
@@ -101,7 +101,6 @@ def test_rejected_request_notifies_p(loaded, pd):
     _, p, d = pd
     prompt = prompt_of(loaded, "Name a color.")
     params = prefill(p, prompt)
-    from kvbridge.kv_transfer.params import parse_kv_transfer_params
     d.notify_kv_transfer_rejected("rejected", parse_kv_transfer_params(params))
     settle(p, d)
     assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.early_releases == 1
@@ -128,8 +127,6 @@ def test_lease_expiry_frees_blocks_and_a_late_read_is_refused(loaded, colocated)
 
 def test_untrusted_prefill_host_is_a_client_error(loaded, pd):
     _, p, d = pd
-    from kvbridge.engine.engine import EngineRequestError
-    from kvbridge.kv_transfer.params import parse_kv_transfer_params
     prompt = prompt_of(loaded, "Hi")
     params = parse_kv_transfer_params({
         "do_remote_prefill": True, "remote_block_ids": [0, 1], "remote_engine_id": "P",
@@ -147,18 +144,17 @@ def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
     # D heartbeats every sixth of its own --kv-lease-seconds: configure it like P's.
     d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D", num_blocks=8, lease_s=lease)
     try:
-        from kvbridge.kv_transfer.params import parse_kv_transfer_params
         hog = loaded.tokenizer.encode("word " * 100)
         d.add_request("hog", hog, SamplingParams(max_tokens=27, temperature=0, ignore_eos=True))  # all 8 blocks
         d.step()
         prompt = prompt_of(loaded, "Name a bird.")
         want = colocated.generate([prompt], GREEDY)[0]
         d.add_request("remote", prompt, GREEDY, parse_kv_transfer_params(prefill(p, prompt)))
-        got, started = [], __import__("time").monotonic()
+        got, started = [], time.monotonic()
         while d.has_unfinished_requests():
             got += [t for o in d.step() if o.request_id == "remote" for t in o.new_token_ids]
             p.step()
-        assert __import__("time").monotonic() - started > 2 * lease  # it waited two leases or more
+        assert time.monotonic() - started > 2 * lease  # it waited two leases or more
         assert got == want
         assert p.connectors[1].stats.expired_leases == 0 and d.connectors[1].stats.transfers == 1
     finally:

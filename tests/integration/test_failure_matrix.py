@@ -19,9 +19,9 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
-from kvbridge.kv_transfer.handshake import encode_payload, HandshakeMetadata, RankLayout
+from kvbridge.kv_transfer.handshake import HandshakeMetadata, RankLayout, encode_payload
+from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.kv_transfer.side_channel import SideChannelServer
-
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -180,7 +180,6 @@ def test_failed_release_notification_is_counted_and_the_lease_frees(loaded, prom
     try:
         params = prefill(p, prompt)
         with rogue_side_channel("refused", p) as port:
-            from kvbridge.kv_transfer.params import parse_kv_transfer_params
             d.add_request("gone", prompt, GREEDY, parse_kv_transfer_params({**params, "remote_port": port}))
             d.abort_request("gone")  # aborted before scheduling: D sends a release to a dead port
             settle(p, d, timeout_s=5)
