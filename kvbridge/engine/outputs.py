@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvbridge.engine.request import FinishReason
 
@@ -37,4 +37,3 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
     error: str | None = None
     stop_reason: str | int | None = None
-    extra: dict = field(default_factory=dict)

@@ -51,7 +51,6 @@ class Request:
     error: str | None = None
     # Set by the connector's scheduler half; carried to the API on the finishing output.
     kv_transfer_params_out: dict[str, Any] | None = None
-    # The position from which KV must be recomputed after a failed remote load.
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
 
     @property

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,6 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token; None: none
     include_stop_str_in_output: bool = False
-    extra: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
