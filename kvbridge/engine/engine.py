@@ -168,12 +168,9 @@ class LLMEngine:
         touched = self.scheduler.update_from_output(sched, result)
         outputs, self._pending = self._pending, []
         for req in touched:
-            if not req.status.is_finished:
-                stop = self.output_processor.detokenize(req)
-                if stop is not None:
-                    self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
-            else:
-                self.output_processor.detokenize(req)
+            stop = self.output_processor.detokenize(req)
+            if stop is not None and not req.status.is_finished:
+                self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
             lp = result.logprobs.get(req.request_id)
             outputs.append(self.output_processor.make_output(req, [lp] if lp is not None else None))
         if not sched.scheduled and not outputs and not self.transfers_in_flight():

@@ -103,9 +103,11 @@ class KVCacheManager:
         # One full-attention group per model today: every group shares the hit.
         return tuple(list(hits) for _ in self.groups), len(hits) * self.block_size
 
-    def can_allocate(self, request: Request, num_tokens: int, new_computed: int = 0) -> bool:
-        """Whether allocate_slots would succeed, without side effects."""
-        return self._blocks_to_allocate(request, num_tokens, new_computed) <= self.pool.num_free_blocks
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: tuple[list[KVBlock], ...] | None = None) -> bool:
+        """Whether allocate_slots with the same arguments would succeed, without side effects."""
+        hits = new_computed_blocks or tuple([] for _ in self.groups)
+        return self._free_blocks_needed(request, num_new_tokens, hits) <= self.pool.num_free_blocks
 
     # ---- actions -------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -117,15 +119,10 @@ class KVCacheManager:
         request's full block ids, or None (and changes nothing) if blocks ran out.
         """
         hits = new_computed_blocks or tuple([] for _ in self.groups)
-        num_hit = len(hits[0])
-        total_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
-        table = self._tables.get(request.request_id)
-        have = len(table[0]) if table else 0
-        need = sum(g.blocks_needed(total_tokens) for g in self.groups) - len(self.groups) * (have + num_hit)
-        # Hit blocks that are free right now leave the free list when touched.
-        hit_free = sum(1 for b in hits[0] if b.ref_cnt == 0) * len(self.groups)
-        if max(need, 0) + hit_free > self.pool.num_free_blocks:
+        if self._free_blocks_needed(request, num_new_tokens, hits) > self.pool.num_free_blocks:
             return None
+        total_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
+        table = self._tables.get(request.request_id)
         if table is None:
             table = tuple([] for _ in self.groups)
             self._tables[request.request_id] = table
@@ -164,7 +161,13 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
-    def _blocks_to_allocate(self, request: Request, num_tokens: int, new_computed: int) -> int:
-        total = request.num_computed_tokens + new_computed + num_tokens
-        have = len(self._tables[request.request_id][0]) if request.request_id in self._tables else 0
-        return sum(max(g.blocks_needed(total) - have, 0) for g in self.groups)
+    def _free_blocks_needed(self, request: Request, num_new_tokens: int,
+                            hits: tuple[list[KVBlock], ...]) -> int:
+        """Free blocks that allocate_slots would take: fresh ones, plus cached hits that are
+        free right now (touching them takes them off the free list)."""
+        num_hit = len(hits[0])
+        total_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        table = self._tables.get(request.request_id)
+        have = len(table[0]) if table else 0
+        fresh = sum(max(g.blocks_needed(total_tokens) - have - num_hit, 0) for g in self.groups)
+        return fresh + sum(1 for b in hits[0] if b.ref_cnt == 0) * len(self.groups)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvbridge.kv_transfer.backends.base import coalesce_block_runs
+from kvbridge.kv_transfer.backends.base import coalesce_block_runs, run_descs
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,9 @@ def read_descriptors(local: PlaneLayout, remote: PlaneLayout, local_ids: Sequenc
     if any(not 0 <= b < local.num_blocks for b in local_ids):
         raise ValueError("local block id out of range")
     runs = coalesce_block_runs(list(local_ids), list(remote_ids))
-    bb = local.block_bytes
     local_descs, remote_descs = [], []
     for lbase, rbase in zip(local.plane_base_addrs, remote.plane_base_addrs):
-        for l_start, r_start, n in runs:
-            local_descs.append((lbase + l_start * bb, n * bb))
-            remote_descs.append((rbase + r_start * bb, n * bb))
+        ld, rd = run_descs(runs, local_base=lbase, remote_base=rbase, block_bytes=local.block_bytes)
+        local_descs += ld
+        remote_descs += rd
     return local_descs, remote_descs

@@ -114,3 +114,20 @@ def test_block_ids_are_a_tuple_with_one_list_per_group():
     assert not set(ids[0]) & set(ids[1])
     kvm.free("a")
     assert kvm.num_free_blocks == 8
+
+
+def test_can_allocate_agrees_with_allocate_slots_when_hits_are_free():
+    kvm = make_kvm(num_blocks=3, block_size=4)
+    a = req("a", range(9))
+    kvm.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kvm.cache_blocks(a, 9)
+    kvm.free("a")  # two cached free blocks, one plain free block
+    b = req("b", range(9))
+    hits, n = kvm.get_computed_blocks(b)
+    assert n == 8
+    assert kvm.can_allocate(b, 1, hits)  # touches 2 cached + takes 1 fresh = all 3
+    assert not kvm.can_allocate(b, 5, hits)  # would need a 4th block
+    assert kvm.allocate_slots(b, 5, hits) is None and kvm.num_free_blocks == 3
+    assert kvm.allocate_slots(b, 1, hits) is not None
+    kvm.free("b")
