@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from kvbridge.config import EngineConfig
 from kvbridge.engine.block_pool import BlockPool
@@ -178,8 +179,15 @@ class LLMEngine:
         return outputs
 
     def transfers_in_flight(self) -> bool:
-        """KV loads under way: the loop's owner should step again promptly to see them complete."""
-        return self.connectors is not None and self.connectors[1].has_loads_in_flight()
+        """KV transfers under way (loads on D, reads of this engine's blocks on P): the loop's
+        owner should step again promptly, or their completion waits for its back-off."""
+        return self.connectors is not None and self.connectors[1].has_transfers_in_flight()
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """``wake`` is called from another thread when a transfer starts that needs this engine
+        to step promptly (a remote reader was granted a read). It must be cheap and thread-safe."""
+        if self.connectors is not None:
+            self.connectors[1].set_wakeup(wake)
 
     def metrics(self) -> EngineMetrics:
         s, kvm = self.scheduler, self.kv_cache_manager

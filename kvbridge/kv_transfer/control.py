@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import queue
-from typing import Any
+from typing import Any, Callable
 
 from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.side_channel import HandlerRefusal, HandshakeClient, SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
+
+logger = logging.getLogger(__name__)
 
 MSG_CHECK_READ = "kv_check_read"
 MSG_RELEASE = "kv_release"
@@ -56,6 +59,9 @@ class ControlServer:
     def __init__(self, server: SideChannelServer, leases: LeaseTable, stats: KVTransferStats) -> None:
         self.leases = leases
         self.stats = stats
+        # Called (on the side-channel thread) when a read is granted: a read is about to
+        # start and completes only once P's agent progresses, so the engine loop should wake.
+        self.on_read_granted: Callable[[], None] | None = None
         self._released: "queue.SimpleQueue[str]" = queue.SimpleQueue()
         # Identifies this process's transfer agent; D compares it with the agent it
         # handshook with, to notice a P restarted under the same address.
@@ -75,6 +81,11 @@ class ControlServer:
         if reason is not None:
             self.stats.incr("refused_reads")
             raise HandlerRefusal(reason)
+        if self.on_read_granted is not None:
+            try:
+                self.on_read_granted()
+            except Exception:  # a wake-up is an optimisation: never refuse a read over it
+                logger.exception("the read-granted hook failed")
         return self.incarnation.encode()
 
     def _release(self, body: bytes) -> bytes:

@@ -7,6 +7,11 @@ still waits for. Every lease has a generation; D names it in each message, and a
 message naming a generation P no longer holds is refused, so a late reader never
 gets blocks that were freed and reused by someone else.
 
+A granted check_read also marks the lease as being read until the read-done
+notification ends it (or ``read_watch_s`` passes): a NIXL read completes only
+after the target's agent has progressed, so while one is in flight P's engine
+loop polls promptly instead of backing off (``reads_in_flight``).
+
 Thread-safe: the side-channel thread validates reads while the engine thread grants,
 releases and expires.
 """
@@ -36,14 +41,23 @@ class Lease:
         return all(set(want) <= set(have) for want, have in zip(block_ids, self.block_ids))
 
 
+# How long after a granted check_read P treats the read as in flight when no read-done
+# notification arrives (D died mid-read, or its notification was lost): an 8k-token read
+# takes 20-100 ms on loopback; this bounds the prompt polling a vanished reader can cause.
+READ_WATCH_S = 5.0
+
+
 class LeaseTable:
-    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic,
+                 read_watch_s: float = READ_WATCH_S) -> None:
         if lease_seconds <= 0:
             raise ValueError("lease_seconds must be positive")
         self.lease_seconds = lease_seconds
+        self.read_watch_s = read_watch_s
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
+        self._reading: dict[str, float] = {}  # request id -> until when its granted read counts as in flight
         self._heap: list[tuple[float, str, int]] = []  # (expiry, request id, generation); stale entries skipped
         # A random base: a P restarted under the same address never reissues a generation
         # that a D may still hold from before the restart.
@@ -89,9 +103,22 @@ class LeaseTable:
                 return f"stale lease generation {generation} for request {request_id}"
             if not lease.grants(block_ids):
                 return f"blocks not granted to request {request_id}"
-            lease.expiry = max(lease.expiry, self._clock() + self.lease_seconds * 2 / 3)
+            now = self._clock()
+            lease.expiry = max(lease.expiry, now + self.lease_seconds * 2 / 3)
             heapq.heappush(self._heap, (lease.expiry, request_id, generation))
+            self._reading[request_id] = now + self.read_watch_s
             return None
+
+    def reads_in_flight(self) -> bool:
+        """Has a read of leased blocks been granted and not ended (read done, release, expiry)
+        within the last ``read_watch_s``?"""
+        with self._lock:
+            if not self._reading:
+                return False
+            now = self._clock()
+            for rid in [rid for rid, until in self._reading.items() if until <= now]:
+                del self._reading[rid]
+            return bool(self._reading)
 
     def release(self, request_id: str, generation: int) -> bool:
         """End the lease (read done or not wanted). True if this call ended it."""
@@ -99,6 +126,7 @@ class LeaseTable:
             if self._live(request_id, generation) is None:
                 return False
             del self._leases[request_id]
+            self._reading.pop(request_id, None)
             return True
 
     def pop_expired(self) -> list[str]:
@@ -111,6 +139,7 @@ class LeaseTable:
                 lease = self._live(rid, gen)
                 if lease is not None and lease.expiry <= now:
                     del self._leases[rid]
+                    self._reading.pop(rid, None)
                     out.append(rid)
         return out
 

@@ -94,7 +94,12 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Call | _Stop
+class _Wake:
+    """Step now: a transfer started that completes only while this engine polls."""
+
+
+_WAKE = _Wake()
+_Command = _Add | _Abort | _Call | _Stop | _Wake
 
 
 class RequestStream:
@@ -145,6 +150,7 @@ class AsyncEngine:
         self._stop_posted = False
         self.dead_reason: str | None = None
         self._sinks: dict[str, _Sink] = {}  # engine thread only
+        engine.set_wakeup(lambda: self._commands.put(_WAKE))
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
@@ -335,8 +341,9 @@ class AsyncEngine:
                     self._engine.abort_request(command.request_id)
                 except Exception:
                     logger.exception("request %s: abort failed", command.request_id)
-        else:
+        elif isinstance(command, _Call):
             _run_call(command, self._engine)
+        # _Wake: nothing to apply; taking it off the queue ended the wait, so the loop steps now
 
     def _apply_add(self, add: _Add) -> None:
         if not add.future.set_running_or_notify_cancel():

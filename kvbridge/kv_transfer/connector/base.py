@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +104,13 @@ class WorkerConnector(ABC):
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:
         """Poll transfers and notifications; never raises: failures are reported as data."""
+
+    def has_transfers_in_flight(self) -> bool:
+        """Transfers whose completion this engine must poll for promptly (not back off)."""
+        return False
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """Install a thread-safe callback that wakes the engine loop when a transfer starts."""
 
     def shutdown(self) -> None:
         """Releases transfers, registrations and threads; idempotent."""

@@ -17,6 +17,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvbridge.config import KVRole, KVTransferConfig
 from kvbridge.kv_transfer.backends.base import MemoryRegion, TransferBackend, TransferState
@@ -340,8 +341,16 @@ class KVBridgeWorkerConnector(WorkerConnector):
             self._last_backend_error_log = now
             logger.error("transfer backend %s failed on engine %s: %s", what, self.engine_id, exc)
 
-    def has_loads_in_flight(self) -> bool:
-        return bool(self._recvs)
+    def has_transfers_in_flight(self) -> bool:
+        """D: loads under way. P: a read of its leased blocks granted and not yet done (the read
+        completes only after P's agent progresses, so P must keep polling promptly)."""
+        return bool(self._recvs) or (self.control_server is not None and self.leases.reads_in_flight())
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """P: call ``wake`` (from the side-channel thread) when a read of leased blocks is granted,
+        so that an engine loop sleeping between idle steps polls again at once."""
+        if self.control_server is not None:
+            self.control_server.on_read_granted = wake
 
     def has_work(self) -> bool:
         return bool(self._recvs or self._side_requests or len(self.leases))
