@@ -10,7 +10,6 @@ step within the test's wait.
 import time
 
 import httpx
-import pytest
 
 from kvbridge.chaos import ThreadServer
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig

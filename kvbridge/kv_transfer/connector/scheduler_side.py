@@ -108,7 +108,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         first_new = num_local_computed // self.block_size
         local = tuple(list(g[first_new:]) for g in block_ids)
         # D reads only what it lacks: the tail of P's blocks matching D's new blocks.
-        remote = tuple(list(r[len(r) - len(l):]) if l else [] for l, r in zip(local, p.remote_block_ids))
+        remote = tuple(list(r[len(r) - len(loc):]) if loc else [] for loc, r in zip(local, p.remote_block_ids))
         self._meta.reqs_to_recv.append(RecvSpec(
             request.request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0, local, remote))
 

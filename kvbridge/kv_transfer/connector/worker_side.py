@@ -39,7 +39,7 @@ logger = logging.getLogger("kvbridge.kv_transfer")
 
 KV_LAYOUT = "block-major"  # [blocks, layers, 2, block_size, kv_heads, head_dim]: see topology.py
 # Failures after which D tells P to release: the read failed, but P's side channel answered.
-_RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL})  # [blocks, block_size, kv_heads, head_dim] per (layer, K|V) plane
+_RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL})
 
 
 class _Phase(enum.Enum):
