@@ -17,10 +17,11 @@ What is timed:
   (`prep_descs` x2, after the block runs are computed and P's check_read reply is
   in) and ends at the first engine-step poll (`check_state`) that sees DONE. It
   excludes the handshake, the check_read round trip and releasing the handle.
-* raw: `raw_transfer.raw_read_gbps(backend, nbytes, reps=3)` with the same byte
-  count as one descriptor: a fresh target process (polling get_new_notifs every
-  1 ms), one untimed warm-up read, then the median of 3 reads, each timed from
-  `read()` to a DONE poll (descriptors prepared before).
+* raw: `raw_transfer.RawPair(backend, capacity).read_gbps(nbytes, reps=3)` with the
+  same byte count as one descriptor: a target process (polling get_new_notifs every
+  1 ms) and a reader agent, started once per backend after the warm-up and kept for
+  the whole run; per repetition one untimed read, then the median of 3 reads, each
+  timed from `read()` to a DONE poll (descriptors prepared before).
 * raw@descs (diagnostic): the same, with as many equal descriptors as the request's
   read used (or the nearest count below that divides the bytes evenly), remote ones
   in reverse order so that none merge.
@@ -42,6 +43,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent start at INFO
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
@@ -57,13 +59,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # raw_transfer, also under `kvbridge bench`
-from raw_transfer import raw_read_gbps  # noqa: E402
+from raw_transfer import RawPair  # noqa: E402
 
 from kvbridge.serving import cluster  # noqa: E402
 
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0  # an 8k-token prefill on a busy 2-core machine
-RAW_READS = 3  # timed raw reads per repetition (their median), after raw_read_gbps's warm-up read
+RAW_READS = 3  # timed raw reads per repetition (their median), after RawPair.read_gbps's warm-up read
 METRICS = {"kvbridge_kv_transfer_duration_seconds": "sum", "kvbridge_kv_transfer_bytes": "total",
            "kvbridge_kv_transfer_descriptors": "total", "kvbridge_kv_transfers": "total"}
 
@@ -158,7 +160,7 @@ def make_prompt(tokens: int, seed: int) -> list[int]:
 
 
 def near_divisor(nbytes: int, n: int) -> int:
-    """The largest descriptor count <= n that splits nbytes evenly (raw_read_gbps needs equal sizes)."""
+    """The largest descriptor count <= n that splits nbytes evenly (RawPair.read_gbps needs equal sizes)."""
     return next(d for d in range(n, 0, -1) if nbytes % d == 0)
 
 
@@ -195,19 +197,24 @@ def run(args: argparse.Namespace, pairs: dict[str, PDPair]) -> list[Sample]:
     prompts = {n: make_prompt(n, seed=n) for n in args.tokens}
     steps = len(args.tokens) * len(pairs) * (args.reps + 1)
     samples: list[Sample] = []
-    with tqdm(total=steps, desc="pd_transfer", unit="read", file=sys.stderr) as bar:
+    capacity: dict[str, int] = {}
+    with contextlib.ExitStack() as stack, tqdm(total=steps, desc="pd_transfer", unit="read", file=sys.stderr) as bar:
         for backend, pair in pairs.items():  # warm-up: P's prefill, handshake, wire-up
             for n in args.tokens:
                 bar.set_postfix_str(f"warm-up {backend} {n} tokens")
-                pair.request(prompts[n])
+                capacity[backend] = max(capacity.get(backend, 0), pair.request(prompts[n])[1])
                 bar.update()
+        # One raw pair per backend for the whole run, started after the servers' warm-up:
+        # a process started and ended around every P/D read slowed those reads (RawPair).
+        raw_pairs = {b: stack.enter_context(RawPair(b, capacity[b])) for b in pairs}
         for rep in range(args.reps):
             for n in args.tokens:
                 for backend, pair in pairs.items():
                     bar.set_postfix_str(f"rep {rep + 1} {backend} {n} tokens")
                     seconds, nbytes, descs = pair.request(prompts[n])
-                    raw = raw_read_gbps(backend, nbytes, reps=RAW_READS)
-                    at_descs = (raw_read_gbps(backend, nbytes, reps=RAW_READS, num_descs=near_divisor(nbytes, descs))
+                    raw_pair = raw_pairs[backend]
+                    raw = raw_pair.read_gbps(nbytes, reps=RAW_READS)
+                    at_descs = (raw_pair.read_gbps(nbytes, reps=RAW_READS, num_descs=near_divisor(nbytes, descs))
                                 if descs > 1 and not args.no_desc_baseline else None)
                     samples.append(Sample(backend, n, rep, nbytes, descs, seconds, raw, at_descs))
                     bar.update()

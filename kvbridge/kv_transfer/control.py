@@ -2,8 +2,15 @@
 
   kv_check_read  {"rid", "gen", "blocks"}  before reading: is the lease live, and are
                  these P's blocks granted to that request? Renews the lease.
+  kv_read_done   {"rid", "gen"}            D's read of the request's blocks completed
   kv_release     {"rid", "gen"}            D will not read (abort, rejection, full hit)
   kv_heartbeat   {"items": [[rid, gen], ...]}  D still waits; renew these leases
+
+The read-done notification goes here, not with the READ through NIXL: a NIXL READ
+that carries a notification is not DONE on D until P's agent has progressed
+(measured: with P polling every 20 ms, a 45 MiB read that copies in 3 ms completed
+after 20 ms; without the notification it completes when the copy ends). P's
+side-channel thread answers at once, whatever P's engine loop is doing.
 
 P registers the handlers (ControlServer); D calls them through ControlClient, from a
 worker thread, each bounded by a timeout. Every body is validated: the channel is
@@ -25,6 +32,7 @@ from kvbridge.kv_transfer.stats import KVTransferStats
 logger = logging.getLogger(__name__)
 
 MSG_CHECK_READ = "kv_check_read"
+MSG_READ_DONE = "kv_read_done"
 MSG_RELEASE = "kv_release"
 MSG_HEARTBEAT = "kv_heartbeat"
 MAX_HEARTBEAT_ITEMS = 4096
@@ -67,6 +75,7 @@ class ControlServer:
         # handshook with, to notice a P restarted under the same address.
         self.incarnation = ""
         server.register_handler(MSG_CHECK_READ, self._check_read)
+        server.register_handler(MSG_READ_DONE, self._read_done)
         server.register_handler(MSG_RELEASE, self._release)
         server.register_handler(MSG_HEARTBEAT, self._heartbeat)
 
@@ -87,6 +96,13 @@ class ControlServer:
             except Exception:  # a wake-up is an optimisation: never refuse a read over it
                 logger.exception("the read-granted hook failed")
         return self.incarnation.encode()
+
+    def _read_done(self, body: bytes) -> bytes:
+        obj = _load(body)
+        rid, gen = _rid_gen([obj.get("rid"), obj.get("gen")])
+        if self.leases.release(rid, gen):
+            self._released.put(rid)
+        return b"ok"
 
     def _release(self, body: bytes) -> bytes:
         obj = _load(body)
@@ -126,6 +142,10 @@ class ControlClient:
         """Returns P's incarnation (see ControlServer.incarnation)."""
         body = json.dumps({"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks]}).encode()
         return self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s).decode("ascii", "replace")
+
+    def read_done(self, host: str, port: int, rid: str, gen: int) -> None:
+        body = json.dumps({"rid": rid, "gen": gen}).encode()
+        self._client.request(host, port, MSG_READ_DONE, body, self.timeout_s)
 
     def release(self, host: str, port: int, rid: str, gen: int) -> None:
         body = json.dumps({"rid": rid, "gen": gen}).encode()

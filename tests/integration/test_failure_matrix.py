@@ -19,7 +19,7 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
-from kvbridge.kv_transfer.handshake import HandshakeMetadata, RankLayout, encode_payload
+from kvbridge.kv_transfer.handshake import HandshakeMetadata, HandshakeRefused, RankLayout, encode_payload
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
@@ -164,11 +164,16 @@ def test_transfer_failures_follow_the_policy(loaded, prompt, want, fault, policy
 
 
 def test_lost_read_done_notification_is_covered_by_the_lease(loaded, prompt, want):
-    fabric, p, d = engines(loaded, LoadFailurePolicy.FAIL, FaultConfig(drop_completion_notif=True))
+    fabric, p, d = engines(loaded, LoadFailurePolicy.FAIL)
+
+    def unreachable(host, port, rid, gen):  # P's side channel fails for this one message
+        raise HandshakeRefused(f"injected: cannot connect to side channel {host}:{port}")
+    d.connectors[1].control.read_done = unreachable
     try:
-        assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
+        assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want  # the read itself succeeded
         assert p.metrics().num_held_for_remote == 1
         settle(p, d, timeout_s=5)
+        assert d.connectors[1].stats.failed_notifications == 1
         assert p.connectors[1].stats.expired_leases == 1 and p.metrics().num_held_for_remote == 0
     finally:
         p.shutdown()

@@ -653,3 +653,39 @@ def test_nixl_read_from_an_idle_target_waits_for_the_target_to_poll():
     finally:
         two.d.shutdown()
         two.p.shutdown()
+
+
+def test_nixl_read_without_notif_completes_while_the_target_is_idle():
+    """What the connector relies on: once wired up, a READ with no notification is DONE
+    without the target calling into NIXL. (Between processes, a 45 MiB READ that carried
+    one stayed IN_PROGRESS until the target polled: benchmarks/README.md, pd_transfer.)"""
+    two = make_pair("nixl")
+    try:
+        first = two.read_runs(RUNS, notif=b"")
+        assert two.wait(first) is TransferState.DONE  # the first read wires up: wait() polls P
+        two.d.release(first)
+        two.dst[:] = 0
+        handle = two.read_runs(RUNS, notif=b"")
+        deadline = time.monotonic() + 10.0
+        while (state := two.d.check_state(handle)) is TransferState.IN_PROGRESS:  # P never polls
+            assert time.monotonic() < deadline, "a read without notification waited for the idle target"
+            time.sleep(0.0005)
+        assert state is TransferState.DONE and two.blocks_match(RUNS)
+        two.d.release(handle)
+        assert two.notifs_from_d(expect=0) == []  # an empty notif sends nothing
+    finally:
+        two.d.shutdown()
+        two.p.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["fake", "tcp"])
+def test_an_empty_notif_sends_nothing(kind):
+    two = make_pair(kind)
+    try:
+        handle = two.read_runs(RUNS, notif=b"")
+        assert two.wait(handle) is TransferState.DONE and two.blocks_match(RUNS)
+        two.d.release(handle)
+        assert two.notifs_from_d(expect=0) == []
+    finally:
+        two.d.shutdown()
+        two.p.shutdown()

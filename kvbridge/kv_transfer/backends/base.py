@@ -14,7 +14,9 @@ Semantics every implementation keeps (nixl.py, tcp.py, fake.py):
 * A read is one-sided: the initiator pulls bytes from the remote agent's registered
   memory into its own registered memory.
 * The remote agent receives the read's ``notif`` exactly once, and only if the read
-  completed DONE. It may arrive slightly after the initiator first sees DONE.
+  completed DONE. It may arrive slightly after the initiator first sees DONE. An empty
+  ``notif`` sends nothing. With nixl, a READ that carries one is DONE only after the
+  target's agent has progressed; one without completes when the copy does.
 * Progress: without a progress thread (nixl) an agent's transport advances only
   inside its own calls, on both sides. The target of reads must call
   ``get_new_notifs`` regularly (every engine step, and from an idle loop while it
@@ -224,7 +226,8 @@ class TransferBackend(abc.ABC):
 
         ``local`` and ``remote`` must have the same number of descriptors with
         pairwise equal lengths (else ValueError). On DONE, ``remote_agent`` receives
-        ``notif`` exactly once; on ERROR or release before completion it does not.
+        ``notif`` exactly once (unless it is empty); on ERROR or release before
+        completion it does not.
         Raises TransferSetupError when the read cannot start (unknown agent,
         unregistered memory, backend refusal); no handle exists then. Otherwise the
         caller owns the returned handle and must ``release`` it.

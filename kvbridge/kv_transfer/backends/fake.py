@@ -227,7 +227,8 @@ class FakeBackend(TransferBackend):
             if self._draw(self._faults.raise_on_check_state, self._faults.check_state_raise_rate):
                 raise TransferStateError("injected fault: polling the transfer failed")
             read.state = self._advance(handle, read)
-            notify = read.state is TransferState.DONE and not self._faults.drop_completion_notif
+            notify = (read.state is TransferState.DONE and bool(handle.notif)
+                      and not self._faults.drop_completion_notif)
         if notify:  # outside our lock: the target takes its own (no lock-order deadlock)
             target = self.fabric.lookup(handle.remote_agent)
             if target is not None:

@@ -100,7 +100,8 @@ class _Server:
                 if op is Op.READ:
                     pending = self._serve_read(conn, payload)
                 elif op is Op.READ_DONE and pending is not None and not payload:
-                    self._on_notif(*pending)
+                    if pending[1]:  # an empty notif: the reader asked for none
+                        self._on_notif(*pending)
                     pending = None
                     send_frame(conn, Op.OK)
                 elif op is Op.NOTIF:

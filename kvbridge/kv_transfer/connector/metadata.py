@@ -62,19 +62,3 @@ class ConnectorMetadata:
 
 def remote_of(params: KVTransferParams) -> RemoteEngine:
     return RemoteEngine(params.remote_engine_id or "", params.remote_host or "", int(params.remote_port or 0))
-
-
-def encode_done(p_request_id: str, generation: int) -> bytes:
-    return f"DONE:{p_request_id}:{generation}".encode()
-
-
-def decode_done(msg: bytes) -> tuple[str, int] | None:
-    """(p_request_id, generation) of a read-done notification; None for anything else."""
-    try:
-        kind, _, rest = msg.decode().partition(":")
-        rid, sep, gen = rest.rpartition(":")
-        if kind != "DONE" or not sep or not rid:
-            return None
-        return rid, int(gen)
-    except (UnicodeDecodeError, ValueError):
-        return None

@@ -4,10 +4,11 @@ D, per request to receive, a small state machine advanced once per step without
 blocking the engine thread:
   HANDSHAKE  the (deduplicated, background) handshake with P's engine
   CHECK      P confirms on its side channel that the lease is live and grants the blocks
-  READ       a one-sided backend READ; P gets the DONE notification when it completes
+  READ       a one-sided backend READ without a backend notification; when it is DONE,
+             D sends P kv_read_done on P's side channel (control.py says why)
 Any failure on the way goes through the one FailureHandler and the request is reported
 in finished_recving + failed_recving with its blocks invalid; it never raises.
-P: grants leases for finished requests, frees on DONE / release / expiry.
+P: grants leases for finished requests, frees on read-done / release / expiry.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from typing import Callable
 from kvbridge.config import KVRole, KVTransferConfig
 from kvbridge.kv_transfer.backends.base import MemoryRegion, TransferBackend, TransferState
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, WorkerConnector
-from kvbridge.kv_transfer.connector.metadata import (ConnectorMetadata, RecvSpec, RemoteEngine, decode_done,
-                                                     encode_done)
+from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, RemoteEngine
 from kvbridge.kv_transfer.control import ControlClient, ControlServer, incarnation_of
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
 from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, HandshakeFailureKind,
@@ -259,8 +259,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         try:
             recv.handle = self.backend.read(
                 recv.agent, self.backend.prep_descs(local, self._device, self._device_id),
-                self.backend.prep_descs(remote, self._device, self._device_id),
-                encode_done(s.remote_request_id, s.lease_generation))
+                self.backend.prep_descs(remote, self._device, self._device_id), b"")
         except Exception as exc:
             self._fail(rid, recv, FailureKind.TRANSFER_SETUP, f"{type(exc).__name__}: {exc}")
 
@@ -275,6 +274,9 @@ class KVBridgeWorkerConnector(WorkerConnector):
             self._release_handle(recv)
             del self._recvs[rid]
             self._done_recv.add(rid)
+            s = recv.spec
+            self._side_request("read-done", self.control.read_done, s.remote.host, s.remote.port,
+                               s.remote_request_id, s.lease_generation)
         elif state is TransferState.ERROR:
             self._fail(rid, recv, FailureKind.TRANSFER_STATE, "the transfer backend reported the read failed")
 
@@ -309,16 +311,10 @@ class KVBridgeWorkerConnector(WorkerConnector):
     def _collect_sending(self, out: KVConnectorOutput) -> None:
         if self.control_server is None:
             return
-        try:
-            notifs = self.backend.get_new_notifs()
+        try:  # drives the agent's progress (a first read's wire-up needs it); D sends no notifications
+            self.backend.get_new_notifs()
         except Exception as exc:  # a broken agent must not stop the engine; leases still expire
-            notifs = {}
             self._log_backend_error("get_new_notifs", exc)
-        for msgs in notifs.values():
-            for msg in msgs:
-                done = decode_done(msg)
-                if done is not None and self.leases.release(*done):
-                    out.finished_sending.add(done[0])
         out.finished_sending.update(self.control_server.drain_released())
         for rid in self.leases.pop_expired():
             self.stats.incr("expired_leases")
