@@ -19,9 +19,9 @@ What is timed:
   excludes the handshake, the check_read round trip and releasing the handle.
 * raw: `raw_transfer.RawPair(backend, capacity).read_gbps(nbytes, reps=3)` with the
   same byte count as one descriptor: a target process (polling get_new_notifs every
-  1 ms) and a reader agent, started once per backend after the warm-up and kept for
-  the whole run; per repetition one untimed read, then the median of 3 reads, each
-  timed from `read()` to a DONE poll (descriptors prepared before).
+  1 ms while measured) and a reader agent, started once per backend before the servers
+  and kept for the whole run; per repetition one untimed read, then the median of 3
+  reads, each timed from `read()` to a DONE poll (descriptors prepared before).
 * raw@descs (diagnostic): the same, with as many equal descriptors as the request's
   read used (or the nearest count below that divides the bytes evenly), remote ones
   in reverse order so that none merge.
@@ -64,6 +64,7 @@ from raw_transfer import RawPair  # noqa: E402
 from kvbridge.serving import cluster  # noqa: E402
 
 READY_TIMEOUT_S = 300.0
+BLOCK_SIZE = 16  # the servers' (kvbridge serve's default)
 REQUEST_TIMEOUT_S = 600.0  # an 8k-token prefill on a busy 2-core machine
 RAW_READS = 3  # timed raw reads per repetition (their median), after RawPair.read_gbps's warm-up read
 METRICS = {"kvbridge_kv_transfer_duration_seconds": "sum", "kvbridge_kv_transfer_bytes": "total",
@@ -78,12 +79,19 @@ class Sample:
     nbytes: int
     descs: int
     pd_s: float  # the connector's READ duration
-    raw_gbps: float
-    raw_descs_gbps: float | None  # raw with about the request's descriptor count (None: one descriptor)
 
     @property
     def pd_gbps(self) -> float:
         return self.nbytes / self.pd_s / 1e9
+
+
+@dataclass(frozen=True)
+class RawSample:
+    backend: str
+    tokens: int
+    when: str  # "before" / "after" the P/D repetitions, or "rep N" when interleaved
+    raw_gbps: float  # median of RAW_READS reads
+    raw_descs_gbps: float | None  # raw with about the request's descriptor count (None: one descriptor)
 
 
 class PDPair:
@@ -168,17 +176,19 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def summarize(samples: list[Sample]) -> list[dict]:
+def summarize(samples: list[Sample], raws: list[RawSample]) -> list[dict]:
     rows = []
     for backend, tokens in dict.fromkeys((s.backend, s.tokens) for s in samples):
         group = [s for s in samples if (s.backend, s.tokens) == (backend, tokens)]
-        pd, raw = median([s.pd_gbps for s in group]), median([s.raw_gbps for s in group])
-        at_descs = [s.raw_descs_gbps for s in group if s.raw_descs_gbps is not None]
-        rows.append({"backend": backend, "tokens": tokens, "reps": len(group), "MiB": group[0].nbytes / 2**20,
+        raw_group = [r for r in raws if (r.backend, r.tokens) == (backend, tokens)]
+        pd, raw = median([s.pd_gbps for s in group]), median([r.raw_gbps for r in raw_group])
+        at_descs = [r.raw_descs_gbps for r in raw_group if r.raw_descs_gbps is not None]
+        rows.append({"backend": backend, "tokens": tokens, "reps": len(group), "raw_samples": len(raw_group),
+                     "MiB": group[0].nbytes / 2**20,
                      "descs": median([s.descs for s in group]), "descs_min": min(s.descs for s in group),
                      "descs_max": max(s.descs for s in group), "pd_ms": median([s.pd_s * 1e3 for s in group]),
                      "pd_gbps": pd, "raw_gbps": raw, "raw_descs_gbps": median(at_descs) if at_descs else None,
-                     "ratio": pd / raw, "paired_ratio": median([s.pd_gbps / s.raw_gbps for s in group])})
+                     "ratio": pd / raw})
     return rows
 
 
@@ -193,32 +203,61 @@ def print_table(rows: list[dict]) -> None:
               f"{r['pd_gbps']:>9.2f} {r['raw_gbps']:>9.2f} {at:>9} {r['ratio']:>6.2f}")
 
 
-def run(args: argparse.Namespace, pairs: dict[str, PDPair]) -> list[Sample]:
+def read_capacity(model: str, tokens: list[int], block_size: int = BLOCK_SIZE) -> int:
+    """Bytes of the largest request's KV read: every block of the longest prompt (fp32)."""
+    import torch
+
+    from kvbridge.engine.loader import load_model
+    from kvbridge.engine.model_runner import kv_bytes_per_block
+
+    arch = load_model(model).arch
+    return kv_bytes_per_block(arch, block_size, torch.float32) * -(-max(tokens) // block_size)
+
+
+def raw_sample(raw_pair: RawPair, backend: str, tokens: int, when: str, nbytes: int, descs: int,
+               args: argparse.Namespace) -> RawSample:
+    raw = raw_pair.read_gbps(nbytes, reps=RAW_READS)
+    at_descs = (raw_pair.read_gbps(nbytes, reps=RAW_READS, num_descs=near_divisor(nbytes, descs))
+                if descs > 1 and not args.no_desc_baseline else None)
+    return RawSample(backend, tokens, when, raw, at_descs)
+
+
+def run(args: argparse.Namespace, pairs: dict[str, PDPair],
+        raw_pairs: dict[str, RawPair]) -> tuple[list[Sample], list[RawSample]]:
     prompts = {n: make_prompt(n, seed=n) for n in args.tokens}
     steps = len(args.tokens) * len(pairs) * (args.reps + 1)
     samples: list[Sample] = []
-    capacity: dict[str, int] = {}
-    with contextlib.ExitStack() as stack, tqdm(total=steps, desc="pd_transfer", unit="read", file=sys.stderr) as bar:
+    raws: list[RawSample] = []
+    shape: dict[tuple[str, int], tuple[int, int]] = {}  # (backend, tokens) -> (bytes, descriptors) read
+
+    def bracket(when: str) -> None:
+        for (backend, n), (nbytes, descs) in shape.items():
+            seen = [x.descs for x in samples if (x.backend, x.tokens) == (backend, n)]
+            descs = round(median(seen)) if seen else 1  # raw@descs: after the repetitions only
+            raws.append(raw_sample(raw_pairs[backend], backend, n, when, nbytes, descs, args))
+
+    with tqdm(total=steps, desc="pd_transfer", unit="read", file=sys.stderr) as bar:
         for backend, pair in pairs.items():  # warm-up: P's prefill, handshake, wire-up
             for n in args.tokens:
                 bar.set_postfix_str(f"warm-up {backend} {n} tokens")
-                capacity[backend] = max(capacity.get(backend, 0), pair.request(prompts[n])[1])
+                shape[backend, n] = pair.request(prompts[n])[1:]
                 bar.update()
-        # One raw pair per backend for the whole run, started after the servers' warm-up:
-        # a process started and ended around every P/D read slowed those reads (RawPair).
-        raw_pairs = {b: stack.enter_context(RawPair(b, capacity[b])) for b in pairs}
+        if not args.interleaved:
+            bar.set_postfix_str("raw reads before")
+            bracket("before")
         for rep in range(args.reps):
             for n in args.tokens:
                 for backend, pair in pairs.items():
                     bar.set_postfix_str(f"rep {rep + 1} {backend} {n} tokens")
                     seconds, nbytes, descs = pair.request(prompts[n])
-                    raw_pair = raw_pairs[backend]
-                    raw = raw_pair.read_gbps(nbytes, reps=RAW_READS)
-                    at_descs = (raw_pair.read_gbps(nbytes, reps=RAW_READS, num_descs=near_divisor(nbytes, descs))
-                                if descs > 1 and not args.no_desc_baseline else None)
-                    samples.append(Sample(backend, n, rep, nbytes, descs, seconds, raw, at_descs))
+                    samples.append(Sample(backend, n, rep, nbytes, descs, seconds))
+                    if args.interleaved:
+                        raws.append(raw_sample(raw_pairs[backend], backend, n, f"rep {rep + 1}", nbytes, descs, args))
                     bar.update()
-    return samples
+        if not args.interleaved:
+            bar.set_postfix_str("raw reads after")
+            bracket("after")
+    return samples, raws
 
 
 def main() -> int:
@@ -229,6 +268,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="1k-token prompts only, 3 repetitions")
     ap.add_argument("--no-desc-baseline", action="store_true", help="skip the raw@descs diagnostic")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="raw reads after every P/D request instead of before and after all of them")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per engine")
     ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per engine (8k tokens: 0.37 GB)")
     ap.add_argument("--json", type=Path, default=None, help="write samples and summary here")
@@ -240,24 +281,32 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
     pairs: dict[str, PDPair] = {}
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for backend in args.backends:
-            pairs[backend] = PDPair(backend, args.model, log_dir, args.threads, args.kv_cache_gb)
-        for pair in pairs.values():
-            pair.wait_healthy(deadline)
-        samples = run(args, pairs)
-    finally:
-        for pair in pairs.values():
-            pair.stop()
-    rows = summarize(samples)
-    print(f"\nKV transfer efficiency, medians of {args.reps} interleaved repetitions "
+    with contextlib.ExitStack() as raw_stack:
+        # The raw pairs (one per backend, kept for the whole run) allocate their buffers
+        # before the servers start: allocated after them, P/D reads ran ~40% slower from
+        # then on (RawPair in raw_transfer.py; figures in benchmarks/README.md).
+        capacity = read_capacity(args.model, args.tokens)
+        raw_pairs = {b: raw_stack.enter_context(RawPair(b, capacity)) for b in args.backends}
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            for backend in args.backends:
+                pairs[backend] = PDPair(backend, args.model, log_dir, args.threads, args.kv_cache_gb)
+            for pair in pairs.values():
+                pair.wait_healthy(deadline)
+            samples, raws = run(args, pairs, raw_pairs)
+        finally:
+            for pair in pairs.values():
+                pair.stop()
+    rows = summarize(samples, raws)
+    raw_when = "after each P/D request" if args.interleaved else "before and after the P/D repetitions"
+    print(f"\nKV transfer efficiency, medians of {args.reps} P/D repetitions, raw reads {raw_when} "
           f"(P/D: connector READ on D; raw: one descriptor; raw@descs: the request's descriptor count)")
     print_table(rows)
     if args.json is not None:
         args.json.write_text(json.dumps({"config": {k: str(v) if isinstance(v, Path) else v
                                                     for k, v in vars(args).items()},
-                                         "summary": rows, "samples": [asdict(s) for s in samples]}, indent=2))
+                                         "summary": rows, "samples": [asdict(s) for s in samples],
+                                         "raw_samples": [asdict(r) for r in raws]}, indent=2))
         print(f"wrote {args.json}")
     print(f"server logs: {log_dir}")
     return 0

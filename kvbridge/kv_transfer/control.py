@@ -68,7 +68,7 @@ class ControlServer:
         self.leases = leases
         self.stats = stats
         # Called (on the side-channel thread) when a read is granted: a read is about to
-        # start and completes only once P's agent progresses, so the engine loop should wake.
+        # start, and a first one from a new peer completes only once P's agent progresses.
         self.on_read_granted: Callable[[], None] | None = None
         self._released: "queue.SimpleQueue[str]" = queue.SimpleQueue()
         # Identifies this process's transfer agent; D compares it with the agent it

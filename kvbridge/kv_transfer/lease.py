@@ -8,9 +8,10 @@ message naming a generation P no longer holds is refused, so a late reader never
 gets blocks that were freed and reused by someone else.
 
 A granted check_read also marks the lease as being read until the read-done
-notification ends it (or ``read_watch_s`` passes): a NIXL read completes only
-after the target's agent has progressed, so while one is in flight P's engine
-loop polls promptly instead of backing off (``reads_in_flight``).
+message ends it (or ``read_watch_s`` passes). While one is in flight P's engine
+loop polls its transfer agent promptly instead of backing off (``reads_in_flight``):
+the first NIXL read from a new peer completes only once P's agent has progressed
+(UCX wire-up), and so would any read carrying a NIXL notification.
 
 Thread-safe: the side-channel thread validates reads while the engine thread grants,
 releases and expires.

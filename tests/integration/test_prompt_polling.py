@@ -1,9 +1,8 @@
 """P's engine loop wakes and polls promptly while a remote reader reads its blocks.
 
-A NIXL read completes only after the target's agent progresses (measured: with the
-target polling every 20 ms, a 45 MiB read that copies in 3 ms reports DONE after
-20 ms). An idle P holding leases backs off between steps, so a granted check_read
-must wake it. Here the back-off is stretched to 30 s: only the wake-up can make P
+The first NIXL read from a new peer completes only after the target's agent has
+progressed (UCX wire-up; so does any read that carries a NIXL notification). An idle
+P holding leases backs off between steps, so a granted check_read must wake it. Here the back-off is stretched to 30 s: only the wake-up can make P
 step within the test's wait.
 """
 
