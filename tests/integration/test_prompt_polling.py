@@ -2,8 +2,9 @@
 
 The first NIXL read from a new peer completes only after the target's agent has
 progressed (UCX wire-up; so does any read that carries a NIXL notification). An idle
-P holding leases backs off between steps, so a granted check_read must wake it. Here the back-off is stretched to 30 s: only the wake-up can make P
-step within the test's wait.
+P holding leases backs off between steps, so a granted check_read must wake it. Here
+the back-off is stretched to 30 s: only the wake-up can make P step within the test's
+wait.
 """
 
 import time

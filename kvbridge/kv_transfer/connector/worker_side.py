@@ -172,15 +172,19 @@ class KVBridgeWorkerConnector(WorkerConnector):
 
     # ---- D: the receive state machine -------------------------------------
     def _advance(self, rid: str, recv: _Recv) -> None:
+        live = lambda: self._recvs.get(rid) is recv  # noqa: E731  (a phase may have failed it)
         try:
             if recv.phase is _Phase.HANDSHAKE and recv.future.done():
                 self._after_handshake(rid, recv)
-            if recv.phase is _Phase.CHECK and recv.future.done():
+            if live() and recv.phase is _Phase.CHECK and recv.future.done():
                 self._after_check(rid, recv)
-            if recv.phase is _Phase.READ:
+            if live() and recv.phase is _Phase.READ:
                 self._poll_read(rid, recv)
         except Exception as exc:  # never let a transfer failure reach the step loop
-            self._fail(rid, recv, FailureKind.TRANSFER_POLL, f"unexpected {type(exc).__name__}: {exc}")
+            if live():
+                self._fail(rid, recv, FailureKind.TRANSFER_POLL, f"unexpected {type(exc).__name__}: {exc}")
+            else:
+                logger.exception("request %s: error after its transfer had already ended", rid)
 
     def _after_handshake(self, rid: str, recv: _Recv) -> None:
         exc = recv.future.exception()
