@@ -29,7 +29,7 @@ from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.serving.api_server import bind_socket, build_app
 from kvbridge.serving.async_engine import AsyncEngine
-from kvbridge.serving.proxy import build_proxy_app
+from kvbridge.serving.proxy_app import build_proxy_app
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["the sea", "mountains", "a city at night", "coffee", "trains", "the moon", "autumn", "bees",

@@ -74,7 +74,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_proxy(a: argparse.Namespace) -> int:
-    from kvbridge.serving.proxy import run_proxy
+    from kvbridge.serving.proxy_app import run_proxy
     run_proxy(prefill_urls=a.prefill, decode_urls=a.decode, host=a.host, port=a.port,
               prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
               health_interval_s=a.health_interval, api_key=a.api_key)

@@ -9,6 +9,7 @@ Life of a request (docs: ARCHITECTURE.md, "The life of a P/D request"):
   3. POST to D the client's original body plus P's response `kv_transfer_params`;
      D's answer (JSON or SSE, success or error) goes back unchanged, streamed as it comes.
 Both upstream calls carry the same `X-Request-Id` (the client's, else a new one).
+The FastAPI app and the server runner around PDProxy are in proxy_app.py.
 
 Colocated mode (no prefill URLs): each request goes straight to a decode-list instance
 (a plain `kvbridge serve`), its body unchanged but for any client `kv_transfer_params`,
@@ -32,22 +33,18 @@ import hmac
 import json
 import logging
 import re
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
-import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvbridge.serving.routing import Upstream, UpstreamKind, UpstreamPool, make_policy
+from kvbridge.serving.routing import Upstream, UpstreamKind, UpstreamPool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,7 +54,7 @@ UPSTREAM_KEEPALIVE_S = 2.0
 REQUEST_ID_HEADER = "X-Request-Id"
 # The same rule as api_server.py: printable ASCII without spaces, else the server makes its own id.
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")
-_BAD_KEY = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
+BAD_KEY_MESSAGE = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
 
 
 class ProxyMetrics:
@@ -295,7 +292,7 @@ class PDProxy:
         given = request.headers.get(REQUEST_ID_HEADER)
         request_id = given if given and _REQUEST_ID_RE.fullmatch(given) else f"kvb-{uuid.uuid4().hex}"
         if not self.authorized(request):
-            return openai_error(401, _BAD_KEY, "invalid_api_key", request_id)
+            return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
         try:
             body = json.loads(await request.body())
         except ValueError:  # includes UnicodeDecodeError
@@ -440,86 +437,3 @@ async def _unless(gone: asyncio.Event, work: Awaitable[T]) -> T | None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     return task.result() if not task.cancelled() else None
-
-
-def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_policy: str = "round_robin",
-                    decode_policy: str = "round_robin", health_interval_s: float = 2.0,
-                    api_key: str | None = None, timeout_s: float = 300.0, *,
-                    upstream_api_key: str | None = None, connect_timeout_s: float = 5.0,
-                    health_timeout_s: float = 2.0) -> FastAPI:
-    """The proxy as a FastAPI app; the health loop and HTTP client live in its lifespan.
-
-    `api_key` guards the proxy's /v1 routes (Bearer); upstreams get `upstream_api_key` if
-    set, else the client's Authorization header. `timeout_s` bounds each upstream read
-    (for a stream: the gap between two chunks). Empty `prefill_urls`: colocated mode (see
-    the module docstring). ValueError for an empty decode list or bad names.
-    """
-    if health_interval_s <= 0 or health_timeout_s <= 0 or timeout_s <= 0 or connect_timeout_s <= 0:
-        raise ValueError("intervals and timeouts must be positive")
-    prefill = (UpstreamPool(UpstreamKind.PREFILL, prefill_urls, make_policy(prefill_policy))
-               if prefill_urls else None)
-    proxy = PDProxy(prefill,
-                    UpstreamPool(UpstreamKind.DECODE, decode_urls, make_policy(decode_policy)),
-                    health_interval_s=health_interval_s, health_timeout_s=health_timeout_s,
-                    timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                    api_key=api_key, upstream_api_key=upstream_api_key)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await proxy.start()
-        try:
-            yield
-        finally:
-            await proxy.stop()
-
-    app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan)
-    app.state.proxy = proxy
-
-    async def route(request: Request) -> Response:
-        response = await proxy.handle(request, request.url.path)
-        proxy.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
-
-    app.add_api_route("/v1/completions", route, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", route, methods=["POST"])
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        if not proxy.authorized(request):
-            return openai_error(401, _BAD_KEY, "invalid_api_key")
-        return await proxy.models(request)
-
-    @app.get("/health")
-    async def health() -> Response:
-        ok, report = proxy.health_report()
-        return JSONResponse(report, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        proxy.refresh_gauges()
-        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
-
-
-def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.0.0.1", port: int = 8000,
-              prefill_policy: str = "round_robin", decode_policy: str = "round_robin",
-              health_interval_s: float = 2.0, api_key: str | None = None, timeout_s: float = 300.0,
-              upstream_api_key: str | None = None, log_level: str = "info") -> int:
-    """Serve the proxy until SIGINT/SIGTERM; prints its URL once bound (port 0: the OS picks)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_proxy_app(prefill_urls, decode_urls, prefill_policy, decode_policy, health_interval_s,
-                          api_key, timeout_s, upstream_api_key=upstream_api_key)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # connections made right after the URL is printed wait in the backlog
-    bound_port = sock.getsockname()[1]
-    url_host = f"[{host}]" if family == socket.AF_INET6 else host
-    prefill = f"prefill: {' '.join(prefill_urls)}" if prefill_urls else "colocated: no prefill"
-    print(f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: {' '.join(decode_urls)})",
-          flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
-    return 0

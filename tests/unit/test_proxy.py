@@ -21,7 +21,8 @@ import pytest
 
 from kvbridge.config import KVRole
 from kvbridge.serving import cluster
-from kvbridge.serving.proxy import build_proxy_app, prefill_body
+from kvbridge.serving.proxy import prefill_body
+from kvbridge.serving.proxy_app import build_proxy_app
 from kvbridge.serving.routing import LeastOutstandingPolicy, RoundRobinPolicy, Upstream, make_policy
 from tests.unit.proxy_upstreams import FakeInstance, RunningServer, serve
 

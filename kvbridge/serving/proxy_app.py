@@ -1,0 +1,99 @@
+"""The proxy's HTTP surface: the FastAPI app around PDProxy (proxy.py) and the server runner."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvbridge.serving.proxy import BAD_KEY_MESSAGE, PDProxy, openai_error
+from kvbridge.serving.routing import UpstreamKind, UpstreamPool, make_policy
+
+
+def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_policy: str = "round_robin",
+                    decode_policy: str = "round_robin", health_interval_s: float = 2.0,
+                    api_key: str | None = None, timeout_s: float = 300.0, *,
+                    upstream_api_key: str | None = None, connect_timeout_s: float = 5.0,
+                    health_timeout_s: float = 2.0) -> FastAPI:
+    """The proxy as a FastAPI app; the health loop and HTTP client live in its lifespan.
+
+    `api_key` guards the proxy's /v1 routes (Bearer); upstreams get `upstream_api_key` if
+    set, else the client's Authorization header. `timeout_s` bounds each upstream read
+    (for a stream: the gap between two chunks). Empty `prefill_urls`: colocated mode (see
+    the module docstring). ValueError for an empty decode list or bad names.
+    """
+    if health_interval_s <= 0 or health_timeout_s <= 0 or timeout_s <= 0 or connect_timeout_s <= 0:
+        raise ValueError("intervals and timeouts must be positive")
+    prefill = (UpstreamPool(UpstreamKind.PREFILL, prefill_urls, make_policy(prefill_policy))
+               if prefill_urls else None)
+    proxy = PDProxy(prefill,
+                    UpstreamPool(UpstreamKind.DECODE, decode_urls, make_policy(decode_policy)),
+                    health_interval_s=health_interval_s, health_timeout_s=health_timeout_s,
+                    timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                    api_key=api_key, upstream_api_key=upstream_api_key)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    async def route(request: Request) -> Response:
+        response = await proxy.handle(request, request.url.path)
+        proxy.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    app.add_api_route("/v1/completions", route, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", route, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if not proxy.authorized(request):
+            return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key")
+        return await proxy.models(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, report = proxy.health_report()
+        return JSONResponse(report, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        proxy.refresh_gauges()
+        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.0.0.1", port: int = 8000,
+              prefill_policy: str = "round_robin", decode_policy: str = "round_robin",
+              health_interval_s: float = 2.0, api_key: str | None = None, timeout_s: float = 300.0,
+              upstream_api_key: str | None = None, log_level: str = "info") -> int:
+    """Serve the proxy until SIGINT/SIGTERM; prints its URL once bound (port 0: the OS picks)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_proxy_app(prefill_urls, decode_urls, prefill_policy, decode_policy, health_interval_s,
+                          api_key, timeout_s, upstream_api_key=upstream_api_key)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections made right after the URL is printed wait in the backlog
+    bound_port = sock.getsockname()[1]
+    url_host = f"[{host}]" if family == socket.AF_INET6 else host
+    prefill = f"prefill: {' '.join(prefill_urls)}" if prefill_urls else "colocated: no prefill"
+    print(f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: {' '.join(decode_urls)})",
+          flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    return 0
