@@ -57,6 +57,10 @@ def _rid_gen(obj: Any) -> tuple[str, int]:
     return rid, gen
 
 
+def _rid_gen_body(rid: str, gen: int) -> bytes:
+    return json.dumps({"rid": rid, "gen": gen}).encode()
+
+
 def incarnation_of(agent_metadata: bytes) -> str:
     return hashlib.sha256(agent_metadata).hexdigest()[:32]
 
@@ -98,17 +102,18 @@ class ControlServer:
         return self.incarnation.encode()
 
     def _read_done(self, body: bytes) -> bytes:
-        obj = _load(body)
-        rid, gen = _rid_gen([obj.get("rid"), obj.get("gen")])
-        if self.leases.release(rid, gen):
-            self._released.put(rid)
-        return b"ok"
+        return self._end_lease(body, early=False)
 
     def _release(self, body: bytes) -> bytes:
+        return self._end_lease(body, early=True)
+
+    def _end_lease(self, body: bytes, early: bool) -> bytes:
+        """Free a lease's blocks (queued for the engine thread); `early`: nothing was read."""
         obj = _load(body)
         rid, gen = _rid_gen([obj.get("rid"), obj.get("gen")])
         if self.leases.release(rid, gen):
-            self.stats.incr("early_releases")
+            if early:
+                self.stats.incr("early_releases")
             self._released.put(rid)
         return b"ok"
 
@@ -144,12 +149,10 @@ class ControlClient:
         return self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s).decode("ascii", "replace")
 
     def read_done(self, host: str, port: int, rid: str, gen: int) -> None:
-        body = json.dumps({"rid": rid, "gen": gen}).encode()
-        self._client.request(host, port, MSG_READ_DONE, body, self.timeout_s)
+        self._client.request(host, port, MSG_READ_DONE, _rid_gen_body(rid, gen), self.timeout_s)
 
     def release(self, host: str, port: int, rid: str, gen: int) -> None:
-        body = json.dumps({"rid": rid, "gen": gen}).encode()
-        self._client.request(host, port, MSG_RELEASE, body, self.timeout_s)
+        self._client.request(host, port, MSG_RELEASE, _rid_gen_body(rid, gen), self.timeout_s)
 
     def heartbeat(self, host: str, port: int, items: list[tuple[str, int]]) -> None:
         body = json.dumps({"items": [list(i) for i in items]}).encode()

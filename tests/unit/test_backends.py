@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # before NIXL is imported: stay on loopback
 os.environ.setdefault("UCX_MODULES", "^ib")
 
+import contextlib
 import socket
 import struct
 import sys
@@ -426,14 +427,22 @@ def _agent_at(listener, name="hung") -> bytes:
                        "host": host, "port": port}).encode()
 
 
-def test_tcp_read_from_a_hung_peer_times_out_to_error(silent_server):
-    d = create_backend("tcp", "D-timeout", io_timeout_s=0.3)
+@contextlib.contextmanager
+def _reading_from(listener: socket.socket, name: str, io_timeout_s: float):
+    """A tcp agent with one BLOCK-sized read in flight from the silent server: (agent, peer, handle)."""
+    d = create_backend("tcp", name, io_timeout_s=io_timeout_s)
     try:
         dst = np.zeros(BLOCK, dtype=np.uint8)
         d.register_memory([MemoryRegion.of(dst)])
-        name = d.add_remote_agent(_agent_at(silent_server))
+        peer = d.add_remote_agent(_agent_at(listener))
         descs = d.prep_descs([(dst.ctypes.data, BLOCK)])
-        handle = d.read(name, descs, descs, b"x")
+        yield d, peer, d.read(peer, descs, descs, b"x")
+    finally:
+        d.shutdown()
+
+
+def test_tcp_read_from_a_hung_peer_times_out_to_error(silent_server):
+    with _reading_from(silent_server, "D-timeout", io_timeout_s=0.3) as (d, name, handle):
         start = time.monotonic()
         while d.check_state(handle) is TransferState.IN_PROGRESS:
             assert time.monotonic() - start < 5
@@ -442,25 +451,15 @@ def test_tcp_read_from_a_hung_peer_times_out_to_error(silent_server):
         with pytest.raises(NotificationError):
             d.send_notif(name, b"hb")
         d.release(handle)
-    finally:
-        d.shutdown()
 
 
 def test_tcp_release_cancels_an_in_flight_read_promptly(silent_server):
-    d = create_backend("tcp", "D-cancel", io_timeout_s=30)
-    try:
-        dst = np.zeros(BLOCK, dtype=np.uint8)
-        d.register_memory([MemoryRegion.of(dst)])
-        name = d.add_remote_agent(_agent_at(silent_server))
-        descs = d.prep_descs([(dst.ctypes.data, BLOCK)])
-        handle = d.read(name, descs, descs, b"x")
+    with _reading_from(silent_server, "D-cancel", io_timeout_s=30) as (d, _, handle):
         time.sleep(0.05)
         assert d.check_state(handle) is TransferState.IN_PROGRESS
         start = time.monotonic()
         d.release(handle)
         assert time.monotonic() - start < 2 and not handle.native.thread.is_alive()
-    finally:
-        d.shutdown()
 
 
 def test_tcp_read_and_notif_to_a_dead_peer_fail(tcp_pair):

@@ -180,6 +180,7 @@ class TransferBackend(abc.ABC):
         self.agent_name = agent_name
         self._stats_lock = threading.Lock()
         self._stats: dict[str, int] = dict.fromkeys(TransferStats.__dataclass_fields__, 0)
+        self._live: dict[int, XferHandle] = {}  # handles read() gave out and release() has not ended
 
     @abc.abstractmethod
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
@@ -280,6 +281,21 @@ class TransferBackend(abc.ABC):
         with self._stats_lock:
             for key, value in increments.items():
                 self._stats[key] += value
+
+    def _check_live(self, handle: XferHandle) -> None:
+        """ValueError unless ``handle`` came from this agent's read() and is not released.
+        Implementations call it under their own lock, as they do every use of ``_live``."""
+        if handle.released or self._live.get(handle.handle_id) is not handle:
+            raise ValueError(f"handle {handle.handle_id} is released or not from this agent")
+
+    def _untrack(self, handle: XferHandle) -> bool:
+        """Forget a live handle and mark it released; False if it was released before or is
+        not ours (release() is then a no-op). Under the implementation's lock."""
+        if self._live.get(handle.handle_id) is not handle:
+            return False
+        del self._live[handle.handle_id]
+        handle.released = True
+        return True
 
     def _settle(self, handle: XferHandle, state: TransferState) -> None:
         """Count a read's final state once (called by implementations on first sight)."""

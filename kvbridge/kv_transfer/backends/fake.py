@@ -142,7 +142,6 @@ class FakeBackend(TransferBackend):
         self._regions: list[MemoryRegion] = []
         self._remotes: set[str] = set()
         self._inbox: dict[str, list[bytes]] = {}
-        self._live: dict[int, XferHandle] = {}
         self._progress_epoch = 0
         self._dead = False
         self._closed = False
@@ -238,9 +237,7 @@ class FakeBackend(TransferBackend):
 
     def release(self, handle: XferHandle) -> None:
         with self._lock:
-            if self._live.get(handle.handle_id) is handle:  # else released before, or not ours
-                del self._live[handle.handle_id]
-                handle.released = True
+            self._untrack(handle)  # a no-op if released before, or not ours
 
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         with self._lock:
@@ -299,8 +296,7 @@ class FakeBackend(TransferBackend):
                 self._inbox.setdefault(sender, []).append(msg)
 
     def _owned(self, handle: XferHandle) -> _FakeRead:
-        if handle.released or self._live.get(handle.handle_id) is not handle:
-            raise ValueError(f"handle {handle.handle_id} is released or not from this agent")
+        self._check_live(handle)
         return handle.native
 
     def _parse_metadata(self, metadata: bytes) -> str:

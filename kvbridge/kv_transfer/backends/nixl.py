@@ -72,7 +72,6 @@ class NixlBackend(TransferBackend):
         self._lock = threading.RLock()
         self._reg_descs: list[Any] = []
         self._remotes: set[str] = set()
-        self._live: dict[int, XferHandle] = {}
         self._leaked: list[Any] = []  # xfer handles NIXL refused to release; retried at shutdown
         self._closed = False
 
@@ -157,8 +156,7 @@ class NixlBackend(TransferBackend):
 
     def check_state(self, handle: XferHandle) -> TransferState:
         with self._lock:
-            if handle.released or self._live.get(handle.handle_id) is not handle:
-                raise ValueError(f"handle {handle.handle_id} is released or not from this agent")
+            self._check_live(handle)
             try:
                 raw = self._agent.check_xfer_state(handle.native)
             except Exception as exc:
@@ -169,11 +167,7 @@ class NixlBackend(TransferBackend):
 
     def release(self, handle: XferHandle) -> None:
         with self._lock:
-            if self._live.get(handle.handle_id) is not handle:
-                return  # released before, or not ours
-            del self._live[handle.handle_id]
-            handle.released = True
-            if not self._closed:
+            if self._untrack(handle) and not self._closed:
                 self._release_xfer(handle.native)
 
     def send_notif(self, remote_agent: str, msg: bytes) -> None:

@@ -190,7 +190,6 @@ class TcpBackend(TransferBackend):
         self._regions: list[tuple[MemoryRegion, memoryview]] = []  # with a view of each
         self._peers: dict[str, Peer] = {}
         self._pool: dict[Peer, list[tuple[socket.socket, float]]] = {}
-        self._live: dict[int, XferHandle] = {}
         self._inbox: dict[str, list[bytes]] = {}
         self._closed = False
         self._server = _Server(host, port, self._views_for, self._deliver, io_timeout_s)
@@ -254,8 +253,7 @@ class TcpBackend(TransferBackend):
 
     def check_state(self, handle: XferHandle) -> TransferState:
         with self._lock:
-            if handle.released or self._live.get(handle.handle_id) is not handle:
-                raise ValueError(f"handle {handle.handle_id} is released or not from this agent")
+            self._check_live(handle)
         read: _TcpRead = handle.native
         state = read.state
         if state is TransferState.IN_PROGRESS:
@@ -267,10 +265,8 @@ class TcpBackend(TransferBackend):
 
     def release(self, handle: XferHandle) -> None:
         with self._lock:
-            if self._live.get(handle.handle_id) is not handle:
+            if not self._untrack(handle):
                 return  # released before, or not ours
-            del self._live[handle.handle_id]
-            handle.released = True
         read: _TcpRead = handle.native
         with read.lock:
             read.cancel.set()

@@ -172,16 +172,16 @@ class KVBridgeWorkerConnector(WorkerConnector):
 
     # ---- D: the receive state machine -------------------------------------
     def _advance(self, rid: str, recv: _Recv) -> None:
-        live = lambda: self._recvs.get(rid) is recv  # noqa: E731  (a phase may have failed it)
+        # A phase that fails the receive removes it from _recvs: then nothing more is done to it.
         try:
             if recv.phase is _Phase.HANDSHAKE and recv.future.done():
                 self._after_handshake(rid, recv)
-            if live() and recv.phase is _Phase.CHECK and recv.future.done():
+            if self._recvs.get(rid) is recv and recv.phase is _Phase.CHECK and recv.future.done():
                 self._after_check(rid, recv)
-            if live() and recv.phase is _Phase.READ:
+            if self._recvs.get(rid) is recv and recv.phase is _Phase.READ:
                 self._poll_read(rid, recv)
         except Exception as exc:  # never let a transfer failure reach the step loop
-            if live():
+            if self._recvs.get(rid) is recv:
                 self._fail(rid, recv, FailureKind.TRANSFER_POLL, f"unexpected {type(exc).__name__}: {exc}")
             else:
                 logger.exception("request %s: error after its transfer had already ended", rid)
