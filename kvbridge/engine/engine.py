@@ -32,6 +32,11 @@ class EngineRequestError(ValueError):
     """The request cannot be served as asked (client error, HTTP 400)."""
 
 
+class DuplicateRequestIdError(EngineRequestError):
+    """The request id is in use: by a live request, or by a finished one whose blocks are
+    still held for a remote reader (its lease must keep them until it ends)."""
+
+
 class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting (HTTP 503)."""
 
@@ -110,8 +115,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer_params=None) -> None:
-        if request_id in self.scheduler.requests:
-            raise EngineRequestError(f"request id {request_id!r} is already in use")
+        if self.scheduler.holds(request_id):
+            raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         if self.connectors is not None:
             try:

@@ -52,6 +52,11 @@ class Scheduler:
         if self.connector is not None:
             self.connector.on_new_request(request)
 
+    def holds(self, request_id: str) -> bool:
+        """Any state for this id: queued, running, waiting for remote KV, finished but still
+        settling a read, or finished with its blocks held for a remote reader (a lease)."""
+        return request_id in self.requests or request_id in self.sending
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote_waiting)
 

@@ -1,7 +1,10 @@
 """Control messages between D and P over P's side channel (no read involved).
 
-  kv_check_read  {"rid", "gen", "blocks"}  before reading: is the lease live, and are
-                 these P's blocks granted to that request? Renews the lease.
+  kv_check_read  {"rid", "gen", "blocks", "content"}  before reading: is the lease live,
+                 are these P's blocks granted to that request (the granted sequence or a
+                 suffix of it), and do they hold the KV of D's prompt ("content": the
+                 content_digest of D's prompt tokens)? Renews the lease. A content
+                 mismatch ends the lease and frees the blocks at once.
   kv_read_done   {"rid", "gen"}            D's read of the request's blocks completed
   kv_release     {"rid", "gen"}            D will not read (abort, rejection, full hit)
   kv_heartbeat   {"items": [[rid, gen], ...]}  D still waits; renew these leases
@@ -25,7 +28,7 @@ import logging
 import queue
 from typing import Any, Callable
 
-from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.lease import LeaseTable, Refusal
 from kvbridge.kv_transfer.side_channel import HandlerRefusal, HandshakeClient, SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 
@@ -90,10 +93,16 @@ class ControlServer:
         if (not isinstance(blocks, list) or not all(isinstance(g, list) for g in blocks)
                 or not all(type(b) is int for g in blocks for b in g)):
             raise HandlerRefusal("blocks must be a list of lists of ints")
-        reason = self.leases.check_read(rid, gen, tuple(blocks))
-        if reason is not None:
+        content = obj.get("content")
+        if not isinstance(content, str) or not 0 < len(content) <= 128:
+            raise HandlerRefusal("content must be the digest of the reader's prompt")
+        refusal = self.leases.check_read(rid, gen, tuple(blocks), content)
+        if refusal is not None:
             self.stats.incr("refused_reads")
-            raise HandlerRefusal(reason)
+            if refusal.kind is Refusal.CONTENT:  # the table ended the lease: free the blocks now
+                self.stats.incr("content_mismatches")
+                self._released.put(rid)
+            raise HandlerRefusal(refusal.reason)
         if self.on_read_granted is not None:
             try:
                 self.on_read_granted()
@@ -143,9 +152,12 @@ class ControlClient:
         self.timeout_s = timeout_s
         self._client = client or HandshakeClient()
 
-    def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...]) -> str:
-        """Returns P's incarnation (see ControlServer.incarnation)."""
-        body = json.dumps({"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks]}).encode()
+    def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...],
+                   content: str) -> str:
+        """Returns P's incarnation (see ControlServer.incarnation). `content`: the
+        content_digest of the reader's own prompt tokens."""
+        body = json.dumps({"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks],
+                           "content": content}).encode()
         return self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s).decode("ascii", "replace")
 
     def read_done(self, host: str, port: int, rid: str, gen: int) -> None:

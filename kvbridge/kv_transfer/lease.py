@@ -13,20 +13,52 @@ loop polls its transfer agent promptly instead of backing off (``reads_in_flight
 the first NIXL read from a new peer completes only once P's agent has progressed
 (UCX wire-up), and so would any read carrying a NIXL notification.
 
+A lease also binds the blocks to their content: the digest of the prompt tokens whose
+KV they hold (`content_digest`). D sends the digest of its own prompt with the
+check_read, and P refuses a read whose digest differs (swapped or replayed params
+naming live blocks of another prompt) and ends that lease at once. The blocks D names
+must be exactly the granted ones, in order, or a suffix of them (D reads only what its
+own prefix cache lacks): a repeated or reordered id is refused.
+
 Thread-safe: the side-channel thread validates reads while the engine thread grants,
 releases and expires.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import heapq
 import secrets
+import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
 BlockIds = tuple[list[int], ...]
+
+
+def content_digest(token_ids: Sequence[int]) -> str:
+    """The digest of a prompt whose KV a request's blocks hold: equal iff the token ids are
+    equal (same tokens, same order, same length). Token ids are < 2**32 (vocabulary-checked)."""
+    return hashlib.blake2b(struct.pack(f"<{len(token_ids)}I", *token_ids), digest_size=16).hexdigest()
+
+
+class Refusal(str, enum.Enum):
+    """Why P refused a read."""
+
+    NO_LEASE = "no_lease"  # expired, released, or never granted
+    STALE = "stale"  # the lease was renewed under another generation
+    BLOCKS = "blocks"  # the blocks named are not (a suffix of) the granted sequence
+    CONTENT = "content"  # the reader's prompt is not the one whose KV the blocks hold
+
+
+@dataclass(frozen=True)
+class ReadRefusal:
+    kind: Refusal
+    reason: str
 
 
 @dataclass
@@ -35,17 +67,22 @@ class Lease:
     block_ids: BlockIds
     generation: int
     expiry: float
+    content: str  # content_digest of the prompt whose KV the blocks hold
 
     def grants(self, block_ids: BlockIds) -> bool:
+        """Per group, exactly the granted ids in order, or a suffix of them (the part D lacks)."""
         if len(block_ids) != len(self.block_ids):
             return False
-        return all(set(want) <= set(have) for want, have in zip(block_ids, self.block_ids))
+        return all(len(want) <= len(have) and list(want) == list(have[len(have) - len(want):])
+                   for want, have in zip(block_ids, self.block_ids))
 
 
 # How long after a granted check_read P treats the read as in flight when no read-done
 # notification arrives (D died mid-read, or its notification was lost): an 8k-token read
 # takes 20-100 ms on loopback; this bounds the prompt polling a vanished reader can cause.
 READ_WATCH_S = 5.0
+# Starts P's refusal message of a content mismatch, so D can tell it from a stale lease.
+CONTENT_MISMATCH = "content mismatch"
 
 
 class LeaseTable:
@@ -69,10 +106,16 @@ class LeaseTable:
             self._next_generation += 1
             return self._next_generation
 
-    def grant(self, request_id: str, block_ids: BlockIds, generation: int) -> None:
+    def grant(self, request_id: str, block_ids: BlockIds, generation: int, content: str) -> None:
+        """Hold `block_ids` for a remote reader; `content` is the content_digest of the prompt
+        whose KV they hold. Raises ValueError if a lease on `request_id` is still held: a lease
+        holds its blocks until it ends, and a second grant would orphan them."""
         with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already holds a lease")
             expiry = self._clock() + self.lease_seconds
-            self._leases[request_id] = Lease(request_id, block_ids, generation, expiry)
+            self._leases[request_id] = Lease(request_id, tuple(list(g) for g in block_ids), generation, expiry,
+                                            content)
             heapq.heappush(self._heap, (expiry, request_id, generation))
 
     def _live(self, request_id: str, generation: int) -> Lease | None:
@@ -93,17 +136,27 @@ class LeaseTable:
                 heapq.heappush(self._heap, (new_expiry, request_id, generation))
             return True
 
-    def check_read(self, request_id: str, generation: int, block_ids: BlockIds) -> str | None:
-        """Before D reads: None if the lease is live and grants these blocks (it is renewed),
-        else the reason for refusing."""
+    def check_read(self, request_id: str, generation: int, block_ids: BlockIds,
+                   content: str) -> ReadRefusal | None:
+        """Before D reads: None if the lease is live, grants these blocks and holds the KV of
+        the prompt whose digest is `content` (the lease is renewed); else why not. A content
+        mismatch also ends the lease (the caller frees the blocks): the params that named it
+        were swapped or replayed, and the KV is no use to the reader that presented them."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
-                return f"no lease for request {request_id} (expired or already released)"
+                return ReadRefusal(Refusal.NO_LEASE,
+                                   f"no lease for request {request_id} (expired or already released)")
             if lease.generation != generation:
-                return f"stale lease generation {generation} for request {request_id}"
+                return ReadRefusal(Refusal.STALE, f"stale lease generation {generation} for request {request_id}")
             if not lease.grants(block_ids):
-                return f"blocks not granted to request {request_id}"
+                return ReadRefusal(Refusal.BLOCKS, f"blocks not granted to request {request_id} "
+                                                   "(not the granted sequence)")
+            if not secrets.compare_digest(lease.content, content):
+                del self._leases[request_id]
+                self._reading.pop(request_id, None)
+                return ReadRefusal(Refusal.CONTENT, f"{CONTENT_MISMATCH}: the blocks of request {request_id} "
+                                                    "hold the KV of another prompt")
             now = self._clock()
             lease.expiry = max(lease.expiry, now + self.lease_seconds * 2 / 3)
             heapq.heappush(self._heap, (lease.expiry, request_id, generation))

@@ -51,6 +51,7 @@ class KVTransferStats:
         self.recomputed_requests = 0
         self.early_releases = 0  # P freed on a release notification (no read)
         self.refused_reads = 0  # P refused a read for a stale or foreign lease
+        self.content_mismatches = 0  # P refused a read: its blocks hold another prompt's KV
         self._transfer_s = _Histogram()
         self._handshake_s = _Histogram()
         self.held_blocks: Callable[[], int] = lambda: 0  # P: blocks held for remote decode now
@@ -98,6 +99,9 @@ class KVTransferStats:
                                       value=self.early_releases)
             yield CounterMetricFamily(PREFIX + "refused_reads", "reads P refused (stale or foreign lease)",
                                       value=self.refused_reads)
+            yield CounterMetricFamily(PREFIX + "content_mismatches",
+                                      "reads P refused because its blocks hold another prompt's KV "
+                                      "(swapped or replayed kv_transfer_params)", value=self.content_mismatches)
             yield CounterMetricFamily(PREFIX + "recomputed_requests", "D requests recomputed after a failed load",
                                       value=self.recomputed_requests)
             yield CounterMetricFamily(PREFIX + "handshakes", "successful handshakes", value=self.handshakes)

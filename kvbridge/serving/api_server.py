@@ -42,7 +42,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbridge.config import EngineConfig
-from kvbridge.engine.engine import EngineOverloadedError, EngineRequestError
+from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedError, EngineRequestError
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
@@ -192,7 +192,15 @@ class _Handlers:
     async def _admit(self, request_id: str, job: _Job,
                      kv_params: KVTransferParams | None) -> RequestStream:
         try:
-            return await self.engine.add_request(request_id, job.prompt_ids, job.params, kv_params)
+            try:
+                return await self.engine.add_request(request_id, job.prompt_ids, job.params, kv_params)
+            except DuplicateRequestIdError:
+                # A client (or a proxy passing client ids through) reused an X-Request-Id while
+                # the engine still holds state for it, e.g. blocks leased to a remote reader.
+                # Like vLLM, serve it under a unique internal id; the answer keeps the header.
+                unique = f"{request_id}-{uuid.uuid4().hex[:12]}"
+                logger.info("request id %s is in use; serving this request as %s", request_id, unique)
+                return await self.engine.add_request(unique, job.prompt_ids, job.params, kv_params)
         except EngineRequestError as exc:
             raise ApiError(400, str(exc)) from None
         except EngineOverloadedError as exc:

@@ -5,8 +5,13 @@ progressed (UCX wire-up; so does any read that carries a NIXL notification). An 
 P holding leases backs off between steps, so a granted check_read must wake it. Here
 the back-off is stretched to 30 s: only the wake-up can make P step within the test's
 wait.
+
+The test counts P's steps with a condition the step notifies, and takes each count
+only once the engine thread has done what the previous call caused (never a count
+taken after the fact, when the step it waits for may already have happened).
 """
 
+import threading
 import time
 
 import httpx
@@ -17,6 +22,7 @@ from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.control import ControlClient
+from kvbridge.kv_transfer.lease import content_digest
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.serving import async_engine
 from kvbridge.serving.api_server import build_app
@@ -24,6 +30,35 @@ from kvbridge.serving.async_engine import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"
 WAIT_S = 10.0  # well under the stretched 30 s back-off
+
+
+class StepCounter:
+    """Counts an engine's steps; a test thread waits for a count instead of sleeping."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.count = 0
+        self.last = 0.0
+
+    def record(self) -> None:
+        with self._cond:
+            self.count += 1
+            self.last = time.monotonic()
+            self._cond.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count >= count, timeout_s)
+
+    def wait_quiet(self, quiet_s: float, timeout_s: float) -> bool:
+        """Until no step has happened for quiet_s (the loop sits in its back-off)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while time.monotonic() - self.last < quiet_s:
+                if time.monotonic() > deadline:
+                    return False
+                self._cond.wait(max(quiet_s - (time.monotonic() - self.last), 0.001))
+            return True
 
 
 def test_a_granted_read_wakes_an_idle_prefill_engine(monkeypatch):
@@ -34,29 +69,32 @@ def test_a_granted_read_wakes_an_idle_prefill_engine(monkeypatch):
                           kv_transfer=KVTransferConfig(role=KVRole.PRODUCER, backend="tcp", engine_id="P",
                                                        lease_seconds=60))
     llm = LLMEngine(config, loaded, build_connectors(config, loaded.arch, loaded.name))
-    steps = []
+    steps = StepCounter()
     real_step = llm.step
-    llm.step = lambda: (steps.append(time.monotonic()), real_step())[1]
+    llm.step = lambda: (steps.record(), real_step())[1]
     engine = AsyncEngine(llm)
     server = ThreadServer(build_app(engine))
     try:
+        prompt = loaded.tokenizer.encode("Tell me about dragons.", add_special_tokens=True)
         params = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "Tell me about dragons.", "max_tokens": 1,
+            "model": MODEL, "prompt": prompt, "max_tokens": 1,
             "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
-        deadline = time.monotonic() + WAIT_S
-        while (not steps or time.monotonic() - steps[-1] < 0.3) and time.monotonic() < deadline:
-            time.sleep(0.05)  # until the loop settles into its (stretched) back-off
-        settled = len(steps)
+        assert steps.wait_quiet(0.3, WAIT_S), "the engine never settled into its back-off"
+        settled = steps.count
         assert engine.call_threadsafe(lambda e: e.transfers_in_flight()).result(timeout=WAIT_S) is False
-        assert len(steps) == settled + 1  # that call woke nothing but itself: one step at most
+        # The call ends the back-off wait and the loop steps once after running it: wait for
+        # that step, so it cannot be mistaken below for a step the granted read caused.
+        assert steps.wait_for(settled + 1, WAIT_S), "the engine did not step after a call"
+        before = steps.count
+        assert before == settled + 1  # that call woke nothing but itself: one step
 
         control = ControlClient(timeout_s=5.0)
         control.check_read(params["remote_host"], params["remote_port"], params["remote_request_id"],
-                           params["lease_generation"], parse_kv_transfer_params(params).remote_block_ids)
-        before = len(steps)
-        while len(steps) == before and time.monotonic() < deadline + WAIT_S:
-            time.sleep(0.01)
-        assert len(steps) > before, "a granted read did not wake the prefill engine"
+                           params["lease_generation"], parse_kv_transfer_params(params).remote_block_ids,
+                           content_digest(prompt))
+        # The wake-up is sent while check_read is answered; `before` was taken earlier, so a
+        # step that happens before check_read returns still counts.
+        assert steps.wait_for(before + 1, WAIT_S), "a granted read did not wake the prefill engine"
         assert engine.call_threadsafe(lambda e: e.transfers_in_flight()).result(timeout=WAIT_S) is True
 
         control.release(params["remote_host"], params["remote_port"], params["remote_request_id"],

@@ -6,11 +6,13 @@ import pytest
 
 from kvbridge.kv_transfer.control import ControlClient, ControlServer
 from kvbridge.kv_transfer.handshake import HandshakeError
-from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.lease import LeaseTable, Refusal, content_digest
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 
 BLOCKS = ([3, 4, 5],)
+PROMPT = content_digest(list(range(1, 34)))  # 33 tokens: three blocks of 16
+OTHER_PROMPT = content_digest([*range(1, 33), 34])  # differs in the last token only
 
 
 class Clock:
@@ -25,7 +27,7 @@ class Clock:
 def table() -> tuple[LeaseTable, Clock]:
     clock = Clock()
     t = LeaseTable(30.0, clock=clock, read_watch_s=5.0)
-    t.grant("r1", BLOCKS, generation=7)
+    t.grant("r1", BLOCKS, 7, PROMPT)
     return t, clock
 
 
@@ -36,22 +38,23 @@ def test_a_held_lease_is_not_a_read_in_flight(table) -> None:
 
 def test_a_granted_read_is_in_flight_until_the_lease_is_released(table) -> None:
     t, _ = table
-    assert t.check_read("r1", 7, ([4, 5],)) is None
+    assert t.check_read("r1", 7, ([4, 5],), PROMPT) is None
     assert t.reads_in_flight()
     assert t.release("r1", 7)
     assert not t.reads_in_flight()
 
 
-@pytest.mark.parametrize("rid, gen, blocks", [("r1", 8, BLOCKS), ("r2", 7, BLOCKS), ("r1", 7, ([9],))])
+@pytest.mark.parametrize("rid, gen, blocks", [("r1", 8, BLOCKS), ("r2", 7, BLOCKS), ("r1", 7, ([9],)),
+                                              ("r1", 7, ([3, 3, 3],)), ("r1", 7, ([5, 4, 3],))])
 def test_a_refused_read_is_not_in_flight(table, rid, gen, blocks) -> None:
     t, _ = table
-    assert t.check_read(rid, gen, blocks) is not None
+    assert t.check_read(rid, gen, blocks, PROMPT) is not None
     assert not t.reads_in_flight()
 
 
 def test_a_read_that_never_reports_done_stops_counting_after_the_watch(table) -> None:
     t, clock = table
-    t.check_read("r1", 7, BLOCKS)
+    t.check_read("r1", 7, BLOCKS, PROMPT)
     clock.now += 4.9
     assert t.reads_in_flight()
     clock.now += 0.2
@@ -62,8 +65,8 @@ def test_a_read_that_never_reports_done_stops_counting_after_the_watch(table) ->
 def test_an_expired_lease_ends_its_read(table) -> None:
     t, clock = table
     t2 = LeaseTable(1.0, clock=clock, read_watch_s=50.0)
-    t2.grant("r", BLOCKS, 1)
-    t2.check_read("r", 1, BLOCKS)
+    t2.grant("r", BLOCKS, 1, PROMPT)
+    t2.check_read("r", 1, BLOCKS, PROMPT)
     clock.now += 2.0
     assert t2.pop_expired() == ["r"]
     assert not t2.reads_in_flight()
@@ -72,7 +75,7 @@ def test_an_expired_lease_ends_its_read(table) -> None:
 def test_check_read_renews_and_heartbeat_renewal_is_bounded(table) -> None:
     t, clock = table
     clock.now += 29.0
-    assert t.check_read("r1", 7, BLOCKS) is None  # renewed to now + 20 s
+    assert t.check_read("r1", 7, BLOCKS, PROMPT) is None  # renewed to now + 20 s
     clock.now += 19.0
     assert t.pop_expired() == []
     clock.now += 2.0
@@ -92,12 +95,12 @@ def test_a_granted_check_read_wakes_the_engine_once(control) -> None:
     woken = []
     cs.on_read_granted = lambda: woken.append(1)
     cs.incarnation = "inc-1"
-    leases.grant("r1", BLOCKS, 7)
+    leases.grant("r1", BLOCKS, 7, PROMPT)
     client = ControlClient(timeout_s=2.0)
     with pytest.raises(HandshakeError):
-        client.check_read("127.0.0.1", port, "r1", 6, BLOCKS)  # stale generation: refused, no wake
+        client.check_read("127.0.0.1", port, "r1", 6, BLOCKS, PROMPT)  # stale generation: refused, no wake
     assert woken == [] and not leases.reads_in_flight()
-    assert client.check_read("127.0.0.1", port, "r1", 7, BLOCKS) == "inc-1"
+    assert client.check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT) == "inc-1"
     assert woken == [1] and leases.reads_in_flight()
     client.release("127.0.0.1", port, "r1", 7)
     assert not leases.reads_in_flight() and cs.drain_released() == ["r1"]
@@ -109,6 +112,57 @@ def test_a_failing_wake_hook_does_not_refuse_the_read(control) -> None:
     def broken() -> None:
         raise RuntimeError("boom")
     cs.on_read_granted = broken
-    leases.grant("r1", BLOCKS, 7)
-    assert ControlClient(timeout_s=2.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS) == ""
+    leases.grant("r1", BLOCKS, 7, PROMPT)
+    assert ControlClient(timeout_s=2.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT) == ""
     assert leases.reads_in_flight()
+
+
+def test_content_digest_tells_prompts_apart() -> None:
+    assert content_digest([1, 2, 3]) == content_digest([1, 2, 3])
+    assert len({content_digest(t) for t in ([1, 2, 3], [1, 2], [3, 2, 1], [1, 2, 3, 0], [2**32 - 1], [])}) == 6
+
+
+@pytest.mark.parametrize("blocks, granted", [
+    (([3, 4, 5],), True), (([4, 5],), True), (([5],), True), (([],), True),  # the sequence or a suffix
+    (([3, 3, 3],), False), (([5, 5, 5],), False), (([5, 4, 3],), False), (([3, 4],), False),  # repeats,
+    (([4, 5, 5],), False), (([3, 4, 5, 5],), False), (([2, 3, 4, 5],), False),  # order, prefix, extra
+    (([3, 4, 5], []), False),  # another group count
+])
+def test_a_read_must_name_exactly_the_granted_sequence_or_its_suffix(table, blocks, granted) -> None:
+    t, _ = table
+    refusal = t.check_read("r1", 7, blocks, PROMPT)
+    assert (refusal is None) == granted
+    if not granted:
+        assert refusal.kind is Refusal.BLOCKS and "r1" in t  # refused, the lease holds on
+
+
+def test_a_read_for_another_prompt_is_refused_and_ends_the_lease(table) -> None:
+    t, _ = table
+    refusal = t.check_read("r1", 7, BLOCKS, OTHER_PROMPT)
+    assert refusal is not None and refusal.kind is Refusal.CONTENT
+    assert "r1" not in t and not t.reads_in_flight() and t.held_blocks() == 0
+
+
+def test_a_second_lease_on_a_held_request_id_is_refused(table) -> None:
+    t, _ = table
+    with pytest.raises(ValueError, match="already holds a lease"):
+        t.grant("r1", ([8, 9],), 8, PROMPT)
+    assert t.check_read("r1", 7, BLOCKS, PROMPT) is None  # the first lease still holds its blocks
+
+
+def test_a_content_mismatch_over_the_side_channel_frees_the_blocks_and_is_counted(control) -> None:
+    cs, leases, port = control
+    leases.grant("r1", BLOCKS, 7, PROMPT)
+    with pytest.raises(HandshakeError, match="content mismatch"):
+        ControlClient(timeout_s=2.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS, OTHER_PROMPT)
+    assert cs.drain_released() == ["r1"] and "r1" not in leases
+    assert cs.stats.content_mismatches == 1 and cs.stats.refused_reads == 1
+
+
+def test_a_check_read_without_a_content_digest_is_refused(control) -> None:
+    cs, leases, port = control
+    leases.grant("r1", BLOCKS, 7, PROMPT)
+    with pytest.raises(HandshakeError, match="content"):
+        ControlClient(timeout_s=2.0)._client.request(
+            "127.0.0.1", port, "kv_check_read", b'{"rid": "r1", "gen": 7, "blocks": [[3, 4, 5]]}', 2.0)
+    assert "r1" in leases and not leases.reads_in_flight()

@@ -37,6 +37,7 @@ class RecvSpec:
     lease_generation: int
     local_block_ids: BlockIds
     remote_block_ids: BlockIds
+    content: str  # content_digest of D's prompt: P checks its blocks hold that prompt's KV
 
     @property
     def num_blocks(self) -> int:

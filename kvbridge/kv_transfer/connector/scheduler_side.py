@@ -10,6 +10,7 @@ if it ends without reading (abort, rejection), P is told to release at once.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
@@ -20,9 +21,11 @@ from kvbridge.kv_transfer.connector.base import BlockIds, KVConnectorOutput, Sch
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, ReleaseSpec, RemoteEngine, remote_of
 from kvbridge.kv_transfer.failure import recompute_on_failure
 from kvbridge.kv_transfer.handshake_manager import is_trusted_host
-from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.lease import LeaseTable, content_digest
 from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError
 from kvbridge.kv_transfer.stats import KVTransferStats
+
+logger = logging.getLogger("kvbridge.kv_transfer")
 
 HEARTBEATS_PER_LEASE = 6  # D renews waiting requests' leases this often per lease period
 
@@ -110,7 +113,8 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         # D reads only what it lacks: the tail of P's blocks matching D's new blocks.
         remote = tuple(list(r[len(r) - len(loc):]) if loc else [] for loc, r in zip(local, p.remote_block_ids))
         self._meta.reqs_to_recv.append(RecvSpec(
-            request.request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0, local, remote))
+            request.request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0, local, remote,
+            content_digest(request.prompt_token_ids)))
 
     def build_connector_meta(self) -> ConnectorMetadata:
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -140,9 +144,13 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             return False, None
         if request.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not block_ids[0]:
             return False, None
-        # Granted now, before the response carrying these params can reach any reader.
+        if rid in self.leases:  # the engine refuses ids in use, so this is a bug: never orphan blocks
+            logger.error("request %s finished while a lease on that id is held; freeing its blocks", rid)
+            return False, None
+        # Granted now, before the response carrying these params can reach any reader. The
+        # blocks hold the prompt's KV: the lease binds them to its digest.
         generation = self.leases.new_generation()
-        self.leases.grant(rid, block_ids, generation)
+        self.leases.grant(rid, block_ids, generation, content_digest(request.prompt_token_ids))
         host, port = self._side_channel_addr()
         return True, {
             "do_remote_decode": False, "do_remote_prefill": True,

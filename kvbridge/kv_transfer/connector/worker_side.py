@@ -30,8 +30,8 @@ from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, H
                                             HandshakeLayoutMismatch, HandshakeMetadata, RankLayout,
                                             encode_payload)
 from kvbridge.kv_transfer.handshake_manager import HandshakeManager
-from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.kv_transfer.lease import CONTENT_MISMATCH, LeaseTable
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.kv_transfer.topology import PlaneLayout, read_descriptors
 
@@ -203,7 +203,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
         s = recv.spec
         recv.phase = _Phase.CHECK
         recv.future = self._executor.submit(self.control.check_read, s.remote.host, s.remote.port,
-                                            s.remote_request_id, s.lease_generation, s.remote_block_ids)
+                                            s.remote_request_id, s.lease_generation, s.remote_block_ids,
+                                            s.content)
 
     def _peer(self, remote: RemoteEngine, meta: HandshakeMetadata) -> _Peer:
         peer = self._peers.get(remote)
@@ -235,7 +236,9 @@ class KVBridgeWorkerConnector(WorkerConnector):
         if exc is not None:
             kind = getattr(exc, "kind", None)
             if kind is HandshakeFailureKind.PEER_ERROR:
-                self._fail(rid, recv, FailureKind.STALE_LEASE, str(exc))
+                # P refused: a content mismatch (P freed those blocks) or a stale/foreign lease.
+                refused = FailureKind.CONTENT_MISMATCH if CONTENT_MISMATCH in str(exc) else FailureKind.STALE_LEASE
+                self._fail(rid, recv, refused, str(exc))
             else:
                 self._drop_peer(recv.spec.remote)
                 self._fail(rid, recv, FailureKind.PEER_DEATH, str(exc))
