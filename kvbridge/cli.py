@@ -4,44 +4,87 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvbridge.config import EngineConfig
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported anywhere
 
 
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Engine options `kvbridge up` hands to LocalCluster itself rather than as serve options:
+# the model and backend are positional/fixed in its command lines, the thread count also
+# sets OMP_NUM_THREADS, and the API key travels in the environment (not visible in `ps`).
+_SET_BY_UP = frozenset({"model", "kv_backend", "num_threads", "api_key"})
+# serve options `kvbridge up` sets differently for each instance.
+_PER_INSTANCE = ("host", "port", "kv_role", "kv_engine_id", "kv_side_channel_port")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct",
-                   help="a GGUF file, a Hugging Face folder, or the default model's name")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=os.environ.get("KVBRIDGE_API_KEY"))
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-waiting", type=int, default=1024)
-    p.add_argument("--log-level", default="info")
+    """The options of one engine that are the same for every instance (`serve` and `up`)."""
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"a GGUF file, a Hugging Face folder, or the default model's name (default: {DEFAULT_MODEL})")
+    e = p.add_argument_group("engine")
+    e.add_argument("--served-model-name", default=None, help="the model name the API reports and accepts "
+                   "(default: from MODEL)")
+    e.add_argument("--api-key", default=os.environ.get("KVBRIDGE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (`up`: the proxy's and every instance's; "
+                        "default: $KVBRIDGE_API_KEY, or none)")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype (default: %(default)s)")
+    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda if available, else cpu (default: %(default)s)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's own limit)")
+    e.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads (default: all cores; `up` splits them between its instances)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the sampler (default: %(default)s)")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block, a power of two "
+                   "(default: %(default)s)")
+    e.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
+    e.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="memory for the KV cache when --num-blocks is not given (default: %(default)s)")
+    e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV of shared prefixes")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default: %(default)s)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (default: %(default)s)")
+    e.add_argument("--max-waiting", type=int, default=1024,
+                   help="queued requests beyond which new ones get HTTP 503 (default: %(default)s)")
+    e.add_argument("--log-level", default="info", help="debug, info, warning or error (default: %(default)s)")
     kv = p.add_argument_group("KV transfer (prefill/decode disaggregation)")
-    kv.add_argument("--kv-role", choices=["producer", "consumer", "both"], default=None,
-                    help="producer: a prefill instance; consumer: a decode instance")
-    kv.add_argument("--kv-backend", choices=["nixl", "tcp", "fake"], default="nixl")
-    kv.add_argument("--kv-engine-id", default="")
-    kv.add_argument("--kv-side-channel-host", default="127.0.0.1")
-    kv.add_argument("--kv-side-channel-port", type=int, default=0)
-    kv.add_argument("--kv-lease-seconds", type=float, default=30.0)
-    kv.add_argument("--kv-handshake-timeout", type=float, default=5.0)
-    kv.add_argument("--kv-load-failure-policy", choices=["recompute", "fail", "auto"], default="recompute")
-    kv.add_argument("--kv-load-failure-recompute-max-tokens", type=int, default=2048)
+    # The `fake` backend (kvbridge/kv_transfer/backends/fake.py) is not offered here: it needs a
+    # FakeFabric shared in one process, so tests and `kvbridge chaos` configure it in code.
+    kv.add_argument("--kv-backend", choices=["nixl", "tcp"], default="nixl",
+                    help="nixl: one-sided READs over UCX; tcp: a plain-socket fallback (default: %(default)s)")
+    kv.add_argument("--kv-side-channel-host", default="127.0.0.1",
+                    help="address a producer's side channel listens on (default: %(default)s)")
+    kv.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                    help="how long a prefill instance holds KV for a reader that never comes (default: %(default)s)")
+    kv.add_argument("--kv-handshake-timeout", type=float, default=5.0,
+                    help="seconds a decode instance waits for a prefill instance's handshake (default: %(default)s)")
+    kv.add_argument("--kv-load-failure-policy", choices=["recompute", "fail", "auto"], default="recompute",
+                    help="when KV does not arrive: recompute the prompt, fail the request, or recompute "
+                         "up to --kv-load-failure-recompute-max-tokens (default: %(default)s)")
+    kv.add_argument("--kv-load-failure-recompute-max-tokens", type=int, default=2048,
+                    help="the longest prompt policy auto recomputes (default: %(default)s)")
     kv.add_argument("--kv-trusted-hosts", default="",
                     help="comma-separated prefill hosts a decode instance may read from (default: this host)")
+
+
+def _add_instance_args(p: argparse.ArgumentParser) -> None:
+    """The options of `serve` that `kvbridge up` sets for each of its instances."""
+    i = p.add_argument_group("this instance (`kvbridge up` sets these for each instance)")
+    i.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    i.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    i.add_argument("--kv-role", choices=["producer", "consumer", "both"], default=None,
+                   help="producer: a prefill instance; consumer: a decode instance (default: no KV transfer)")
+    i.add_argument("--kv-engine-id", default="", help="this engine's id among its peers (default: random)")
+    i.add_argument("--kv-side-channel-port", type=int, default=0,
+                   help="port a producer's side channel listens on (default: 0, any free port)")
 
 
 def engine_config_from_args(a: argparse.Namespace):
@@ -67,9 +110,21 @@ def engine_config_from_args(a: argparse.Namespace):
         kv_transfer=kv)
 
 
+def _checked_engine_config(a: argparse.Namespace) -> EngineConfig | None:
+    """engine_config_from_args, or None after printing (as argparse would) why the options are invalid."""
+    try:
+        return engine_config_from_args(a)
+    except ValueError as exc:
+        print(f"kvbridge serve: error: {exc}", file=sys.stderr)
+        return None
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvbridge.serving.api_server import run_server
-    run_server(engine_config_from_args(a), a.host, a.port, a.api_key, log_level=a.log_level)
+    config = _checked_engine_config(a)
+    if config is None:
+        return 2
+    run_server(config, a.host, a.port, a.api_key, log_level=a.log_level)
     return 0
 
 
@@ -81,10 +136,54 @@ def cmd_proxy(a: argparse.Namespace) -> int:
     return 0
 
 
+def forwarded_serve_args(a: argparse.Namespace) -> list[str]:
+    """The engine options given to `up` that differ from their defaults, as `serve` options."""
+    defaults = argparse.ArgumentParser()
+    _add_engine_args(defaults)
+    args: list[str] = []
+    for dest, default in vars(defaults.parse_args([])).items():
+        value = getattr(a, dest)
+        if dest in _SET_BY_UP or value == default:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    return args
+
+
 def cmd_up(a: argparse.Namespace) -> int:
-    from kvbridge.serving.cluster import run_cluster
-    return run_cluster(model=a.model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port,
-                       kv_backend=a.kv_backend, extra_serve_args=a.serve_args)
+    from kvbridge.config import KVRole
+    from kvbridge.serving.cluster import InstanceSpec, run_cluster, serve_command, threads_per_engine
+    if a.model_option is not None and a.model != DEFAULT_MODEL:
+        print("kvbridge up: error: give the model once, as MODEL or as --model", file=sys.stderr)
+        return 2
+    model = a.model_option or a.model
+    num_threads = a.num_threads or threads_per_engine(a.num_prefill + a.num_decode)
+    extra = [*forwarded_serve_args(a), *a.serve_args]
+    # Parse an instance's command line as its `serve` will, so that bad options fail here (argparse
+    # exits 2 with serve's message) before any process starts. The key only travels in the environment.
+    probe = InstanceSpec("probe", KVRole.PRODUCER, port=1, side_channel_port=1, engine_id="probe")
+    key = ["--api-key", a.api_key] if a.api_key is not None else []
+
+    def parse_instance(extra_args: list[str]) -> argparse.Namespace:
+        return build_parser().parse_args(serve_command((), model, probe, host="127.0.0.1", kv_backend=a.kv_backend,
+                                                       num_threads=num_threads, extra_args=[*key, *extra_args]))
+    try:
+        planned, child = parse_instance([]), parse_instance(extra)
+    except SystemExit as exc:  # argparse has printed serve's own message
+        if exc.code:
+            print(f"kvbridge up: invalid options for its `kvbridge serve` instances: {shlex.join(extra)}",
+                  file=sys.stderr)
+        raise
+    for dest in _PER_INSTANCE:
+        if getattr(child, dest) != getattr(planned, dest):
+            print(f"kvbridge up: error: --{dest.replace('_', '-')} is set by `up` for each instance; "
+                  "it cannot be passed after --", file=sys.stderr)
+            return 2
+    if _checked_engine_config(child) is None:
+        return 2
+    return run_cluster(model=model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port,
+                       kv_backend=child.kv_backend, extra_serve_args=extra, num_threads=child.num_threads,
+                       api_key=child.api_key)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -103,34 +202,54 @@ def cmd_chaos(a: argparse.Namespace) -> int:
     return chaos_main(a.args)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve one model over an OpenAI-compatible API")
     _add_engine_args(serve)
+    _add_instance_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     proxy = sub.add_parser("proxy", help="a P/D proxy in front of prefill and decode instances")
     proxy.add_argument("--prefill", nargs="*", default=[],
                        help="prefill instance URLs (none: colocated mode, straight to --decode instances)")
     proxy.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
-    proxy.add_argument("--host", default="127.0.0.1")
-    proxy.add_argument("--port", type=int, default=8000)
-    proxy.add_argument("--prefill-policy", choices=["round_robin", "least_outstanding"], default="round_robin")
-    proxy.add_argument("--decode-policy", choices=["round_robin", "least_outstanding"], default="round_robin")
-    proxy.add_argument("--health-interval", type=float, default=2.0)
-    proxy.add_argument("--api-key", default=os.environ.get("KVBRIDGE_API_KEY"))
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    proxy.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    proxy.add_argument("--prefill-policy", choices=["round_robin", "least_outstanding"], default="round_robin",
+                       help="how a prefill instance is picked for each request (default: %(default)s)")
+    proxy.add_argument("--decode-policy", choices=["round_robin", "least_outstanding"], default="round_robin",
+                       help="how a decode instance is picked for each request (default: %(default)s)")
+    proxy.add_argument("--health-interval", type=float, default=2.0,
+                       help="seconds between health checks of every instance (default: %(default)s)")
+    proxy.add_argument("--api-key", default=os.environ.get("KVBRIDGE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes; the header is passed on to "
+                            "the instances (default: $KVBRIDGE_API_KEY, or none)")
     proxy.set_defaults(func=cmd_proxy)
 
-    up = sub.add_parser("up", help="start a local proxy + prefill + decode cluster")
-    up.add_argument("--model", default="SmolLM2-135M-Instruct")
-    up.add_argument("--num-prefill", type=int, default=1)
-    up.add_argument("--num-decode", type=int, default=1)
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--kv-backend", choices=["nixl", "tcp"], default="nixl")
-    up.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra options for every `kvbridge serve`")
-    up.set_defaults(func=cmd_up)
+    up = sub.add_parser(
+        "up", help="start a local proxy + prefill + decode cluster",
+        description="Start a proxy and prefill and decode instances on this host; Ctrl-C stops them all.",
+        epilog="The engine options apply to every instance. Options after `--` are passed verbatim to each "
+               "`kvbridge serve` (see `kvbridge serve --help`), e.g. "
+               "`kvbridge up --num-threads 1 --max-model-len 2048 -- --max-num-seqs 8`.")
+    cluster = up.add_argument_group("cluster")
+    cluster.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="same as MODEL")
+    cluster.add_argument("--num-prefill", type=_positive_int, default=1,
+                         help="prefill instances (default: %(default)s)")
+    cluster.add_argument("--num-decode", type=_positive_int, default=1, help="decode instances (default: %(default)s)")
+    cluster.add_argument("--port", type=int, default=8000,
+                         help="the proxy's HTTP port; instances get free ports (default: %(default)s)")
+    _add_engine_args(up)
+    up.set_defaults(func=cmd_up, serve_args=[])
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     bench.add_argument("name", help="e.g. engine_vs_transformers")
@@ -143,12 +262,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line; for `up`, what follows the first `--` goes verbatim to `serve_args`."""
+    argv, serve_args = list(argv), []
+    if argv[:1] == ["up"] and "--" in argv:
+        cut = argv.index("--")
+        argv, serve_args = argv[:cut], argv[cut + 1:]
+    args = build_parser().parse_args(argv)
+    if args.command == "up":
+        args.serve_args = serve_args
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["chaos"]:  # its own options, parsed by kvbridge.chaos
         from kvbridge.chaos import main as chaos_main
         return chaos_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     return args.func(args)
 
 

@@ -9,7 +9,8 @@ Contract with kvbridge/cli.py (the launcher builds these command lines):
   serve MODEL --host H --port P --kv-role producer|consumer --kv-backend B
         --kv-engine-id ID --kv-side-channel-port S --num-threads N [extra args]
   proxy --prefill URL... --decode URL... --host H --port P
-Both must answer GET /health with 200 once ready, and exit on SIGTERM.
+Both must answer GET /health with 200 once ready, and exit on SIGTERM. An API key reaches
+both in KVBRIDGE_API_KEY.
 """
 
 from __future__ import annotations
@@ -113,9 +114,17 @@ def proxy_command(cli: Sequence[str], prefill_urls: Sequence[str], decode_urls: 
             "--host", host, "--port", str(port)]
 
 
-def child_env(base: Mapping[str, str], *, loopback_only: bool, num_threads: int) -> dict[str, str]:
-    """The children's environment: `base` plus what engines sharing one host need."""
+def child_env(base: Mapping[str, str], *, loopback_only: bool, num_threads: int,
+              api_key: str | None = None) -> dict[str, str]:
+    """The children's environment: `base` plus what engines sharing one host need.
+
+    `api_key` goes in KVBRIDGE_API_KEY, which `serve` and `proxy` read (not on their command lines,
+    where any local user could read it); "" removes it, None keeps `base`'s."""
     env = dict(base)
+    if api_key:
+        env["KVBRIDGE_API_KEY"] = api_key
+    elif api_key == "":
+        env.pop("KVBRIDGE_API_KEY", None)
     env["PYTHONUNBUFFERED"] = "1"  # logs reach the log files as they happen
     # Busy-waiting OpenMP threads of one engine steal the cores of the others.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -208,7 +217,7 @@ class LocalCluster:
                  kv_backend: str = "nixl", host: str = "127.0.0.1", extra_serve_args: Sequence[str] = (),
                  ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI,
                  log_dir: str | Path | None = None, num_threads: int | None = None,
-                 stop_grace_s: float = 10.0) -> None:
+                 stop_grace_s: float = 10.0, api_key: str | None = None) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode instance")
         if ready_timeout_s <= 0 or stop_grace_s < 0:
@@ -216,7 +225,7 @@ class LocalCluster:
         self.model, self.num_prefill, self.num_decode = model, num_prefill, num_decode
         self.port, self.kv_backend, self.host = port, kv_backend, host
         self.extra_serve_args, self.ready_timeout_s = tuple(extra_serve_args), ready_timeout_s
-        self.cli, self.stop_grace_s = tuple(cli), stop_grace_s
+        self.cli, self.stop_grace_s, self.api_key = tuple(cli), stop_grace_s, api_key
         self.num_threads = num_threads or threads_per_engine(num_prefill + num_decode)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.children: list[ChildProcess] = []  # in start order: instances, then the proxy
@@ -241,7 +250,8 @@ class LocalCluster:
             self.log_dir = Path(tempfile.mkdtemp(prefix="kvbridge-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.ready_timeout_s
-        env = child_env(os.environ, loopback_only=self.host in LOOPBACK_HOSTS, num_threads=self.num_threads)
+        env = child_env(os.environ, loopback_only=self.host in LOOPBACK_HOSTS, num_threads=self.num_threads,
+                        api_key=self.api_key)
         try:
             specs = plan_instances(self.num_prefill, self.num_decode, self.host)
             for spec in specs:
@@ -313,22 +323,24 @@ def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def curl_example(proxy_url: str, model: str) -> str:
-    return (f"curl {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+def curl_example(proxy_url: str, model: str, with_api_key: bool = False) -> str:
+    auth = " -H \"Authorization: Bearer $KVBRIDGE_API_KEY\"" if with_api_key else ""
+    return (f"curl {proxy_url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d "
             f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
             f"\"max_tokens\": 32}}'")
 
 
 def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int = 8000,
                 kv_backend: str = "nixl", host: str = "127.0.0.1", extra_serve_args: Sequence[str] = (),
-                ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI) -> int:
+                ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI,
+                num_threads: int | None = None, api_key: str | None = None) -> int:
     """`kvbridge up`: run a LocalCluster until Ctrl-C or SIGTERM (exit 0) or a child dies (exit 1).
 
     Call it from the main thread so it can turn SIGTERM into an orderly stop.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster = LocalCluster(model, num_prefill, num_decode, port, kv_backend, host, extra_serve_args,
-                           ready_timeout_s, cli=cli)
+                           ready_timeout_s, cli=cli, num_threads=num_threads, api_key=api_key)
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal needs it
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     if in_main_thread:
@@ -337,7 +349,8 @@ def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int
         urls = cluster.start()
         print(f"kvbridge cluster ready: proxy {urls.proxy}\n  prefill: {' '.join(urls.prefill)}\n"
               f"  decode:  {' '.join(urls.decode)}\n  logs:    {cluster.log_dir}\n"
-              f"try:\n  {curl_example(urls.proxy, model)}\nCtrl-C stops everything.", flush=True)
+              f"try:\n  {curl_example(urls.proxy, model, with_api_key=bool(api_key))}\n"
+              "Ctrl-C stops everything.", flush=True)
         while (dead := cluster.first_dead_child()) is None:
             time.sleep(0.5)
         print(f"kvbridge up: {dead.name} exited with code {dead.popen.returncode}; stopping the cluster. "

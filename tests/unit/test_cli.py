@@ -1,0 +1,85 @@
+"""The `kvbridge` command line: what `up` hands its instances, how it refuses bad instance
+options before starting anything, and the help every option carries. `run_cluster` is
+replaced by a recorder here; tests/e2e/test_up_command.py starts a real cluster."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvbridge import cli
+from kvbridge.serving import cluster
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The keyword arguments of each run_cluster call `kvbridge up` makes."""
+    calls: list[dict] = []
+    monkeypatch.delenv("KVBRIDGE_API_KEY", raising=False)
+    monkeypatch.setattr(cluster, "run_cluster", lambda **kwargs: calls.append(kwargs) or 0)
+    return calls
+
+
+def run_cli(argv: list[str]) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:  # argparse's errors
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+def test_up_passes_its_engine_options_to_every_instance(started: list[dict]) -> None:
+    assert run_cli(["up", "model.gguf", "--num-threads", "1", "--kv-backend", "tcp", "--block-size", "32",
+                    "--max-model-len", "512", "--no-prefix-caching", "--kv-lease-seconds", "5",
+                    "--kv-load-failure-policy", "fail", "--api-key", "sk-up", "--num-decode", "2"]) == 0
+    [call] = started
+    assert call["extra_serve_args"] == ["--max-model-len", "512", "--block-size", "32", "--no-prefix-caching",
+                                        "--kv-lease-seconds", "5.0", "--kv-load-failure-policy", "fail"]
+    assert (call["model"], call["num_decode"], call["num_threads"], call["kv_backend"], call["api_key"]) == \
+        ("model.gguf", 2, 1, "tcp", "sk-up")  # the key goes in the children's environment, not argv
+
+
+def test_up_passes_what_follows_double_dash_verbatim_to_each_serve(started: list[dict]) -> None:
+    assert run_cli(["up", "--dtype", "bfloat16", "--", "--num-threads", "1", "--max-num-seqs", "8"]) == 0
+    [call] = started
+    assert call["extra_serve_args"] == ["--dtype", "bfloat16", "--num-threads", "1", "--max-num-seqs", "8"]
+    assert call["num_threads"] == 1  # also what OMP_NUM_THREADS says
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["up", "--", "--bogus"], "unrecognized arguments: --bogus"),
+    (["up", "--", "--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
+    (["up", "--block-size", "3"], "kvbridge serve: error: block_size must be a power of two, got 3"),
+    (["up", "--", "--port", "9000"], "--port is set by `up` for each instance"),
+    (["up", "--", "--kv-role", "consumer"], "--kv-role is set by `up` for each instance"),
+    (["up", "--num-prefill", "0"], "must be at least 1, got 0"),
+])
+def test_up_refuses_invalid_instance_options_before_starting_anything(
+        started: list[dict], capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert run_cli(argv) == 2
+    assert message in capsys.readouterr().err
+    assert started == []
+
+
+def test_every_option_of_up_serve_and_proxy_has_help() -> None:
+    parser = cli.build_parser()
+    # argparse has no public accessor for sub-commands' parsers.
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name in ("up", "serve", "proxy"):
+        missing = [a.dest for a in commands[name]._actions if not a.help]
+        assert missing == [], f"`kvbridge {name}` options without help: {missing}"
+
+
+def test_serve_does_not_offer_the_fake_transfer_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["serve", "--help"]) == 0
+    assert "fake" not in capsys.readouterr().out
+    assert run_cli(["serve", "--kv-role", "producer", "--kv-backend", "fake"]) == 2
+    assert "invalid choice: 'fake'" in capsys.readouterr().err
+
+
+def test_children_get_the_api_key_in_their_environment() -> None:
+    env = cluster.child_env({"PATH": "/bin"}, loopback_only=True, num_threads=1, api_key="sk-up")
+    assert env["KVBRIDGE_API_KEY"] == "sk-up"
+    assert cluster.child_env({"KVBRIDGE_API_KEY": "k"}, loopback_only=True, num_threads=1)["KVBRIDGE_API_KEY"] == "k"
+    assert "KVBRIDGE_API_KEY" not in cluster.child_env({"KVBRIDGE_API_KEY": "k"}, loopback_only=True, num_threads=1,
+                                                       api_key="")  # `up --api-key ""`: no key
