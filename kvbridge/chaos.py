@@ -4,6 +4,11 @@
 Every request must come back either correct (its greedy text equals the colocated
 engine's) or as a clean error (HTTP 500 whose OpenAI error body says the KV transfer
 failed); no server may crash, and at the end every KV block must be free on P and D.
+
+Besides the transfer faults, a "swapped params" fault sits in front of D: at the fault
+rate it holds a request briefly and, when another one arrives meanwhile, exchanges their
+`kv_transfer_params` (a router's metadata collision). Each then names live blocks of
+another prompt; P refuses those reads (content mismatch) and the policy applies.
 `kvbridge chaos` runs it at a chosen scale and prints a summary table; the test suite
 runs it small.
 """
@@ -11,6 +16,7 @@ runs it small.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import threading
@@ -47,6 +53,8 @@ class ChaosReport:
     servers_alive: bool = False
     seconds: float = 0.0
     bad_examples: list[str] = field(default_factory=list)
+    swapped: int = 0  # requests that reached D with another request's kv_transfer_params
+    content_mismatches: int = 0  # reads P refused because the blocks held another prompt's KV
 
     @property
     def ok(self) -> bool:
@@ -57,7 +65,9 @@ class ChaosReport:
                 ("clean errors (HTTP 500, KV transfer failed)", self.outcomes["clean_error"]),
                 ("bad (wrong text, other status, crash)", self.outcomes["bad"])]
         rows += [(f"failed loads: {k}", v) for k, v in sorted(self.failures_by_class.items())]
-        rows += [("P leases expired", self.expired_leases), ("P early releases", self.early_releases),
+        rows += [("requests sent to D with swapped params", self.swapped),
+                 ("P reads refused for another prompt's KV", self.content_mismatches),
+                 ("P leases expired", self.expired_leases), ("P early releases", self.early_releases),
                  ("all KV blocks free on P and D", self.blocks_free), ("servers alive", self.servers_alive),
                  ("wall time (s)", f"{self.seconds:.1f}")]
         width = max(len(str(k)) for k, _ in rows)
@@ -81,6 +91,75 @@ class ThreadServer:
         self.thread.join(timeout=15)
 
 
+class ParamSwapper:
+    """ASGI middleware: exchanges the kv_transfer_params of concurrent requests to `app`.
+
+    A request with do_remote_prefill is picked at `rate`; it waits up to `window_s` for a
+    partner (another picked request whose params name as many blocks, so D's admission
+    check passes), and the two go on with each other's params. Unpartnered, it goes on
+    unchanged. Runs on the server's event loop only.
+    """
+
+    def __init__(self, app, rate: float, rng: random.Random, window_s: float = 0.3) -> None:
+        self.app, self.rate, self.rng, self.window_s = app, rate, rng, window_s
+        # block count -> (a waiting request's params, the future that gets its partner's)
+        self._pending: dict[int, tuple[dict, asyncio.Future]] = {}
+        self.swapped = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or self.rate <= 0:
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay(b"", receive, [message]), send)
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        body = await self._maybe_swap(body)
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _maybe_swap(self, body: bytes) -> bytes:
+        try:
+            obj = json.loads(body)
+            params = obj["kv_transfer_params"]
+            blocks = params["remote_block_ids"]
+            key = len(blocks) if params.get("do_remote_prefill") else None
+        except (ValueError, KeyError, TypeError):
+            return body
+        if key is None or self.rng.random() >= self.rate:
+            return body
+        waiting = self._pending.pop(key, None)
+        if waiting is not None:
+            other, partner = waiting
+            partner.set_result(params)  # the partner goes on with ours, we with theirs
+        else:
+            mine: asyncio.Future = asyncio.get_running_loop().create_future()
+            self._pending[key] = (params, mine)
+            try:
+                other = await asyncio.wait_for(asyncio.shield(mine), self.window_s)
+            except asyncio.TimeoutError:
+                if not mine.done():  # nobody came: withdraw and go on unchanged
+                    del self._pending[key]
+                    return body
+                other = mine.result()  # a partner came just as the wait ended
+        self.swapped += 1
+        obj["kv_transfer_params"] = other
+        return json.dumps(obj).encode()
+
+
+def _replay(body: bytes, receive, first: list | None = None):
+    """An ASGI receive that yields `first` messages (or `body` as one request message), then
+    defers to the original receive (for the disconnect)."""
+    queued = list(first) if first is not None else [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return queued.pop(0) if queued else await receive()
+    return replay
+
+
 def make_engine(loaded: LoadedModel, role: KVRole | None, backend, policy: LoadFailurePolicy, engine_id: str,
             lease_s: float, num_blocks: int) -> LLMEngine:
     kv = None if role is None else KVTransferConfig(
@@ -94,7 +173,9 @@ def make_engine(loaded: LoadedModel, role: KVRole | None, backend, policy: LoadF
 
 def run_chaos(num_requests: int = 32, concurrency: int = 8, fault_rate: float = 0.2, seed: int = 0,
               policy: str = "recompute", max_tokens: int = 4, lease_s: float = 2.0,
-              loaded: LoadedModel | None = None) -> ChaosReport:
+              loaded: LoadedModel | None = None, swap_rate: float | None = None,
+              swap_window_s: float = 0.3) -> ChaosReport:
+    """`swap_rate`: the swapped-params fault's rate (default: `fault_rate`)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     loaded = loaded or load_model(MODEL)
     rng = random.Random(seed)
@@ -111,7 +192,9 @@ def run_chaos(num_requests: int = 32, concurrency: int = 8, fault_rate: float = 
     p_engine = AsyncEngine(make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), pol, "P", lease_s, 256))
     d_engine = AsyncEngine(make_engine(loaded, KVRole.CONSUMER, fabric.create_agent(
         "D", FaultConfig.chaos(fault_rate)), pol, "D", lease_s, 256))
-    servers = [ThreadServer(build_app(p_engine)), ThreadServer(build_app(d_engine))]
+    swapper = ParamSwapper(build_app(d_engine), fault_rate if swap_rate is None else swap_rate,
+                           random.Random(seed + 1), swap_window_s)
+    servers = [ThreadServer(build_app(p_engine)), ThreadServer(swapper)]
     servers.append(ThreadServer(build_proxy_app([servers[0].url], [servers[1].url], health_interval_s=0.5)))
     report = ChaosReport(requests=num_requests)
     start = time.monotonic()
@@ -124,6 +207,7 @@ def run_chaos(num_requests: int = 32, concurrency: int = 8, fault_rate: float = 
         p_stats = p_engine._engine.connectors[1].stats
         report.failures_by_class = dict(d_stats.failed_transfers)
         report.expired_leases, report.early_releases = p_stats.expired_leases, p_stats.early_releases
+        report.swapped, report.content_mismatches = swapper.swapped, p_stats.content_mismatches
     finally:
         report.seconds = time.monotonic() - start
         for s in servers:
@@ -150,7 +234,6 @@ async def _drive(proxy_url: str, prompts: list[str], want: dict[str, str], concu
 
 
 async def _request(client: httpx.AsyncClient, body: dict, stream: bool, want: str) -> tuple[str, str]:
-    import json
     try:
         if not stream:
             r = await client.post("/v1/completions", json=body)
@@ -202,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy", choices=["recompute", "fail", "auto"], default="recompute")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--swap-rate", type=float, default=None,
+                    help="rate of the swapped-params fault in front of D (default: --fault-rate)")
     a = ap.parse_args(argv)
-    report = run_chaos(a.requests, a.concurrency, a.fault_rate, a.seed, a.policy, a.max_tokens)
+    report = run_chaos(a.requests, a.concurrency, a.fault_rate, a.seed, a.policy, a.max_tokens,
+                       swap_rate=a.swap_rate)
     print(f"kvbridge chaos: {a.requests} requests, concurrency {a.concurrency}, fault rate {a.fault_rate}, "
           f"seed {a.seed}, policy {a.policy}\n")
     print(report.table())
