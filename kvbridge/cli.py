@@ -32,7 +32,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--served-model-name", default=None, help="the model name the API reports and accepts "
                    "(default: from MODEL)")
     e.add_argument("--api-key", default=os.environ.get("KVBRIDGE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (`up`: the proxy's and every instance's; "
+                   help="require 'Authorization: Bearer KEY' on /v1 routes, and authenticate the KV side channel "
+                        "(P and D need the same key) (`up`: the proxy's and every instance's; "
                         "default: $KVBRIDGE_API_KEY, or none)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and KV cache dtype (default: %(default)s)")
@@ -98,7 +99,8 @@ def engine_config_from_args(a: argparse.Namespace):
             lease_seconds=a.kv_lease_seconds, handshake_timeout_s=a.kv_handshake_timeout,
             load_failure_policy=LoadFailurePolicy(a.kv_load_failure_policy),
             recompute_max_tokens=a.kv_load_failure_recompute_max_tokens,
-            trusted_hosts=tuple(h for h in a.kv_trusted_hosts.split(",") if h))
+            trusted_hosts=tuple(h for h in a.kv_trusted_hosts.split(",") if h),
+            side_channel_key=a.api_key or None)  # P and D share it: it authenticates the side channel
     return EngineConfig(
         model=a.model, served_model_name=a.served_model_name, dtype=a.dtype, device=a.device,
         max_model_len=a.max_model_len, seed=a.seed, num_threads=a.num_threads or default_num_threads(),

@@ -67,6 +67,9 @@ class KVTransferConfig:
     load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
     recompute_max_tokens: int = 2048  # for policy AUTO
     trusted_hosts: tuple[str, ...] = ()  # empty: only this host's addresses
+    # The API key P and D share (--api-key): side-channel requests are authenticated with a key
+    # derived from it (side_channel.py). None: the side channel accepts unauthenticated requests.
+    side_channel_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in ("nixl", "tcp", "fake"):
@@ -77,6 +80,8 @@ class KVTransferConfig:
             raise ValueError("handshake_timeout_s must be positive")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
+        if self.side_channel_key is not None and not self.side_channel_key:
+            raise ValueError("side_channel_key must be a non-empty string or None")
 
 
 def default_num_threads() -> int:

@@ -34,7 +34,8 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
     stats.held_blocks = leases.held_blocks
     side_channel = None
     if kv.role in (KVRole.PRODUCER, KVRole.BOTH):
-        side_channel = SideChannelServer({}, kv.side_channel_host, kv.side_channel_port).start()
+        side_channel = SideChannelServer({}, kv.side_channel_host, kv.side_channel_port,
+                                         key=kv.side_channel_key).start()
     if backend is None:
         from kvbridge.kv_transfer.backends import create_backend  # imports NIXL only when asked for
         backend = create_backend(kv.backend, agent_name=engine_id)

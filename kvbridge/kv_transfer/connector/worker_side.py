@@ -30,8 +30,8 @@ from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, H
                                             HandshakeLayoutMismatch, HandshakeMetadata, RankLayout,
                                             encode_payload)
 from kvbridge.kv_transfer.handshake_manager import HandshakeManager
-from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.lease import CONTENT_MISMATCH, LeaseTable
+from kvbridge.kv_transfer.side_channel import HandshakeClient, SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.kv_transfer.topology import PlaneLayout, read_descriptors
 
@@ -85,7 +85,9 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.side_channel = side_channel
         self.prefix_caching = prefix_caching
         self.control_server = ControlServer(side_channel, leases, stats) if side_channel is not None else None
-        self.control = ControlClient(config.handshake_timeout_s)
+        # One client for handshakes and control messages: it signs requests when P and D share a key.
+        self._side_client = HandshakeClient(key=config.side_channel_key)
+        self.control = ControlClient(config.handshake_timeout_s, self._side_client)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-control")
         self._handshakes: HandshakeManager | None = None
         self.layout: PlaneLayout | None = None
@@ -120,7 +122,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
         if self.is_consumer:
             self._handshakes = HandshakeManager(
                 self.compat.hash(), rank_layout, prefix_caching=self.prefix_caching,
-                timeout_s=self.config.handshake_timeout_s, validate=self._validate_peer)
+                client=self._side_client, timeout_s=self.config.handshake_timeout_s,
+                validate=self._validate_peer)
 
     def _validate_peer(self, meta: HandshakeMetadata) -> None:
         if meta.backend != self.config.backend:
