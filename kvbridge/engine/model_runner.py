@@ -120,9 +120,8 @@ class ModelRunner:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         sampled = [s for s in sched.scheduled if s.sample]
-        tokens, logprobs = self.sampler.sample(
+        result = self.sampler.sample(
             logits, [s.request_id for s in sampled], [s.sampling_params for s in sampled])
-        for s, tok, lp in zip(sampled, tokens, logprobs):
-            out.sampled_token_ids[s.request_id] = tok
-            if lp is not None:
-                out.logprobs[s.request_id] = lp
+        out.sampled_token_ids = result.tokens
+        out.logprobs = result.logprobs
+        out.sampling_errors = result.errors

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -9,10 +11,22 @@ import torch
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplerOutput:
+    """Per request id: its token, or why none could be sampled (then it has no token)."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # only where asked for
+    errors: dict[str, str] = field(default_factory=dict)
+
 
 class Sampler:
     """Samples one token per row of logits. Per-request generators make seeded requests
-    reproducible whatever else shares their batch."""
+    reproducible whatever else shares their batch. A row that cannot be sampled (e.g. NaN
+    logits) fails only its own request: the error is reported, never raised."""
 
     def __init__(self, seed: int = 0) -> None:
         self._default = torch.Generator().manual_seed(seed)
@@ -31,28 +45,34 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, request_ids: Sequence[str],
-               params: Sequence[SamplingParams]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [N, vocab] float32 on any device. Returns the tokens and, per row, the
-        logprobs asked for (None where not asked)."""
+               params: Sequence[SamplingParams]) -> SamplerOutput:
+        """logits: [N, vocab] on any device, one row per request."""
         logits = logits.float().cpu()
-        tokens = torch.argmax(logits, dim=-1).tolist()
+        out = SamplerOutput()
+        greedy = torch.argmax(logits, dim=-1).tolist()
         for row, (rid, sp) in enumerate(zip(request_ids, params)):
-            if not sp.greedy:
-                tokens[row] = self._sample_row(logits[row], sp, self._generator(rid, sp))
-        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
-        want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+            try:
+                out.tokens[rid] = (greedy[row] if sp.greedy
+                                   else self._sample_row(logits[row], sp, self._generator(rid, sp)))
+            except Exception as exc:  # this request's failure, not the batch's
+                logger.warning("request %s: sampling failed: %s", rid, exc)
+                out.errors[rid] = f"sampling the next token failed: {exc}"
+        want = [i for i, (rid, sp) in enumerate(zip(request_ids, params))
+                if sp.logprobs is not None and rid in out.tokens]
         if want:
             lp = torch.log_softmax(logits[want], dim=-1)
             for j, row in enumerate(want):
-                k = params[row].logprobs or 0
+                rid, k = request_ids[row], params[row].logprobs or 0
                 top = torch.topk(lp[j], k) if k else None
-                logprobs[row] = TokenLogprob(
-                    token_id=tokens[row], logprob=float(lp[j, tokens[row]]),
+                out.logprobs[rid] = TokenLogprob(
+                    token_id=out.tokens[rid], logprob=float(lp[j, out.tokens[rid]]),
                     top=tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
-        return tokens, logprobs
+        return out
 
     @staticmethod
     def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
+        # sp.temperature >= GREEDY_TEMPERATURE here: finite logits stay finite (a huge
+        # temperature rounds to inf in float32 and flattens them to 0, a uniform draw).
         scaled = row / sp.temperature
         if 0 < sp.top_k < scaled.numel():
             kth = torch.topk(scaled, sp.top_k).values[-1]

@@ -212,6 +212,13 @@ class Scheduler:
             self.kvm.cache_blocks(req, req.num_computed_tokens)
             if not s.sample:
                 continue
+            error = out.sampling_errors.get(s.request_id)
+            if error is not None:  # this request alone fails; the batch goes on
+                self.running.remove(req)
+                req.finish(FinishReason.ERROR, error=error)
+                self._free_request(req)
+                touched.append(req)
+                continue
             token = out.sampled_token_ids[s.request_id]
             req.output_token_ids.append(token)
             touched.append(req)

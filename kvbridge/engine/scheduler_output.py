@@ -38,4 +38,5 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    sampling_errors: dict[str, str] = field(default_factory=dict)  # request id -> why it got no token
     kv_connector_output: KVConnectorOutput | None = None

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import jinja2
@@ -256,8 +256,26 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special tokens written in `text` (e.g. `<|im_start|>`) become their ids. With
         add_special_tokens the model's own additions (a bos, if it wants one) are made too;
-        chat-template output already contains them, hence the default False."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        chat-template output already contains them, hence the default False.
+
+        Other Python threads run meanwhile: `encode_batch` releases the GIL (`encode` holds
+        it, so tokenising a long prompt on a worker thread would still stall the event loop)."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @cached_property
+    def max_bytes_per_token(self) -> int:
+        """No token stands for more UTF-8 bytes of the text given to `encode` than this, so a
+        text of more than n * max_bytes_per_token bytes has more than n tokens.
+
+        Without a normalizer, every byte of the text ends up in exactly one token, and a
+        token's vocabulary entry is at least as long as the bytes it stands for: byte-level
+        BPE spells each byte as one or two characters, SentencePiece a space as the 3-byte
+        "▁" and a fallback byte as "<0xNN>"; added tokens are their text. A normalizer runs
+        first and may shrink the text: NFC/NFKC at most 4 to 1 (a 4-byte character mapped to
+        a 1-byte one), hence 4x. (The tokenizers of the supported model families have no
+        normalizer or pre-tokenizer that deletes text.)"""
+        longest = max(len(token.encode("utf-8")) for token in self._backend.get_vocab(with_added_tokens=True))
+        return longest if self._backend.normalizer is None else 4 * longest
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

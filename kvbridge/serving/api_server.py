@@ -102,6 +102,9 @@ class _Handlers:
         self.engine = engine
         self.metrics = metrics
         self.created = int(time.time())
+        # A prompt text longer than this has more tokens than the context holds, whatever
+        # its content: it is refused without being tokenised (a 10 MB prompt took 9 s).
+        self.max_prompt_bytes = engine.max_model_len * engine.tokenizer.max_bytes_per_token
 
     async def serve(self, raw: Request, chat: bool) -> Response:
         timer = self.metrics.request_timer()  # latencies count from arrival
@@ -111,7 +114,9 @@ class _Handlers:
         try:
             body = await _read_json(raw)
             kv_params = _parse_kv_params(body)
-            job = self._prepare(body, chat, request_id)
+            # Tokenising holds a thread for up to a second or two (a prompt near the byte
+            # bound): never the event loop, which must keep answering /health and streams.
+            job = await asyncio.to_thread(self._prepare, body, chat, request_id)
             stream = await self._admit(request_id, job, kv_params)
         except Exception as exc:  # the one guard around every pre-admission rejection
             error = _as_api_error(exc, request_id)
@@ -135,6 +140,7 @@ class _Handlers:
     # ---------------------------------------------------------------- admission
 
     def _prepare(self, body: dict[str, Any], chat: bool, request_id: str) -> _Job:
+        """Validates and tokenises; runs on a worker thread."""
         model_cls = p.ChatCompletionRequest if chat else p.CompletionRequest
         try:
             request = model_cls.model_validate(body)
@@ -150,8 +156,10 @@ class _Handlers:
                     [m.as_template_message() for m in request.messages], add_generation_prompt=True)
             except ValueError as exc:
                 raise ApiError(400, f"invalid messages: {exc}", param="messages") from None
+            self._check_prompt_bytes(text, "messages")
             prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(request.prompt, str):
+            self._check_prompt_bytes(request.prompt, "prompt")
             prompt_ids = tokenizer.encode(request.prompt, add_special_tokens=True)
         else:
             prompt_ids = list(request.prompt)
@@ -166,6 +174,14 @@ class _Handlers:
             params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stops)))
         prefix = "chatcmpl-" if chat else "cmpl-"
         return _Job(chat, request, prompt_ids, params, prefix + request_id, int(time.time()))
+
+    def _check_prompt_bytes(self, text: str, param: str) -> None:
+        size = len(text.encode("utf-8"))
+        if size > self.max_prompt_bytes:
+            limit = self.engine.max_model_len
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the "
+                           f"prompt has {size} bytes, more than {limit} tokens can hold. "
+                           "Please shorten the prompt.", param=param, code="context_length_exceeded")
 
     def _check_length(self, request: p.CompletionRequest | p.ChatCompletionRequest,
                       num_prompt: int) -> int:
@@ -332,12 +348,9 @@ async def _read_json(raw: Request) -> dict[str, Any]:
         if len(data) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     try:
-        body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
+        return p.parse_json_object(bytes(data))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), code="invalid_json") from None
 
 
 def _parse_kv_params(body: dict[str, Any]) -> KVTransferParams | None:
@@ -441,10 +454,10 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     async def release_kv(raw: Request) -> Response:
         """P: free the blocks held for a request no decode instance will read (the proxy
         calls it when it could reach no D). Idempotent: unknown ids answer released=false."""
+        body = await _read_json(raw)
         try:
-            body = await raw.json()
-            params = parse_kv_transfer_params(body.get("kv_transfer_params") if isinstance(body, dict) else None)
-        except (ValueError, UnicodeDecodeError) as exc:
+            params = parse_kv_transfer_params(body.get("kv_transfer_params"))
+        except ValueError as exc:
             raise ApiError(400, f"bad release request: {exc}") from None
         if params is None:
             raise ApiError(400, "kv_transfer_params is required", param="kv_transfer_params")

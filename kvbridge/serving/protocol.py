@@ -12,6 +12,9 @@ Responses and stream chunks mirror OpenAI's shapes; like vLLM they carry
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
@@ -19,10 +22,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvbridge.engine.outputs import TokenLogprob
-from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_LOGPROBS = 20  # SamplingParams' limit
 MAX_STOP_STRINGS = 16
+# No OpenAI request nests deeper than a handful of levels. The bound keeps every later
+# walk of the body (pydantic, json.dumps when the proxy forwards it) far from Python's
+# recursion limit, which a body nested ~1000 deep would otherwise hit as a 500.
+MAX_JSON_DEPTH = 100
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -43,6 +50,60 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# ---------------------------------------------------------------- request bodies
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json_object(data: bytes) -> dict[str, Any]:
+    """A request body as strict JSON (RFC 8259): UTF-8, no NaN or Infinity, no number that
+    overflows a float, no lone surrogate (escaped as \\ud800: not Unicode, and it breaks
+    every encoder after us), no nesting deeper than MAX_JSON_DEPTH, an object at the top.
+    Raises ValueError with a message for the client (HTTP 400)."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # not UTF-8, malformed, a constant, an out-of-range number
+        raise ValueError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("the request body must be a JSON object")
+    # Either check costs a walk of the body; a body without many brackets or without a
+    # surrogate escape cannot fail it.
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    if _SURROGATE_ESCAPE.search(data):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the request body has a lone UTF-16 surrogate (e.g. \\ud800), "
+                             "which is not a Unicode character") from None
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is out of range")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and dicts nest in `value` (1 for a flat one); stops past MAX_JSON_DEPTH."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack and deepest <= MAX_JSON_DEPTH:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
 # ---------------------------------------------------------------- requests
 
 
@@ -59,7 +120,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # extension; 0 or -1 disable it
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension
     include_stop_str_in_output: bool = False  # extension

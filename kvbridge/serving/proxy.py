@@ -44,6 +44,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvbridge.serving.protocol import parse_json_object
 from kvbridge.serving.routing import Upstream, UpstreamKind, UpstreamPool
 
 logger = logging.getLogger(__name__)
@@ -293,12 +294,10 @@ class PDProxy:
         request_id = given if given and _REQUEST_ID_RE.fullmatch(given) else f"kvb-{uuid.uuid4().hex}"
         if not self.authorized(request):
             return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
-        try:
-            body = json.loads(await request.body())
-        except ValueError:  # includes UnicodeDecodeError
-            return openai_error(400, "the request body is not valid JSON", "invalid_json", request_id)
-        if not isinstance(body, dict):
-            return openai_error(400, "the request body must be a JSON object", "invalid_json", request_id)
+        try:  # strict: what parses here can be forwarded (no NaN, no lone surrogate, no deep nesting)
+            body = parse_json_object(await request.body())
+        except ValueError as exc:
+            return openai_error(400, str(exc), "invalid_json", request_id)
         for pool in self.pools:
             if not pool.healthy():  # checked before P works, so no KV is held for nothing
                 return openai_error(503, f"no healthy {pool.kind.value} instance", "no_healthy_instance",

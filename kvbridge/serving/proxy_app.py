@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvbridge.serving.proxy import BAD_KEY_MESSAGE, PDProxy, openai_error
 from kvbridge.serving.routing import UpstreamKind, UpstreamPool, make_policy
 
+logger = logging.getLogger(__name__)
+
 
 def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_policy: str = "round_robin",
                     decode_policy: str = "round_robin", health_interval_s: float = 2.0,
@@ -48,6 +50,13 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
 
     app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan)
     app.state.proxy = proxy
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        """A bug, not the client's fault: still OpenAI's error body, never plain text."""
+        logger.error("%s %s: unexpected error", request.method, request.url.path, exc_info=exc)
+        return openai_error(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    app.add_exception_handler(Exception, on_unexpected)
 
     async def route(request: Request) -> Response:
         response = await proxy.handle(request, request.url.path)

@@ -1,0 +1,72 @@
+"""The sampler and its parameters against hostile values (issue 14, finding 2): any finite
+temperature samples, out-of-range seeds are refused when the parameters are made, and a
+row that cannot be sampled fails alone instead of raising out of the batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbridge.engine.sampling import Sampler
+from kvbridge.engine.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+def logits(rows: int) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(3)) * 8
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-38, 1e-6, 1e-5, 1e-3, 0.7, 2.0, 1e30, 1e300])
+def test_any_finite_temperature_samples_a_token(temperature: float) -> None:
+    rows = logits(4)
+    sp = SamplingParams(temperature=temperature, seed=11)
+    result = Sampler().sample(rows, ["a", "b", "c", "d"], [sp] * 4)
+    assert result.errors == {}
+    assert all(0 <= result.tokens[rid] < VOCAB for rid in "abcd")
+    if temperature < 1e-5:  # too cold to be told from greedy: it is greedy
+        assert [result.tokens[rid] for rid in "abcd"] == torch.argmax(rows, dim=-1).tolist()
+
+
+def test_tiny_temperature_with_top_k_top_p_and_logprobs_is_greedy() -> None:
+    rows = logits(2)
+    sp = SamplingParams(temperature=1e-300, top_k=5, top_p=0.5, logprobs=3)
+    result = Sampler().sample(rows, ["a", "b"], [sp, sp])
+    assert [result.tokens["a"], result.tokens["b"]] == torch.argmax(rows, dim=-1).tolist()
+    assert all(math.isfinite(result.logprobs[rid].logprob) for rid in "ab")
+
+
+@pytest.mark.parametrize("seed", [2 ** 64, 18446744073709551616 * 7, -(2 ** 63) - 1])
+def test_a_seed_that_does_not_fit_64_bits_is_refused(seed: int) -> None:
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 2 ** 64 - 1, -(2 ** 63)])
+def test_every_64_bit_seed_is_accepted_and_samples(seed: int) -> None:
+    sp = SamplingParams(seed=seed)
+    assert Sampler().sample(logits(1), ["a"], [sp]).errors == {}
+
+
+@pytest.mark.parametrize("field, value", [("temperature", math.inf), ("temperature", math.nan),
+                                          ("top_p", math.nan)])
+def test_non_finite_sampling_values_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
+    """A row of NaN logits (a broken sequence) cannot be sampled; the other rows of the
+    batch still get their tokens and the sampler is usable afterwards."""
+    rows = logits(3)
+    rows[1] = math.nan
+    sp = SamplingParams(temperature=0.8, seed=5)
+    sampler = Sampler()
+    result = sampler.sample(rows, ["ok-1", "broken", "ok-2"], [sp, sp, SamplingParams(temperature=0)])
+    assert set(result.errors) == {"broken"} and "sampl" in result.errors["broken"]
+    assert set(result.tokens) == {"ok-1", "ok-2"}
+    assert result.tokens["ok-2"] == int(torch.argmax(rows[2]))
+    again = sampler.sample(logits(1), ["next"], [sp])
+    assert again.errors == {} and 0 <= again.tokens["next"] < VOCAB
