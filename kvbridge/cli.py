@@ -86,6 +86,10 @@ def _add_instance_args(p: argparse.ArgumentParser) -> None:
     i.add_argument("--kv-engine-id", default="", help="this engine's id among its peers (default: random)")
     i.add_argument("--kv-side-channel-port", type=int, default=0,
                    help="port a producer's side channel listens on (default: 0, any free port)")
+    i.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="rank processes the model is split over (KV heads split across them, replicated "
+                        "when there are more ranks than KV heads); P/D instances need 1 for now "
+                        "(default: %(default)s)")
 
 
 def engine_config_from_args(a: argparse.Namespace):
@@ -109,7 +113,7 @@ def engine_config_from_args(a: argparse.Namespace):
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_waiting=a.max_waiting),
-        kv_transfer=kv)
+        kv_transfer=kv, tensor_parallel_size=getattr(a, "tensor_parallel_size", 1))
 
 
 def _checked_engine_config(a: argparse.Namespace) -> EngineConfig | None:
@@ -126,8 +130,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = _checked_engine_config(a)
     if config is None:
         return 2
-    run_server(config, a.host, a.port, a.api_key, log_level=a.log_level)
-    return 0
+    return run_server(config, a.host, a.port, a.api_key, log_level=a.log_level)
 
 
 def cmd_proxy(a: argparse.Namespace) -> int:

@@ -100,8 +100,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig | None = None
+    # Rank processes the model is split over (tensor parallelism); 1 = in the engine process.
+    tensor_parallel_size: int = 1
+    # A step's rank processes must answer within this long, or they are killed and the engine fails.
+    tp_step_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tp_step_timeout_s <= 0:
+            raise ValueError("tp_step_timeout_s must be positive")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

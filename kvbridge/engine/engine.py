@@ -21,6 +21,8 @@ from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
+from kvbridge.engine.tp import TPSplitError, check_tp_split
+from kvbridge.engine.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
 
 logger = logging.getLogger(__name__)
@@ -65,16 +67,26 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.arch.max_position_embeddings,
                                  loaded.arch.max_position_embeddings)
         cache = config.cache
-        num_blocks = cache.num_blocks or max(
-            1, cache.kv_cache_memory_bytes // kv_bytes_per_block(loaded.arch, cache.block_size, DTYPES[config.dtype]))
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            check_tp_split(loaded.arch.num_heads, loaded.arch.num_kv_heads, tp, loaded.arch.intermediate_size)
+            if connectors is not None or config.kv_transfer is not None:
+                raise TPSplitError("P/D KV transfer with tensor parallelism is not implemented yet: "
+                                   "run prefill and decode instances at --tensor-parallel-size 1")
+        num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
+            loaded.arch, cache.block_size, DTYPES[config.dtype], tp))
         self.num_blocks = num_blocks
         groups = [KVCacheGroupSpec(KVCacheKind.FULL_ATTENTION, cache.block_size,
                                    tuple(range(loaded.arch.num_layers)))]
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching), groups)
         sched_conn, worker_conn = connectors if connectors is not None else (None, None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, sched_conn)
-        self.runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, cache.block_size,
-                                  num_blocks, config.seed, worker_conn)
+        self.runner: ModelRunner | TPExecutor
+        if tp > 1:  # the ranks load the weights themselves; this process keeps none
+            self.runner = TPExecutor(config, num_blocks)
+        else:
+            self.runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, cache.block_size,
+                                      num_blocks, config.seed, worker_conn)
         self.connectors = connectors
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -214,7 +226,14 @@ class LLMEngine:
                 result[out.request_id].extend(out.new_token_ids)
         return [result[rid] for rid in ids]
 
+    def failure(self) -> str | None:
+        """Why this engine cannot step any more although no step raised yet (a TP rank process
+        died between steps), or None. Cheap; safe from any thread."""
+        return self.runner.failure() if isinstance(self.runner, TPExecutor) else None
+
     def shutdown(self) -> None:
         if self.connectors is not None:
             for half in self.connectors:
                 half.shutdown()
+        if isinstance(self.runner, TPExecutor):
+            self.runner.shutdown()

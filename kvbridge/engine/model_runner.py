@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -16,6 +17,7 @@ from kvbridge.engine.models import build_model, kv_cache_shape
 from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvbridge.engine.tp import RankShard, rank_shard
 from kvbridge.kv_transfer.connector.base import WorkerConnector
 
 logger = logging.getLogger(__name__)
@@ -59,23 +61,31 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
 
 
-def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """One block, every layer, on one rank (the largest share any rank of `tp_size` holds)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem  # one block, every layer
+    heads = rank_shard(arch.num_heads, arch.num_kv_heads, tp_size, 0).num_kv_heads
+    return arch.num_layers * 2 * block_size * heads * arch.head_dim * elem
 
 
 class ModelRunner:
+    """One rank's model and KV cache. With tensor parallelism (`shard`, `all_reduce`) each rank
+    process has one; only the rank that `samples` (rank 0) computes logits and samples."""
+
     def __init__(self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: str, device: str,
                  block_size: int, num_blocks: int, seed: int = 0,
-                 connector: WorkerConnector | None = None) -> None:
+                 connector: WorkerConnector | None = None, shard: RankShard | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, samples: bool = True) -> None:
         self.arch = arch
         self.device = resolve_device(device)
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model = build_model(arch, self.dtype, self.device)
+        self.samples = samples
+        self.model = build_model(arch, self.dtype, self.device, shard, all_reduce)
         self.model.load_weights(weights)
-        self.kv_cache = torch.empty(kv_cache_shape(arch, num_blocks, block_size), dtype=self.dtype,
+        heads = shard.num_kv_heads if shard is not None else arch.num_kv_heads
+        self.kv_cache = torch.empty(kv_cache_shape(arch, num_blocks, block_size, heads), dtype=self.dtype,
                                     device=self.device)
         if self.device.type == "cpu":
             advise_huge_pages(self.kv_cache)
@@ -116,7 +126,7 @@ class ModelRunner:
         attn = AttentionMetadata.build(query_lens, context_lens, tables, bs, dev)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), attn, self.kv_cache)
-        if not sample_rows:
+        if not sample_rows or not self.samples:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         sampled = [s for s in sched.scheduled if s.sample]

@@ -48,7 +48,7 @@ from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params
 from kvbridge.serving import protocol as p
-from kvbridge.serving.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
+from kvbridge.serving.async_engine import AsyncEngine, EngineState, EngineUnavailableError, RequestStream
 from kvbridge.serving.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -508,11 +508,24 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
 
 class _Server(uvicorn.Server):
     """Shuts the engine down as part of uvicorn's graceful shutdown (SIGINT/SIGTERM):
-    in-flight requests fail at once, so connections drain, then the engine thread stops."""
+    in-flight requests fail at once, so connections drain, then the engine thread stops.
+    An engine that fails (a step raised, a TP rank process died) shuts the server down too,
+    so `kvbridge serve` exits non-zero and a supervisor can restart it."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
         super().__init__(config)
         self.engine = engine
+        self.engine_failed = False
+
+    async def on_tick(self, counter: int) -> bool:  # uvicorn calls it every 0.1 s; True stops serving
+        state = self.engine.state
+        if state is EngineState.DEAD or (state is EngineState.RUNNING and not self.engine.is_healthy):
+            if not self.engine_failed:
+                self.engine_failed = True
+                logger.error("the engine failed (%s); shutting the server down",
+                             self.engine.dead_reason or "its thread or a rank process is gone")
+            return True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.engine.begin_shutdown()
@@ -532,8 +545,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
-               log_level: str = "info") -> None:
-    """Load the model, serve until SIGINT/SIGTERM, shut down cleanly. Blocks."""
+               log_level: str = "info") -> int:
+    """Load the model, serve until SIGINT/SIGTERM, shut down cleanly. Blocks. Returns the exit
+    status: 0 after a requested shutdown, 1 when the engine failed."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -552,3 +566,4 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
     finally:
         engine.shutdown()  # no-op when uvicorn's shutdown already did it
         sock.close()
+    return 1 if server.engine_failed else 0

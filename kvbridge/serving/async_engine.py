@@ -176,7 +176,8 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._state is EngineState.RUNNING and self._thread.is_alive()
+        return (self._state is EngineState.RUNNING and self._thread.is_alive()
+                and self._engine.failure() is None)
 
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                           params: SamplingParams,
@@ -290,8 +291,11 @@ class AsyncEngine:
         backoff = 0.0
         try:
             while True:
+                self._check_failure()
                 busy = self._state is not EngineState.DEAD and self._has_work()
-                for command in self._take_commands(busy, backoff):
+                commands = self._take_commands(busy, backoff)
+                self._check_failure()  # before admitting anything the engine can no longer serve
+                for command in commands:
                     if isinstance(command, _Stop):
                         return
                     self._apply(command)
@@ -309,6 +313,13 @@ class AsyncEngine:
                 backoff = 0.0 if outputs else min(max(2 * backoff, _MIN_BACKOFF_S), cap)
         finally:
             self._stop()
+
+    def _check_failure(self) -> None:
+        """A failure found outside a step (e.g. a TP rank process died while idle) kills the engine."""
+        if self._state is not EngineState.DEAD:
+            failure = self._engine.failure()
+            if failure is not None:
+                self._die(RuntimeError(failure))
 
     def _has_work(self) -> bool:
         # has_pending_work, not has_unfinished_requests: a prefill instance must keep

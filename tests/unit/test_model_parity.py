@@ -92,9 +92,10 @@ def pair(request: pytest.FixtureRequest) -> Pair:
 class PagedSteps:
     """A minimal model runner: hands out shuffled blocks and runs steps of (seq -> new tokens)."""
 
-    def __init__(self, model: CausalLM, arch: ModelArchConfig, num_blocks: int = 48, seed: int = 0) -> None:
+    def __init__(self, model: CausalLM, arch: ModelArchConfig, num_blocks: int = 48, seed: int = 0,
+                 num_kv_heads: int | None = None) -> None:
         self.model = model
-        self.kv_cache = torch.zeros(kv_cache_shape(arch, num_blocks, BLOCK_SIZE))
+        self.kv_cache = torch.zeros(kv_cache_shape(arch, num_blocks, BLOCK_SIZE, num_kv_heads))
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -189,7 +190,8 @@ def test_kv_cache_holds_hf_keys_and_values_at_each_tokens_slot(pair: Pair) -> No
         hf_cache = pair.hf(input_ids=torch.tensor([tokens]), use_cache=True).past_key_values
     table = steps.tables["a"]
     for layer in range(pair.arch.num_layers):
-        ours = torch.stack([steps.kv_cache[table[p // BLOCK_SIZE], layer, :, p % BLOCK_SIZE]
+        # The cache is [blocks, kv_heads, layers, 2, block_size, head_dim].
+        ours = torch.stack([steps.kv_cache[table[p // BLOCK_SIZE], :, layer, :, p % BLOCK_SIZE].transpose(0, 1)
                             for p in range(len(tokens))], dim=1)  # [2, tokens, kv_heads, head_dim]
         hf_layer = hf_cache.layers[layer]
         expected = torch.stack([hf_layer.keys[0].transpose(0, 1), hf_layer.values[0].transpose(0, 1)])

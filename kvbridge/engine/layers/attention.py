@@ -10,11 +10,12 @@ does no Python work beyond a loop over prefill sequences:
   causally over the new K/V when they start at position 0, otherwise over their whole
   context read back from the cache with a causal mask shifted by the tokens computed before.
 
-KV cache layout (fixed by the transfer code, which copies whole blocks): one tensor
-[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], block-major so that one
-block of every layer is one contiguous span and a run of blocks moves as one descriptor.
-Layer i gets the strided view kv_cache[:, i] = [num_blocks, 2, block_size, kv_heads, head_dim],
-index 0 = K, 1 = V.
+KV cache layout (fixed by the transfer code, which copies whole blocks or head slices of
+them): one tensor [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim],
+block-major so that one block of every layer is one contiguous span and a run of blocks
+moves as one descriptor, head-major within a block so that a run of heads is one span.
+Layer i gets the strided view kv_cache[:, :, i].permute(0, 2, 3, 1, 4) = [num_blocks, 2,
+block_size, kv_heads, head_dim], index 0 = K, 1 = V.
 """
 
 from __future__ import annotations

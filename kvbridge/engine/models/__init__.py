@@ -4,9 +4,11 @@ Contract (the model runner codes against it):
 - `build_model(arch, dtype, device)` returns a `CausalLM` with uninitialised weights;
   the runner then calls `load_weights` with Hugging Face tensor names.
 - The runner allocates ONE KV cache tensor of shape `kv_cache_shape(arch, num_blocks,
-  block_size)` = [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (0 = K,
-  1 = V; block-major, so a block of every layer is contiguous for KV transfers) and passes
-  it to every `forward`; layer i uses the view `kv_cache[:, i]`.
+  block_size, num_kv_heads)` = [num_blocks, num_kv_heads, num_layers, 2, block_size,
+  head_dim] (0 = K, 1 = V; num_kv_heads: this rank's). Block-major, so a block of every
+  layer is contiguous for KV transfers, and head-major within a block, so a run of heads
+  of a block is contiguous too (a decode rank of another TP size reads its heads as one
+  span: kv_transfer/tp_mapping.py). Layer i uses the view `kv_cache[:, :, i]`.
 - Each step: `forward(input_ids, positions, attn, kv_cache)` -> hidden [T, hidden], then
   `compute_logits(hidden[rows])` -> fp32 logits for the rows it samples from.
 """
@@ -14,11 +16,13 @@ Contract (the model runner codes against it):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
+from kvbridge.engine.tp import RankShard
 
 
 class CausalLM(torch.nn.Module, ABC):
@@ -44,13 +48,18 @@ class CausalLM(torch.nn.Module, ABC):
         """[N, hidden] -> fp32 logits [N, vocab]."""
 
 
-def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """The shape of the single KV cache tensor the runner allocates for `arch`."""
-    return (num_blocks, arch.num_layers, 2, block_size, arch.num_kv_heads, arch.head_dim)
+def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int,
+                   num_kv_heads: int | None = None) -> tuple[int, ...]:
+    """The shape of the single KV cache tensor the runner allocates for `arch` (for a TP rank:
+    `num_kv_heads` = the heads it holds; default all)."""
+    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return (num_blocks, heads, arch.num_layers, 2, block_size, arch.head_dim)
 
 
-def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """An eval-mode model for arch on device, weights allocated in dtype but not yet loaded."""
+def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
+                shard: RankShard | None = None, all_reduce: Callable | None = None) -> CausalLM:
+    """An eval-mode model for arch on device, weights allocated in dtype but not yet loaded.
+    With a TP `shard`, only that rank's part, summing partial outputs with `all_reduce`."""
     # Imported here because the family modules import CausalLM from this package.
     from kvbridge.engine.models.llama import LlamaForCausalLM
 
@@ -62,7 +71,7 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device 
     model_cls = families.get(arch.family)
     if model_cls is None:
         raise ValueError(f"no model class for family {arch.family!r}")
-    return model_cls(arch, dtype, torch.device(device)).eval()
+    return model_cls(arch, dtype, torch.device(device), shard=shard, all_reduce=all_reduce).eval()
 
 
 __all__ = ["AttentionMetadata", "CausalLM", "build_model", "kv_cache_shape"]

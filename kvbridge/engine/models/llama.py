@@ -4,10 +4,18 @@ The three differ only in two `ModelArchConfig` flags (`attention_bias`, `qk_norm
 class serves them all. For speed the Q/K/V projections are fused into one matmul and so are
 the MLP's gate/up projections; `load_weights` takes the Hugging Face names and writes each
 tensor into its slice of the fused weight.
+
+Tensor parallelism (Megatron-style): given a `RankShard`, a rank builds only its part. The
+fused Q/K/V and gate/up projections are column-parallel (the rank's query heads, KV heads
+and slice of the intermediate size), o_proj and down_proj are row-parallel (the matching
+input columns) and their partial outputs are summed across ranks by `all_reduce`, twice
+per layer. Embedding, norms and the LM head are replicated. `load_weights` still takes the
+whole Hugging Face tensors and copies each rank's slice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +28,9 @@ from kvbridge.engine.layers.norm import RMSNorm, rms_norm
 from kvbridge.engine.layers.rotary import RotaryEmbedding
 from kvbridge.engine.models import CausalLM
 from kvbridge.engine.models.config import ModelArchConfig
+from kvbridge.engine.tp import RankShard, even_split, rank_shard
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP ranks, in place
 
 # Non-persistent buffers that older checkpoints sometimes contain; they carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -27,13 +38,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 fold_gqa_decode: bool) -> None:
+                 fold_gqa_decode: bool, shard: RankShard, all_reduce: AllReduce | None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_q_heads, shard.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
-        qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        self.all_reduce = all_reduce
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * arch.head_dim
         self.qkv_proj = Linear(arch.hidden_size, qkv_out, arch.attention_bias, dtype, device)
-        self.o_proj = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, False, dtype, device)
+        self.o_proj = Linear(self.num_heads * arch.head_dim, arch.hidden_size, False, dtype, device)
         self.q_norm = self.k_norm = None
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device)
@@ -41,8 +53,8 @@ class LlamaAttention(nn.Module):
             # q_norm's weight repeated per query head, then k_norm's per KV head, so Q and K are
             # normalised by one call; refreshed by `refresh_derived` after loading.
             self.register_buffer("qk_norm_weight", torch.empty(
-                arch.num_heads + arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device), persistent=False)
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, fold_gqa_decode)
+                self.num_heads + self.num_kv_heads, arch.head_dim, dtype=dtype, device=device), persistent=False)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, arch.head_dim, fold_gqa_decode)
 
     def refresh_derived(self) -> None:
         if self.q_norm is not None and self.k_norm is not None:
@@ -60,29 +72,33 @@ class LlamaAttention(nn.Module):
         qk = RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_layer, attn))
+        out = self.o_proj(self.attn(q, k, v, kv_layer, attn))
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device, tp_size: int,
+                 all_reduce: AllReduce | None) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype, device)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, dtype, device)
+        self.intermediate_size = arch.intermediate_size // tp_size
+        self.all_reduce = all_reduce
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(self.intermediate_size, arch.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[:, :self.intermediate_size]) * gate_up[:, self.intermediate_size:])
+        out = self.down_proj(F.silu(gate_up[:, :self.intermediate_size]) * gate_up[:, self.intermediate_size:])
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 fold_gqa_decode: bool) -> None:
+                 fold_gqa_decode: bool, shard: RankShard, all_reduce: AllReduce | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(arch, dtype, device, fold_gqa_decode)
+        self.self_attn = LlamaAttention(arch, dtype, device, fold_gqa_decode, shard, all_reduce)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(arch, dtype, device)
+        self.mlp = LlamaMLP(arch, dtype, device, shard.tp_size, all_reduce)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -106,25 +122,44 @@ class LlamaModel(nn.Module):
     """The transformer body, named like the Hugging Face `model.` prefix."""
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 fold_gqa_decode: bool) -> None:
+                 fold_gqa_decode: bool, shard: RankShard, all_reduce: AllReduce | None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype, device, fold_gqa_decode)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype, device, fold_gqa_decode, shard, all_reduce)
                                     for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
 
 
 @dataclass(frozen=True)
 class _WeightSlot:
-    """Where one checkpoint tensor goes: rows [start, start + rows) of a (possibly fused) parameter."""
+    """Where one checkpoint tensor goes: rows [start, start + rows) of a (possibly fused) parameter.
+    `src` = (dim, start, length, whole): this rank's part [start, start + length) along `dim` of a
+    checkpoint tensor `whole` long in that dim (TP), or None for the whole tensor."""
 
     param: torch.Tensor
     start: int
     rows: int
+    src: tuple[int, int, int, int] | None = None
 
     @property
     def target(self) -> torch.Tensor:
         return self.param.narrow(0, self.start, self.rows)
+
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        """The shape of the whole checkpoint tensor this slot takes its part of."""
+        shape = list(self.target.shape)
+        if self.src is not None:
+            shape[self.src[0]] = self.src[3]
+        return tuple(shape)
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's part of a checkpoint tensor; a mis-shaped one unchanged (load_weights reports it)."""
+        if self.src is None:
+            return tensor
+        dim, start, length, whole = self.src
+        if tensor.dim() <= dim or tensor.shape[dim] != whole:
+            return tensor
+        return tensor.narrow(dim, start, length)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -132,15 +167,20 @@ class LlamaForCausalLM(CausalLM):
     until `load_weights`.
 
     fold_gqa_decode: see `PagedAttention`; None picks per device (True on CUDA).
+    shard, all_reduce: this rank's heads and the sum over TP ranks (None: one rank, the whole model).
     """
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
-                 fold_gqa_decode: bool | None = None) -> None:
+                 fold_gqa_decode: bool | None = None, shard: RankShard | None = None,
+                 all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         device = torch.device(device)
         self.arch = arch
+        self.shard = shard or rank_shard(arch.num_heads, arch.num_kv_heads, 1, 0)
+        if self.shard.tp_size > 1 and all_reduce is None:
+            raise ValueError("a tensor-parallel shard needs an all_reduce over its ranks")
         fold = device.type == "cuda" if fold_gqa_decode is None else fold_gqa_decode
-        self.model = LlamaModel(arch, dtype, device, fold)
+        self.model = LlamaModel(arch, dtype, device, fold, self.shard, all_reduce)
         self._packed_head: torch.Tensor | None = None  # tied embeddings, prepacked by load_weights
         self.lm_head = None if arch.tie_word_embeddings else Linear(
             arch.hidden_size, arch.vocab_size, False, dtype, device)
@@ -151,14 +191,15 @@ class LlamaForCausalLM(CausalLM):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], for the step's T tokens.
 
-        Writes each token's K/V into kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim]
-        at attn.slot_mapping. Positions must be < max_position_embeddings.
+        Writes each token's K/V into kv_cache [blocks, kv_heads, layers, 2, block_size, head_dim]
+        (this rank's KV heads) at attn.slot_mapping. Positions must be < max_position_embeddings.
         """
         self._check_kv_cache(kv_cache)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_cache[:, i], attn)
+            # Layer i's strided view, as PagedAttention takes it: [blocks, 2, block_size, kv_heads, head_dim].
+            h = layer(h, cos, sin, kv_cache[:, :, i].permute(0, 2, 3, 1, 4), attn)
         return self.model.norm(h)
 
     @torch.inference_mode()
@@ -188,8 +229,8 @@ class LlamaForCausalLM(CausalLM):
             slot = slots.get(name)
             if slot is None:
                 unexpected.append(name)
-            elif tuple(tensor.shape) != tuple(slot.target.shape):
-                misshaped.append(f"{name}: expected {tuple(slot.target.shape)}, got {tuple(tensor.shape)}")
+            elif tuple(tensor.shape) != slot.checkpoint_shape():
+                misshaped.append(f"{name}: expected {slot.checkpoint_shape()}, got {tuple(tensor.shape)}")
         if tied_head is not None and tuple(tied_head.shape) != tuple(self.model.embed_tokens.weight.shape):
             misshaped.append(f"lm_head.weight: expected {tuple(self.model.embed_tokens.weight.shape)}, "
                              f"got {tuple(tied_head.shape)}")
@@ -197,7 +238,7 @@ class LlamaForCausalLM(CausalLM):
         if missing or unexpected or misshaped:
             raise ValueError(_describe_problems(missing, sorted(unexpected), misshaped))
         for name, slot in slots.items():
-            slot.target.copy_(weights[name])
+            slot.target.copy_(slot.source(weights[name]))
         for layer in self.model.layers:
             layer.self_attn.refresh_derived()
         for module in self.modules():
@@ -206,8 +247,15 @@ class LlamaForCausalLM(CausalLM):
         self._packed_head = prepack_weight(self.model.embed_tokens.weight) if self.lm_head is None else None
 
     def _weight_slots(self) -> dict[str, _WeightSlot]:
-        arch = self.arch
-        q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        arch, shard, hd = self.arch, self.shard, self.arch.head_dim
+        q_rows, kv_rows = shard.num_q_heads * hd, shard.num_kv_heads * hd
+        q_src = (0, shard.q_heads.start * hd, q_rows, arch.num_heads * hd)  # column-parallel: the rank's rows
+        kv_src = (0, shard.kv_heads.start * hd, kv_rows, arch.num_kv_heads * hd)
+        o_src = (1, shard.q_heads.start * hd, q_rows, arch.num_heads * hd)  # row-parallel: matching columns
+        inter = even_split(arch.intermediate_size, shard.tp_size, shard.rank)
+        size = len(inter)
+        i_src = (0, inter.start, size, arch.intermediate_size)
+        i_cols = (1, inter.start, size, arch.intermediate_size)
         slots = {"model.embed_tokens.weight": _whole(self.model.embed_tokens.weight),
                  "model.norm.weight": _whole(self.model.norm.weight)}
         if self.lm_head is not None:
@@ -217,28 +265,26 @@ class LlamaForCausalLM(CausalLM):
             kinds = ["weight"] + (["bias"] if arch.attention_bias else [])
             for kind in kinds:
                 fused = getattr(attn.qkv_proj, kind)
-                slots[f"{p}self_attn.q_proj.{kind}"] = _WeightSlot(fused, 0, q_rows)
-                slots[f"{p}self_attn.k_proj.{kind}"] = _WeightSlot(fused, q_rows, kv_rows)
-                slots[f"{p}self_attn.v_proj.{kind}"] = _WeightSlot(fused, q_rows + kv_rows, kv_rows)
-            slots[f"{p}self_attn.o_proj.weight"] = _whole(attn.o_proj.weight)
+                slots[f"{p}self_attn.q_proj.{kind}"] = _WeightSlot(fused, 0, q_rows, q_src)
+                slots[f"{p}self_attn.k_proj.{kind}"] = _WeightSlot(fused, q_rows, kv_rows, kv_src)
+                slots[f"{p}self_attn.v_proj.{kind}"] = _WeightSlot(fused, q_rows + kv_rows, kv_rows, kv_src)
+            slots[f"{p}self_attn.o_proj.weight"] = _WeightSlot(attn.o_proj.weight, 0, arch.hidden_size, o_src)
             if attn.q_norm is not None and attn.k_norm is not None:
                 slots[f"{p}self_attn.q_norm.weight"] = _whole(attn.q_norm.weight)
                 slots[f"{p}self_attn.k_norm.weight"] = _whole(attn.k_norm.weight)
-            size = arch.intermediate_size
-            slots[f"{p}mlp.gate_proj.weight"] = _WeightSlot(mlp.gate_up_proj.weight, 0, size)
-            slots[f"{p}mlp.up_proj.weight"] = _WeightSlot(mlp.gate_up_proj.weight, size, size)
-            slots[f"{p}mlp.down_proj.weight"] = _whole(mlp.down_proj.weight)
+            slots[f"{p}mlp.gate_proj.weight"] = _WeightSlot(mlp.gate_up_proj.weight, 0, size, i_src)
+            slots[f"{p}mlp.up_proj.weight"] = _WeightSlot(mlp.gate_up_proj.weight, size, size, i_src)
+            slots[f"{p}mlp.down_proj.weight"] = _WeightSlot(mlp.down_proj.weight, 0, arch.hidden_size, i_cols)
             slots[f"{p}input_layernorm.weight"] = _whole(layer.input_layernorm.weight)
             slots[f"{p}post_attention_layernorm.weight"] = _whole(layer.post_attention_layernorm.weight)
         return slots
 
     def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        arch = self.arch
-        if (kv_cache.dim() != 6 or kv_cache.shape[1] != arch.num_layers or kv_cache.shape[2] != 2
-                or tuple(kv_cache.shape[4:]) != (arch.num_kv_heads, arch.head_dim)
-                or not kv_cache.is_contiguous()):
-            raise ValueError(f"kv_cache must be one contiguous [blocks, {arch.num_layers}, 2, block_size, "
-                             f"{arch.num_kv_heads}, {arch.head_dim}] tensor, got {tuple(kv_cache.shape)}")
+        arch, heads = self.arch, self.shard.num_kv_heads
+        if (kv_cache.dim() != 6 or tuple(kv_cache.shape[1:4]) != (heads, arch.num_layers, 2)
+                or kv_cache.shape[5] != arch.head_dim or not kv_cache.is_contiguous()):
+            raise ValueError(f"kv_cache must be one contiguous [blocks, {heads}, {arch.num_layers}, 2, block_size, "
+                             f"{arch.head_dim}] tensor, got {tuple(kv_cache.shape)}")
 
 
 def _whole(param: torch.Tensor) -> _WeightSlot:

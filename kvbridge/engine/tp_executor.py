@@ -1,0 +1,281 @@
+"""Tensor parallelism: the model runs on N rank processes; the engine process only schedules.
+
+The engine process (global rank 0 of a gloo process group of N + 1) spawns N rank
+processes with `torch.multiprocessing` (spawn). Rank process i (global rank i + 1, TP
+rank i) loads the model, keeps its shard of the weights and of the KV cache (its KV
+heads; `engine/tp.py`) and sums partial layer outputs with `all_reduce` over a group of
+the N ranks (gloo on CPU, NCCL on CUDA). Each engine step is ONE `broadcast_object_list`
+of the step's inputs (the scheduler output, which carries the connector metadata) and ONE
+`gather_object` of the ranks' outputs; TP rank 0 samples.
+
+Failure: a rank that raises logs its traceback and exits; its peers' collectives then fail
+at once (gloo sees the closed connection) and they exit too, so the engine's gather raises
+and the engine fails cleanly (EngineState.DEAD). A watchdog thread notices a rank process
+that died between steps (`failure()` is then set, so /health fails at once) and kills the
+ranks of a step that runs past `tp_step_timeout_s`, so no wait is unbounded. `shutdown()`
+stops the ranks and reaps every one of them (killing stragglers).
+
+One executor per process at a time: torch.distributed has one default group per process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvbridge.config import EngineConfig
+from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvbridge.engine.tp import rank_shard
+
+logger = logging.getLogger(__name__)
+
+_HOST = "127.0.0.1"
+# Ranks wait for the next step inside a gloo broadcast: an idle engine pings them well
+# before this collective timeout passes.
+_COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+_PING_AFTER_IDLE_S = 600.0
+_START_TIMEOUT_S = 600.0  # spawning, importing torch and loading the weights, per rank
+_JOIN_TIMEOUT_S = 10.0
+_WATCH_INTERVAL_S = 0.5
+
+
+class TPExecutorError(RuntimeError):
+    """A rank process failed, died or timed out; the engine cannot step any more."""
+
+
+@dataclass(frozen=True)
+class _Step:
+    sched: SchedulerOutput
+
+
+@dataclass(frozen=True)
+class _Ping:
+    pass
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Command = _Step | _Ping | _Stop
+_active = threading.Lock()  # held by the one live executor of this process
+
+
+class TPExecutor:
+    """`execute(sched)` like a ModelRunner's, over `config.tensor_parallel_size` rank processes."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.tp_size = config.tensor_parallel_size
+        self.step_timeout_s = config.tp_step_timeout_s
+        if not _active.acquire(blocking=False):
+            raise TPExecutorError("another tensor-parallel engine runs in this process "
+                                  "(torch.distributed has one default group per process)")
+        self._lock = threading.Lock()  # one collective round at a time (engine thread, watchdog's ping)
+        self._failure: str | None = None
+        self._step_deadline: float | None = None
+        self._last_round = time.monotonic()
+        self._stopping = threading.Event()
+        self._procs: list[Any] = []
+        try:
+            self._start(config, num_blocks)
+        except BaseException:
+            self._reap()
+            _active.release()
+            raise
+        self._watchdog = threading.Thread(target=self._watch, name="kvbridge-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    # ---- the engine thread's calls ---------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        outputs = self._round(_Step(sched), self.step_timeout_s)
+        result = outputs[1]  # TP rank 0 samples; every rank runs the same step
+        if not isinstance(result, ModelRunnerOutput):
+            raise TPExecutorError(f"TP rank 0 answered {type(result).__name__}")
+        return result
+
+    def failure(self) -> str | None:
+        """Why the ranks cannot serve any more (a rank died, a step timed out), or None."""
+        return self._failure
+
+    def shutdown(self) -> None:
+        """Stop the ranks and reap them all; kills any that do not exit in time. Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._failure is None:
+            try:
+                with self._lock:
+                    dist.broadcast_object_list([_Stop()], src=0)
+            except Exception:  # a rank is gone: reaping below kills the rest
+                logger.debug("stopping the TP ranks failed", exc_info=True)
+        self._reap()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            logger.debug("destroying the process group failed", exc_info=True)
+        _active.release()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---- internals ---------------------------------------------------------------
+    def _start(self, config: EngineConfig, num_blocks: int) -> None:
+        world = self.tp_size + 1
+        store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
+                              wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        for rank in range(self.tp_size):
+            proc = ctx.Process(target=_rank_main, args=(config, num_blocks, rank, store.port),
+                               name=f"kvbridge-tp-rank-{rank}", daemon=True)
+            proc.start()
+            self._procs.append(proc)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
+        dist.new_group(ranks=list(range(1, world)))  # every process takes part in creating the ranks' group
+        ready: list[Any] = [None] * world
+        dist.gather_object(None, ready, dst=0)
+        errors = [f"rank {i}: {msg}" for i, msg in enumerate(ready[1:]) if msg is not None]
+        if errors:
+            raise TPExecutorError("tensor-parallel ranks failed to start: " + "; ".join(errors))
+        logger.info("tensor parallel: %d rank processes (pids %s)", self.tp_size, self.pids)
+
+    def _round(self, command: _Command, timeout_s: float) -> list[Any]:
+        if self._failure is not None:
+            raise TPExecutorError(self._failure)
+        with self._lock:
+            self._step_deadline = time.monotonic() + timeout_s
+            try:
+                dist.broadcast_object_list([command], src=0)
+                outputs: list[Any] = [None] * (self.tp_size + 1)
+                dist.gather_object(None, outputs, dst=0)
+            except Exception as exc:
+                self._fail(self._explain(exc))
+                raise TPExecutorError(self._failure) from exc
+            finally:
+                self._step_deadline = None
+                self._last_round = time.monotonic()
+        return outputs
+
+    def _explain(self, exc: Exception) -> str:
+        for proc in self._procs:
+            proc.join(timeout=1.0)  # a peer that lost its connection exits at once
+        dead = [f"rank {i} (pid {p.pid}) exited with code {p.exitcode}"
+                for i, p in enumerate(self._procs) if p.exitcode is not None]
+        return ("; ".join(dead) if dead else f"a collective with the ranks failed: {exc}") + \
+            " (see the rank's log above)"
+
+    def _fail(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+            logger.error("tensor-parallel engine failed: %s", reason)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(_WATCH_INTERVAL_S):
+            deadline = self._step_deadline
+            if deadline is not None and time.monotonic() > deadline:
+                self._fail(f"a step ran past {self.step_timeout_s:.0f} s; the rank processes were killed")
+                self._kill()  # the engine's collective then raises
+                return
+            dead = [(i, p) for i, p in enumerate(self._procs) if not p.is_alive()]
+            if dead and not self._stopping.is_set():
+                self._fail("; ".join(f"rank {i} (pid {p.pid}) exited with code {p.exitcode}" for i, p in dead))
+                self._kill()  # its peers would wait for it in the next collective
+                return
+            if (self._failure is None and deadline is None
+                    and time.monotonic() - self._last_round > _PING_AFTER_IDLE_S):
+                try:
+                    self._round(_Ping(), self.step_timeout_s)
+                except TPExecutorError:
+                    return
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+
+    def _reap(self) -> None:
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for proc in self._procs:
+            proc.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for proc in self._procs:
+            if proc.is_alive():
+                logger.warning("TP rank process %s did not exit; killing it", proc.pid)
+                proc.kill()
+                proc.join(timeout=_JOIN_TIMEOUT_S)
+
+
+# ---- the rank process ------------------------------------------------------------------
+
+def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int) -> None:
+    """A rank process: join the group, build this rank's runner, then serve steps until told to stop."""
+    from kvbridge.engine.loader import load_model  # heavy imports after the fork-free spawn
+    from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads
+
+    # Ctrl-C reaches the whole process group: the engine process stops the ranks itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tp = config.tensor_parallel_size
+    world = tp + 1
+    configure_torch_threads(max(1, config.num_threads // tp))
+    store = dist.TCPStore(_HOST, store_port, world, is_master=False,
+                          timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank + 1, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
+    device = config.device
+    backend = "gloo"
+    if device in ("cuda", "auto") and torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device, backend = "cuda", "nccl"
+    group = dist.new_group(ranks=list(range(1, world)), backend=backend)
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=group)
+        return t
+
+    runner, error = None, None
+    try:
+        loaded = load_model(config.model)
+        shard = rank_shard(loaded.arch.num_heads, loaded.arch.num_kv_heads, tp, rank)
+        runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, device, config.cache.block_size,
+                             num_blocks, config.seed, None, shard=shard, all_reduce=all_reduce, samples=rank == 0)
+        del loaded
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        logger.exception("TP rank %d failed to start", rank)
+    dist.gather_object(error, dst=0)
+    if runner is None:
+        return
+    while True:
+        box: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception:  # the engine process is gone
+            os._exit(1)
+        command = box[0]
+        if isinstance(command, _Stop):
+            break
+        result: Any = None
+        if isinstance(command, _Step):
+            try:
+                out = runner.execute(command.sched)
+                result = out if rank == 0 else None
+            except Exception:
+                # Peers may be waiting in a collective this rank will never join: exit, so
+                # theirs fail at once and the engine fails the step.
+                traceback.print_exc()
+                os._exit(1)
+        try:
+            dist.gather_object(result, dst=0)
+        except Exception:
+            os._exit(1)
+    dist.destroy_process_group()

@@ -1,0 +1,197 @@
+"""Tensor parallelism with real rank processes: SmolLM2-135M (9 query heads, 3 KV heads) at TP 3.
+
+- The engine at TP 3 gives TP 1's greedy text for the reference prompts, also with chunked
+  prefill, prefix-cache hits and preemption (a small KV cache) in play.
+- `kvbridge serve -tp 3` as a user runs it: the official client gets TP 1's answer; SIGTERM
+  and Ctrl-C (SIGINT) leave no rank process behind; a rank killed with SIGKILL fails the
+  engine cleanly (/health 503, then the server exits non-zero) and no rank is left.
+- Impossible splits are refused at start-up with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.loader import load_model
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.tp import TPSplitError
+from kvbridge.chaos import ThreadServer
+from kvbridge.serving.api_server import build_app
+from kvbridge.serving.async_engine import AsyncEngine
+from kvbridge.serving.cluster import free_ports
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+SHARED = "You are a helpful assistant. Answer briefly and precisely. " * 3  # a shared prefix (prefix hits)
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+WAIT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs(loaded):
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=128), num_threads=2), loaded)
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS + [SHARED + p for p in PROMPTS]]
+    return prompts, [engine.generate([p], GREEDY)[0] for p in prompts]  # one at a time, nothing shared
+
+
+def test_tp3_greedy_text_equals_tp1_with_chunked_prefill_prefix_hits_and_preemption(loaded, tp1_outputs):
+    prompts, want = tp1_outputs
+    # 14 blocks of 16 for six requests of 20-60 tokens: they cannot all run at once (preemption);
+    # a 24-token step budget chunks every longer prompt; the shared prefix hits the cache.
+    config = EngineConfig(cache=CacheConfig(num_blocks=14), num_threads=2, tensor_parallel_size=3,
+                          scheduler=SchedulerConfig(max_num_batched_tokens=24))
+    engine = LLMEngine(config, loaded)
+    try:
+        got = engine.generate(prompts, GREEDY)
+        metrics = engine.metrics()
+    finally:
+        engine.shutdown()
+    for prompt, g, w in zip(prompts, got, want):
+        assert g == w, (loaded.tokenizer.decode(prompt), loaded.tokenizer.decode(g), loaded.tokenizer.decode(w))
+    assert metrics.num_preemptions > 0 and metrics.prefix_cache_hits > 0
+    assert metrics.num_free_blocks == metrics.num_total_blocks
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_split_the_model_cannot_take_is_refused_at_start(loaded, tp):
+    with pytest.raises(TPSplitError, match="does not divide|not a multiple"):
+        LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=16), tensor_parallel_size=tp), loaded)
+
+
+def test_a_dead_rank_makes_health_fail_and_requests_get_an_error_not_a_hang(loaded):
+    engine = AsyncEngine(LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=32), num_threads=2,
+                                                tensor_parallel_size=3), loaded))
+    server = ThreadServer(build_app(engine))
+    try:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        os.kill(engine._engine.runner.pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "/health still 200 after a rank died"
+            time.sleep(0.05)
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"], r.text
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert engine._engine.runner.pids and not any(_alive(pid) for pid in engine._engine.runner.pids)
+
+
+# ---- `kvbridge serve -tp 3`, a real process ------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    """Every descendant process of pid (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p == frontier[-1]]
+        frontier.pop()
+        found += kids
+        frontier += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class Serve:
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / "serve.log"
+        argv = [sys.executable, "-m", "kvbridge.cli", "serve", MODEL, "--port", str(self.port), "-tp", "3",
+                "--num-threads", "2", "--num-blocks", "64", "--max-model-len", "512", *args]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, "UCX_NET_DEVICES": "lo"})
+
+    def wait_healthy(self) -> list[int]:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}:\n{self.log.read_text()}"
+            assert time.monotonic() < deadline, f"serve not healthy in {WAIT_S}s:\n{self.log.read_text()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=5, trust_env=False).status_code == 200:
+                    return _children(self.proc.pid)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+    def wait_exit(self) -> int:
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"serve did not exit:\n{self.log.read_text()}") from None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        for pid in _children(self.proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_tp3_answers_like_tp1_and_a_signal_leaves_no_rank_behind(tmp_path, tp1_outputs, loaded, sig):
+    serve = Serve(tmp_path)
+    try:
+        ranks = serve.wait_healthy()
+        assert len(ranks) >= 3, ranks  # three ranks (and perhaps multiprocessing's resource tracker)
+        prompts, want = tp1_outputs
+        client = OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == loaded.tokenizer.decode(want[0])
+        serve.proc.send_signal(sig)
+        # uvicorn shuts down gracefully, then re-raises SIGTERM (exit by the signal, as a
+        # SIGTERMed process does); SIGINT ends as a handled KeyboardInterrupt (exit 0).
+        assert serve.wait_exit() in ((0, -signal.SIGTERM) if sig == signal.SIGTERM else (0,)), serve.log.read_text()
+        assert [pid for pid in ranks if _alive(pid)] == []
+    finally:
+        serve.close()
+
+
+def test_a_rank_killed_fails_the_engine_cleanly_and_serve_exits_nonzero(tmp_path):
+    serve = Serve(tmp_path)
+    try:
+        ranks = serve.wait_healthy()
+        rank_pids = [pid for pid in ranks if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert rank_pids, ranks
+        os.kill(rank_pids[-1], signal.SIGKILL)
+        # No hang: the server notices, answers 503 (or is already gone), and exits non-zero.
+        code = serve.wait_exit()
+        assert code != 0, serve.log.read_text()
+        assert "rank" in serve.log.read_text() and "exited" in serve.log.read_text()
+        assert [pid for pid in ranks if _alive(pid)] == []
+    finally:
+        serve.close()
