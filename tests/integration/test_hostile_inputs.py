@@ -41,6 +41,7 @@ from kvbridge.engine.tokenizer import Tokenizer
 from kvbridge.serving.api_server import build_app
 from kvbridge.serving.async_engine import AsyncEngine
 from kvbridge.serving.proxy_app import build_proxy_app
+from tests.integration.test_api_server import assert_openai_error
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
@@ -123,20 +124,6 @@ def post(url: str, path: str, body: Any, timeout: float = 60) -> httpx.Response:
     content = body if isinstance(body, bytes) else httpx.Request("POST", url, json=body).content
     return httpx.post(url + path, content=content, headers={"Content-Type": "application/json"},
                       timeout=timeout)
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None,
-                        code: str | None = None) -> dict[str, Any]:
-    assert response.status_code == status, response.text[:500]
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
-    if param is not None:
-        assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 TARGETS = ["instance", "proxy"]

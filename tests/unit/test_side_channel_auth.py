@@ -12,41 +12,19 @@ import pytest
 
 from kvbridge.kv_transfer.control import MSG_READ_DONE, MSG_RELEASE, ControlClient, ControlServer
 from kvbridge.kv_transfer.handshake import HandshakePeerError
-from kvbridge.kv_transfer.lease import LeaseTable, content_digest
+from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.side_channel import (AUTH_FRAME_MAGIC, MSG_GET_METADATA, REPLY_ERROR, REPLY_OK,
                                                HandshakeClient, SideChannelServer, decode_frame, derive_key,
                                                encode_authenticated_frame, encode_frame)
 from kvbridge.kv_transfer.stats import KVTransferStats
+from tests.unit.side_channel_helpers import BLOCKS, CONTENT, HOST, PAYLOADS, RANK0, exchange
 
-HOST = "127.0.0.1"
-PAYLOADS = {0: b"P's agent metadata and layout"}
 KEY = "sk-test-key"
-BLOCKS = ([3, 4, 5],)
-CONTENT = content_digest(list(range(1, 34)))
-RANK0 = struct.pack("!I", 0)
-
-
-def _exchange(sock: socket.socket, frame: bytes) -> bytes:
-    """Send one request frame on `sock` and return the one reply frame (bounded wait)."""
-    sock.settimeout(5.0)
-    sock.sendall(frame)
-    data = b""
-    while len(data) < 9 or len(data) < 9 + data[4] + int.from_bytes(data[5:9], "big"):
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def _send_once(port: int, frame: bytes) -> bytes:
     with socket.create_connection((HOST, port), timeout=5.0) as sock:
-        return _exchange(sock, frame)
-
-
-def _send_once(port: int, frame: bytes) -> bytes:
-    with socket.create_connection((HOST, port), timeout=5.0) as sock:
-        return _exchange(sock, frame)
+        return exchange(sock, frame)
 
 
 @pytest.fixture
@@ -110,7 +88,7 @@ def test_forged_stale_and_replayed_frames_are_refused(keyed) -> None:
 def test_an_unauthenticated_frame_closes_its_connection(keyed) -> None:
     server, _, _ = keyed
     with socket.create_connection((HOST, server.port), timeout=5.0) as sock:
-        reply = _exchange(sock, encode_frame(MSG_GET_METADATA, RANK0))
+        reply = exchange(sock, encode_frame(MSG_GET_METADATA, RANK0))
         assert decode_frame(reply, 1 << 20).msg_type == REPLY_ERROR
         sock.settimeout(5.0)
         assert sock.recv(1) == b""

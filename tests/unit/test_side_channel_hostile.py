@@ -4,36 +4,18 @@ D out. Real servers and clients on loopback."""
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 
 import pytest
 
 from kvbridge.kv_transfer.control import ControlClient, ControlServer
 from kvbridge.kv_transfer.handshake import HandshakeRefused
-from kvbridge.kv_transfer.lease import LeaseTable, content_digest
+from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.side_channel import (MSG_GET_METADATA, REPLY_OK, HandshakeClient, SideChannelServer,
                                                encode_frame)
 from kvbridge.kv_transfer.stats import KVTransferStats
+from tests.unit.side_channel_helpers import BLOCKS, CONTENT, HOST, PAYLOADS, RANK0, exchange
 
-HOST = "127.0.0.1"
-PAYLOADS = {0: b"P's agent metadata and layout"}
-BLOCKS = ([3, 4, 5],)
-CONTENT = content_digest(list(range(1, 34)))
-RANK0 = struct.pack("!I", 0)
-
-
-def _exchange(sock: socket.socket, frame: bytes) -> bytes:
-    """Send one request frame on `sock` and return the one reply frame (bounded wait)."""
-    sock.settimeout(5.0)
-    sock.sendall(frame)
-    data = b""
-    while len(data) < 9 or len(data) < 9 + data[4] + int.from_bytes(data[5:9], "big"):
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def test_idle_connections_do_not_lock_peers_out() -> None:
@@ -46,7 +28,7 @@ def test_idle_connections_do_not_lock_peers_out() -> None:
         established = socket.create_connection((HOST, server.port), timeout=5.0)
         idle: list[socket.socket] = []
         try:
-            assert _exchange(established, encode_frame(MSG_GET_METADATA, RANK0)) == encode_frame(
+            assert exchange(established, encode_frame(MSG_GET_METADATA, RANK0)) == encode_frame(
                 REPLY_OK, PAYLOADS[0])
             for _ in range(200):
                 idle.append(socket.create_connection((HOST, server.port), timeout=5.0))
@@ -55,7 +37,7 @@ def test_idle_connections_do_not_lock_peers_out() -> None:
             ControlClient(timeout_s=5.0).release(HOST, server.port, "r1", 7)
             assert "r1" not in leases and control.drain_released() == ["r1"]
             # The peer that had already been served keeps its connection through the flood.
-            assert _exchange(established, encode_frame(MSG_GET_METADATA, RANK0)) == encode_frame(
+            assert exchange(established, encode_frame(MSG_GET_METADATA, RANK0)) == encode_frame(
                 REPLY_OK, PAYLOADS[0])
             assert server.num_evicted >= 200 - 32 + 2  # the flood, the fetch and the release
             assert server.num_open <= 32
