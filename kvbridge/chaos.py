@@ -77,14 +77,23 @@ class ChaosReport:
 class ThreadServer:
     """A uvicorn server for `app` on a background thread, on 127.0.0.1 and an OS-chosen port."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, start_timeout_s: float = 60.0) -> None:
         sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
+        # uvicorn sets `started` with no event to wait on: poll it, but never forever. A server
+        # whose start-up failed ends its thread; one that hangs is given up at the deadline.
+        deadline = time.monotonic() + start_timeout_s
         while not self.server.started:
-            time.sleep(0.01)
+            if not self.thread.is_alive():
+                sock.close()
+                raise RuntimeError(f"the server for {self.url} exited during start-up")
+            if time.monotonic() > deadline:
+                self.server.should_exit = True  # the thread is a daemon: not joined, it may hang
+                raise TimeoutError(f"the server for {self.url} did not start in {start_timeout_s} s")
+            self.thread.join(0.01)
 
     def stop(self) -> None:
         self.server.should_exit = True

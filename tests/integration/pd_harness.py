@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
+from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import LoadedModel
 from kvbridge.engine.sampling_params import SamplingParams
@@ -20,27 +20,31 @@ _ids = itertools.count()
 def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBackend | None = None,
                 num_blocks: int = 96, block_size: int = 16, lease_s: float = 30.0,
                 policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE, backend_name: str = "fake",
-                handshake_timeout_s: float = 2.0, engine_id: str | None = None) -> LLMEngine:
+                handshake_timeout_s: float = 2.0, engine_id: str | None = None,
+                max_num_seqs: int | None = None) -> LLMEngine:
     kv = None
     if role is not None:
         kv = KVTransferConfig(role=role, backend=backend_name, engine_id=engine_id or f"{role.value}-{next(_ids)}",
                               lease_seconds=lease_s, load_failure_policy=policy,
                               handshake_timeout_s=handshake_timeout_s)
+    scheduler = SchedulerConfig() if max_num_seqs is None else SchedulerConfig(max_num_seqs=max_num_seqs)
     config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), kv_transfer=kv,
-                          num_threads=2)
+                          num_threads=2, scheduler=scheduler)
     connectors = build_connectors(config, loaded.arch, loaded.name, backend) if kv is not None else None
     return LLMEngine(config, loaded, connectors)
 
 
-def prefill(p: LLMEngine, prompt: list[int], request_id: str | None = None) -> dict:
+def prefill(p: LLMEngine, prompt: list[int], request_id: str | None = None, timeout_s: float = 60.0) -> dict:
     """Run the P half of a request; returns the kv_transfer_params P answers with."""
     rid = request_id or f"p-{next(_ids)}"
     p.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0),
                   parse_kv_transfer_params({"do_remote_decode": True}))
-    while True:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         for out in p.step():
             if out.request_id == rid and out.finished:
                 return out.kv_transfer_params
+    raise TimeoutError("P did not finish the prefill")
 
 
 def decode(d: LLMEngine, p: LLMEngine, prompt: list[int], params: dict, sp: SamplingParams,

@@ -79,7 +79,9 @@ def test_eight_concurrent_requests(loaded, colocated, pd):
     for i, (pr, pa) in enumerate(zip(prompts, params)):
         d.add_request(f"c{i}", pr, GREEDY, parse_kv_transfer_params(pa))
     got = {f"c{i}": [] for i in range(8)}
+    deadline = time.monotonic() + 120
     while d.has_unfinished_requests():
+        assert time.monotonic() < deadline, "D did not finish the eight requests"
         for o in d.step():
             got[o.request_id] += o.new_token_ids
         p.step()
@@ -113,7 +115,7 @@ def test_lease_expiry_frees_blocks_and_a_late_read_is_refused(loaded, colocated)
     try:
         prompt = prompt_of(loaded, "Name a planet.")
         params = prefill(p, prompt)
-        settle(p, timeout_s=2)  # nobody reads: the lease expires
+        settle(p)  # nobody reads: the lease expires (settle returns once it has)
         assert p.connectors[1].stats.expired_leases == 1 and p.metrics().num_held_for_remote == 0
         outs = decode(d, p, prompt, params, GREEDY)  # a late reader: refused, recomputed
         assert tokens(outs) == colocated.generate([prompt], GREEDY)[0]
@@ -136,25 +138,44 @@ def test_untrusted_prefill_host_is_a_client_error(loaded, pd):
 
 
 def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
-    """D has no room for the remote request until a long local one finishes, far past P's
-    lease; D's heartbeats renew the lease, so the read still succeeds."""
+    """D has no room for the remote request while a long local one runs, far past P's lease;
+    D's heartbeats renew the lease, so the read still succeeds.
+
+    The wait is made by the test, not by the model's speed: D runs one request at a time and
+    the local one would run for far longer than the wait (1000 tokens), so the test aborts it
+    once `wait_leases` leases have passed since P granted the lease. The lease is long enough
+    that no single step on a loaded machine outlasts it (heartbeats go out between steps)."""
     fabric = FakeFabric(seed=4)
-    lease = 0.3
+    lease = 0.5
+    wait_leases = 2.5
     p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", lease_s=lease)
     # D heartbeats every sixth of its own --kv-lease-seconds: configure it like P's.
-    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D", num_blocks=8, lease_s=lease)
+    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D", lease_s=lease,
+                    max_num_seqs=1)
     try:
-        hog = loaded.tokenizer.encode("word " * 100)
-        d.add_request("hog", hog, SamplingParams(max_tokens=27, temperature=0, ignore_eos=True))  # all 8 blocks
+        d.add_request("hog", loaded.tokenizer.encode("word " * 20),
+                      SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
         d.step()
         prompt = prompt_of(loaded, "Name a bird.")
         want = colocated.generate([prompt], GREEDY)[0]
-        d.add_request("remote", prompt, GREEDY, parse_kv_transfer_params(prefill(p, prompt)))
-        got, started = [], time.monotonic()
+        params = prefill(p, prompt)
+        granted = time.monotonic()
+        d.add_request("remote", prompt, GREEDY, parse_kv_transfer_params(params))
+        got, aborted, hog_ended_alone = [], False, False
+        deadline = granted + 120
         while d.has_unfinished_requests():
-            got += [t for o in d.step() if o.request_id == "remote" for t in o.new_token_ids]
+            assert time.monotonic() < deadline, "D did not finish"
+            if not aborted and time.monotonic() - granted >= wait_leases * lease:
+                assert not hog_ended_alone, "the local request ended before the wait did"
+                d.abort_request("hog")  # only now may the remote request start its read
+                aborted = True
+            for o in d.step():
+                if o.request_id == "hog" and o.finished and not aborted:
+                    hog_ended_alone = True
+                elif o.request_id == "remote":
+                    got += o.new_token_ids
             p.step()
-        assert time.monotonic() - started > 2 * lease  # it waited two leases or more
+        assert aborted and time.monotonic() - granted > 2 * lease  # it waited two leases or more
         assert got == want
         assert p.connectors[1].stats.expired_leases == 0 and d.connectors[1].stats.transfers == 1
     finally:

@@ -45,10 +45,17 @@ def test_d_rejection_frees_p_blocks_at_once(servers, cause):
     params = httpx.post(p_url + "/v1/completions", timeout=60,
                         json={**body, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
     held = lambda: p.call_threadsafe(lambda e: e.metrics().num_held_for_remote).result(timeout=10)  # noqa: E731
+    stats = lambda: p.call_threadsafe(  # noqa: E731
+        lambda e: (e.connectors[1].stats.early_releases, e.connectors[1].stats.expired_leases)).result(timeout=10)
     assert held() == 1
+    early, expired = stats()
     r = httpx.post(d_url + "/v1/completions", timeout=60, json={**body, **BAD[cause], "kv_transfer_params": params})
     assert r.status_code in (400, 404) and "error" in r.json()
-    deadline = time.monotonic() + 2.0  # the lease is 60 s: only the notification frees this fast
+    # D's release reaches P from D's engine thread and is applied on P's: poll for its effect.
+    # The lease is 60 s, so a free within this (generous, load-proof) wait is the notification's;
+    # the counters say so too: one early release, no expiry.
+    deadline = time.monotonic() + 20.0
     while held() and time.monotonic() < deadline:
         time.sleep(0.005)
     assert held() == 0
+    assert stats() == (early + 1, expired)

@@ -148,11 +148,14 @@ class RunningServer:
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
         self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
 
-    async def wait_started(self) -> None:
-        while not self._server.started:
+    async def wait_started(self, timeout_s: float = 60.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self._server.started:  # uvicorn sets `started` with no event to wait on
             if self._task.done():
                 self._task.result()  # raises the start-up error
                 raise RuntimeError("server exited during start-up")
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the server for {self.url} did not start in {timeout_s} s")
             await asyncio.sleep(0.005)
 
     async def stop(self) -> None:

@@ -455,18 +455,27 @@ def test_tcp_read_from_a_hung_peer_times_out_to_error(silent_server):
 
 def test_tcp_release_cancels_an_in_flight_read_promptly(silent_server):
     with _reading_from(silent_server, "D-cancel", io_timeout_s=30) as (d, _, handle):
-        time.sleep(0.05)
-        assert d.check_state(handle) is TransferState.IN_PROGRESS
-        start = time.monotonic()
-        d.release(handle)
-        assert time.monotonic() - start < 2 and not handle.native.thread.is_alive()
+        # Wait until the read's thread has connected and sent its READ (it then blocks for the
+        # answer the silent peer never gives): only then is there a blocked read to cancel.
+        silent_server.settimeout(10)
+        conn, _ = silent_server.accept()
+        with conn:
+            conn.settimeout(10)
+            assert conn.recv(1), "the read never sent its request"
+            assert d.check_state(handle) is TransferState.IN_PROGRESS
+            start = time.monotonic()
+            d.release(handle)
+            # Well under the 30 s I/O timeout a blocked read would otherwise wait out.
+            assert time.monotonic() - start < 10 and not handle.native.thread.is_alive()
 
 
 def test_tcp_read_and_notif_to_a_dead_peer_fail(tcp_pair):
     tcp_pair.p.shutdown()
     handle = tcp_pair.read_runs(RUNS)
     assert tcp_pair.d.check_state(handle) in (TransferState.IN_PROGRESS, TransferState.ERROR)
+    deadline = time.monotonic() + 10
     while (state := tcp_pair.d.check_state(handle)) is TransferState.IN_PROGRESS:
+        assert time.monotonic() < deadline, "a read from a dead peer never ended"
         time.sleep(0.001)
     assert state is TransferState.ERROR and not tcp_pair.dst.any()
     with pytest.raises(NotificationError):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
+from kvbridge.engine import loader
 from kvbridge.engine.loader import DEFAULT_MODEL, load_model, resolve_model
 from kvbridge.engine.loader.cache import cache_path, expected_weight_shapes, load_cached
 from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
@@ -99,14 +100,18 @@ def test_smollm2_tokenizer_comes_with_the_model(smollm2):
     assert smollm2.tokenizer.eos_token_id == 2
 
 
-def test_second_load_is_served_from_the_cache_fast_and_identical(smollm2, cache_dir):
+def test_second_load_is_served_from_the_cache_fast_and_identical(smollm2, cache_dir, monkeypatch):
     assert cache_path(resolve_model(DEFAULT_MODEL), cache_dir).is_file()
-    seconds = []
-    for _ in range(2):  # best of two, so a busy machine does not fail the test
-        started = time.perf_counter()
-        again = load_model("default", cache_dir=cache_dir)
-        seconds.append(time.perf_counter() - started)
-    assert min(seconds) < 1.0
+
+    def no_conversion(path):
+        raise AssertionError(f"a cached model was converted again from {path}")
+    # Served from the cache, proved without a clock: the GGUF is never read again.
+    monkeypatch.setattr(loader, "read_gguf", no_conversion)
+    started = time.perf_counter()
+    again = load_model("default", cache_dir=cache_dir)
+    # Fast: a conversion takes about 15 s on 2 cores, a cache hit about 0.3 s. The bound only
+    # catches a cache read as slow as a conversion, with room for a loaded machine.
+    assert time.perf_counter() - started < 5.0
     assert again.arch == smollm2.arch and again.name == smollm2.name
     assert again.weights.keys() == smollm2.weights.keys()
     assert all(torch.equal(again.weights[k], smollm2.weights[k]) for k in smollm2.weights)

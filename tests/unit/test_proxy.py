@@ -48,6 +48,22 @@ class PD:
             assert time.monotonic() < deadline, f"{kind}[{index}] never became healthy={healthy}"
             await asyncio.sleep(0.02)
 
+    async def metrics_show(self, line: str, timeout_s: float = 10.0) -> None:
+        """Until the proxy's /metrics has `line` (the proxy counts a request once it has
+        handled it, after its response is decided)."""
+        deadline = time.monotonic() + timeout_s
+        while line not in (await self.http.get("/metrics")).text:
+            assert time.monotonic() < deadline, f"the proxy's /metrics never showed {line!r}"
+            await asyncio.sleep(0.02)
+
+
+async def received_by(instance: FakeInstance, timeout_s: float = 10.0) -> None:
+    """Until `instance` has received a completion request (it records it on arrival)."""
+    deadline = time.monotonic() + timeout_s
+    while not instance.received:
+        assert time.monotonic() < deadline, f"{instance.name} never received a request"
+        await asyncio.sleep(0.01)
+
 
 @asynccontextmanager
 async def pd_cluster(num_prefill: int = 1, num_decode: int = 1, prefill_role: str = "prefill",
@@ -218,8 +234,7 @@ async def test_least_outstanding_picks_idle_decode_while_other_holds_slow_reques
     async with pd_cluster(1, 2, decode_policy="least_outstanding") as pd:
         pd.decode[0].hold.clear()
         slow = asyncio.create_task(pd.http.post("/v1/completions", json=COMPLETION))
-        while not pd.decode[0].received:
-            await asyncio.sleep(0.01)
+        await received_by(pd.decode[0])
         for _ in range(2):  # round robin would send the second of these to decode-0
             r = await pd.http.post("/v1/completions", json=COMPLETION)
             assert r.json()["choices"][0]["text"] == "answer from decode-1"
@@ -296,12 +311,13 @@ async def test_client_disconnect_during_prefill_closes_prefill_call_and_skips_de
     async with pd_cluster() as pd:
         pd.prefill[0].hold.clear()
         call = asyncio.create_task(pd.http.post("/v1/completions", json=COMPLETION))
-        while not pd.prefill[0].received:
-            await asyncio.sleep(0.01)
+        await received_by(pd.prefill[0])
         call.cancel()  # the client hangs up
         await asyncio.wait_for(pd.prefill[0].disconnected_while_held.wait(), timeout=5)
         pd.prefill[0].hold.set()
-        await asyncio.sleep(0.1)
+        # Not a sleep: wait until the proxy has finished handling the request (it counts it,
+        # as 499, only then); any call to decode would have been made before.
+        await pd.metrics_show('kvbridge_proxy_requests_total{route="/v1/completions",status="499"} 1.0')
         assert pd.decode[0].received == []
 
 
@@ -309,8 +325,7 @@ async def test_client_disconnect_while_decode_works_closes_decode_call():
     async with pd_cluster() as pd:
         pd.decode[0].hold.clear()
         call = asyncio.create_task(pd.http.post("/v1/completions", json=COMPLETION))
-        while not pd.decode[0].received:
-            await asyncio.sleep(0.01)
+        await received_by(pd.decode[0])
         call.cancel()
         await asyncio.wait_for(pd.decode[0].disconnected_while_held.wait(), timeout=5)
         assert pd.prefill[0].releases == []  # D has the request: freeing P's KV is D's job
