@@ -15,15 +15,23 @@ that died between steps (`failure()` is then set, so /health fails at once) and 
 ranks of a step that runs past `tp_step_timeout_s`, so no wait is unbounded. `shutdown()`
 stops the ranks and reaps every one of them (killing stragglers).
 
+Profiling: every step's times are kept (the last `_PROFILE_STEPS`): the engine process's
+wall time of the round, and each rank's `runner.execute` time and time inside `all_reduce`,
+all host-side `time.perf_counter` (on CUDA, NCCL returns before the reduction is done, so
+the split is only meaningful for gloo on CPU). `step_profile()` returns them;
+`reset_step_profile()` starts afresh.
+
 One executor per process at a time: torch.distributed has one default group per process.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import os
 import signal
+import statistics
 import threading
 import time
 import traceback
@@ -48,6 +56,7 @@ _PING_AFTER_IDLE_S = 600.0
 _START_TIMEOUT_S = 600.0  # spawning, importing torch and loading the weights, per rank
 _JOIN_TIMEOUT_S = 10.0
 _WATCH_INTERVAL_S = 0.5
+_PROFILE_STEPS = 10_000  # step timings kept for step_profile(); older ones are dropped
 
 
 class TPExecutorError(RuntimeError):
@@ -73,6 +82,81 @@ _Command = _Step | _Ping | _Stop
 _active = threading.Lock()  # held by the one live executor of this process
 
 
+@dataclass(frozen=True)
+class _RankReply:
+    """A rank's answer to a step: TP rank 0's output (None elsewhere) and its own timings."""
+
+    output: ModelRunnerOutput | None
+    execute_s: float  # runner.execute, all_reduce included
+    all_reduce_s: float  # inside dist.all_reduce, waiting for the slowest peer included
+    all_reduce_calls: int
+
+
+@dataclass(frozen=True)
+class TPStepTiming:
+    """One step's times in seconds. Rank tuples are in TP rank order."""
+
+    wall_s: float  # the engine process's round: broadcast, the ranks' execute, gather
+    execute_s: tuple[float, ...]  # each rank's runner.execute, all_reduce included
+    all_reduce_s: tuple[float, ...]  # each rank's time inside all_reduce (transport and waiting for peers)
+    all_reduce_calls: int  # all_reduce calls per rank this step (2 per layer for a Llama)
+
+    @property
+    def compute_s(self) -> tuple[float, ...]:
+        """Each rank's execute time outside all_reduce."""
+        return tuple(e - r for e, r in zip(self.execute_s, self.all_reduce_s))
+
+    @property
+    def overhead_s(self) -> float:
+        """What the round adds to the slowest rank's execute: pickling, the broadcast of the
+        scheduler output, the gather of the outputs, and the ranks' skew in starting."""
+        return self.wall_s - max(self.execute_s)
+
+
+@dataclass(frozen=True)
+class TPStepProfile:
+    """The step timings since the last reset (at most the last `_PROFILE_STEPS`), oldest first,
+    and their medians over the steps (0.0 with no steps; per rank for the rank tuples)."""
+
+    steps: tuple[TPStepTiming, ...]
+
+    @property
+    def wall_s(self) -> float:
+        return _median([s.wall_s for s in self.steps])
+
+    @property
+    def overhead_s(self) -> float:
+        return _median([s.overhead_s for s in self.steps])
+
+    @property
+    def execute_s(self) -> tuple[float, ...]:
+        return self._per_rank([s.execute_s for s in self.steps])
+
+    @property
+    def compute_s(self) -> tuple[float, ...]:
+        return self._per_rank([s.compute_s for s in self.steps])
+
+    @property
+    def all_reduce_s(self) -> tuple[float, ...]:
+        return self._per_rank([s.all_reduce_s for s in self.steps])
+
+    @staticmethod
+    def _per_rank(rows: list[tuple[float, ...]]) -> tuple[float, ...]:
+        return tuple(_median(list(column)) for column in zip(*rows))
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+class _ReduceClock:
+    """A rank's time inside all_reduce during the current step."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+
 class TPExecutor:
     """`execute(sched)` like a ModelRunner's, over `config.tensor_parallel_size` rank processes."""
 
@@ -88,6 +172,8 @@ class TPExecutor:
         self._last_round = time.monotonic()
         self._stopping = threading.Event()
         self._procs: list[Any] = []
+        self._timings: collections.deque[TPStepTiming] = collections.deque(maxlen=_PROFILE_STEPS)
+        self._timings_lock = threading.Lock()  # step_profile() may be called from another thread
         try:
             self._start(config, num_blocks)
         except BaseException:
@@ -99,11 +185,28 @@ class TPExecutor:
 
     # ---- the engine thread's calls ---------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        outputs = self._round(_Step(sched), self.step_timeout_s)
-        result = outputs[1]  # TP rank 0 samples; every rank runs the same step
+        started = time.perf_counter()
+        replies = self._round(_Step(sched), self.step_timeout_s)[1:]
+        wall = time.perf_counter() - started
+        if not all(isinstance(r, _RankReply) for r in replies):
+            raise TPExecutorError(f"a rank answered {[type(r).__name__ for r in replies]}")
+        result = replies[0].output  # TP rank 0 samples; every rank runs the same step
         if not isinstance(result, ModelRunnerOutput):
             raise TPExecutorError(f"TP rank 0 answered {type(result).__name__}")
+        timing = TPStepTiming(wall, tuple(r.execute_s for r in replies), tuple(r.all_reduce_s for r in replies),
+                              replies[0].all_reduce_calls)
+        with self._timings_lock:
+            self._timings.append(timing)
         return result
+
+    def step_profile(self) -> TPStepProfile:
+        """The steps' timings since the last `reset_step_profile()` (the last `_PROFILE_STEPS`)."""
+        with self._timings_lock:
+            return TPStepProfile(tuple(self._timings))
+
+    def reset_step_profile(self) -> None:
+        with self._timings_lock:
+            self._timings.clear()
 
     def failure(self) -> str | None:
         """Why the ranks cannot serve any more (a rank died, a step timed out), or None."""
@@ -238,8 +341,13 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
         device, backend = "cuda", "nccl"
     group = dist.new_group(ranks=list(range(1, world)), backend=backend)
 
+    clock = _ReduceClock()
+
     def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         dist.all_reduce(t, group=group)
+        clock.seconds += time.perf_counter() - started
+        clock.calls += 1
         return t
 
     runner, error = None, None
@@ -264,11 +372,14 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
         command = box[0]
         if isinstance(command, _Stop):
             break
-        result: Any = None
+        result: _RankReply | None = None
         if isinstance(command, _Step):
             try:
+                clock.seconds, clock.calls = 0.0, 0
+                started = time.perf_counter()
                 out = runner.execute(command.sched)
-                result = out if rank == 0 else None
+                result = _RankReply(out if rank == 0 else None, time.perf_counter() - started,
+                                    clock.seconds, clock.calls)
             except Exception:
                 # Peers may be waiting in a collective this rank will never join: exit, so
                 # theirs fail at once and the engine fails the step.
