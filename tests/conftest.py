@@ -15,6 +15,7 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import gc
 import time
 import weakref
 
@@ -48,6 +49,15 @@ def wait_all_blocks_free(timeout_s: float = LEAK_WAIT_S) -> list[str]:
         if not leaks or time.monotonic() > deadline:
             return leaks
         time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def collect_garbage_after_each_module():
+    """Engines (weights, KV cache: about a GB each) that tests drop are freed by the end of their
+    module: some are in reference cycles that Python's cyclic collector, which counts objects
+    rather than bytes, may not visit for a long time."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)

@@ -405,104 +405,140 @@ async def _abort_on_disconnect(raw: Request, stream: RequestStream) -> None:
 # -------------------------------------------------------------------- the app
 
 
+# The routes are module-level functions that find their instance's state in
+# `request.app.state` (`_Instance`), never closures over it: FastAPI keeps the endpoint and
+# dependency callables it has seen in a process-wide LRU cache, so a closure over an
+# engine would keep every engine of every app built in the process alive.
+
+
+@dataclass(frozen=True)
+class _Instance:
+    engine: AsyncEngine
+    handlers: _Handlers
+    metrics: ServerMetrics
+    api_key: str | None
+
+
+def _instance(raw: Request) -> _Instance:
+    return raw.app.state.instance
+
+
+async def _check_api_key(raw: Request) -> None:
+    api_key = _instance(raw).api_key
+    if api_key is None:
+        return
+    given = raw.headers.get("Authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise ApiError(401, "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+
+
+_v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+
+
+@_v1.post("/completions")
+async def _completions(raw: Request) -> Response:
+    return await _instance(raw).handlers.serve(raw, chat=False)
+
+
+@_v1.post("/chat/completions")
+async def _chat_completions(raw: Request) -> Response:
+    return await _instance(raw).handlers.serve(raw, chat=True)
+
+
+def _model_card(instance: _Instance) -> p.ModelCard:
+    engine = instance.engine
+    return p.ModelCard(id=engine.model_name, created=instance.handlers.created,
+                       max_model_len=engine.max_model_len)
+
+
+@_v1.get("/models")
+async def _models(raw: Request) -> Response:
+    return _json(p.ModelList(data=[_model_card(_instance(raw))]))
+
+
+@_v1.get("/models/{model_id:path}")
+async def _model(raw: Request, model_id: str) -> Response:
+    instance = _instance(raw)
+    if model_id != instance.engine.model_name:
+        raise ApiError(404, f"The model `{model_id}` does not exist.", param="model",
+                       code="model_not_found")
+    return _json(_model_card(instance))
+
+
+async def _release_kv(raw: Request) -> Response:
+    """P: free the blocks held for a request no decode instance will read (the proxy
+    calls it when it could reach no D). Idempotent: unknown ids answer released=false."""
+    body = await _read_json(raw)
+    try:
+        params = parse_kv_transfer_params(body.get("kv_transfer_params"))
+    except ValueError as exc:
+        raise ApiError(400, f"bad release request: {exc}") from None
+    if params is None:
+        raise ApiError(400, "kv_transfer_params is required", param="kv_transfer_params")
+    released = await _instance(raw).engine.call(lambda e: e.release_kv(params))
+    return Response(json.dumps({"released": bool(released)}), media_type="application/json")
+
+
+async def _health(raw: Request) -> Response:
+    engine = _instance(raw).engine
+    if engine.is_healthy:
+        return Response('{"status":"ok"}', media_type="application/json")
+    reason = engine.dead_reason or f"engine is {engine.state.value}"
+    return ApiError(503, f"unhealthy: {reason}", code="unavailable").response()
+
+
+async def _prometheus(raw: Request) -> Response:
+    instance = _instance(raw)
+    engine = instance.engine
+    try:
+        snapshot = await asyncio.wait_for(engine.get_metrics(), _METRICS_TIMEOUT_S)
+    except Exception:  # dead, stopping or busy: serve what we have
+        snapshot = None
+    instance.metrics.update_engine(snapshot, engine.is_healthy)
+    return Response(instance.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _on_api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _on_validation_error(_: Request, exc: Exception) -> Response:
+    return ApiError(400, str(exc)).response()
+
+
+async def _on_http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    return ApiError(exc.status_code, str(exc.detail), code="not_found"
+                    if exc.status_code == 404 else None).response()
+
+
+async def _on_unexpected(raw: Request, exc: Exception) -> Response:
+    return _as_api_error(exc, raw.headers.get(REQUEST_ID_HEADER, "-")).response()
+
+
 def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     """The FastAPI app of one instance. The caller owns `engine` (and shuts it down).
     `app.state.registry` is the Prometheus registry /metrics serves: other components
     may register their collectors on it."""
     app = FastAPI(title="kvbridge", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics()
-    handlers = _Handlers(engine, metrics)
+    app.state.instance = _Instance(engine, _Handlers(engine, metrics), metrics, api_key)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.registry = metrics.registry
     for collector in engine.engine_collectors():
         metrics.registry.register(collector)
-
-    async def check_api_key(raw: Request) -> None:
-        if api_key is None:
-            return
-        given = raw.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-
-    @v1.post("/completions")
-    async def completions(raw: Request) -> Response:
-        return await handlers.serve(raw, chat=False)
-
-    @v1.post("/chat/completions")
-    async def chat_completions(raw: Request) -> Response:
-        return await handlers.serve(raw, chat=True)
-
-    def model_card() -> p.ModelCard:
-        return p.ModelCard(id=engine.model_name, created=handlers.created,
-                           max_model_len=engine.max_model_len)
-
-    @v1.get("/models")
-    async def models() -> Response:
-        return _json(p.ModelList(data=[model_card()]))
-
-    @v1.get("/models/{model_id:path}")
-    async def model(model_id: str) -> Response:
-        if model_id != engine.model_name:
-            raise ApiError(404, f"The model `{model_id}` does not exist.", param="model",
-                           code="model_not_found")
-        return _json(model_card())
-
-    async def release_kv(raw: Request) -> Response:
-        """P: free the blocks held for a request no decode instance will read (the proxy
-        calls it when it could reach no D). Idempotent: unknown ids answer released=false."""
-        body = await _read_json(raw)
-        try:
-            params = parse_kv_transfer_params(body.get("kv_transfer_params"))
-        except ValueError as exc:
-            raise ApiError(400, f"bad release request: {exc}") from None
-        if params is None:
-            raise ApiError(400, "kv_transfer_params is required", param="kv_transfer_params")
-        released = await engine.call(lambda e: e.release_kv(params))
-        return Response(json.dumps({"released": bool(released)}), media_type="application/json")
-
-    app.include_router(v1)
-    app.add_api_route("/kvbridge/release_kv", release_kv, methods=["POST"],
-                      dependencies=[Depends(check_api_key)], include_in_schema=False)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.is_healthy:
-            return Response('{"status":"ok"}', media_type="application/json")
-        reason = engine.dead_reason or f"engine is {engine.state.value}"
-        return ApiError(503, f"unhealthy: {reason}", code="unavailable").response()
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        try:
-            snapshot = await asyncio.wait_for(engine.get_metrics(), _METRICS_TIMEOUT_S)
-        except Exception:  # dead, stopping or busy: serve what we have
-            snapshot = None
-        metrics.update_engine(snapshot, engine.is_healthy)
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    async def on_api_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)
-        return exc.response()
-
-    async def on_validation_error(_: Request, exc: Exception) -> Response:
-        return ApiError(400, str(exc)).response()
-
-    async def on_http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        return ApiError(exc.status_code, str(exc.detail), code="not_found"
-                        if exc.status_code == 404 else None).response()
-
-    async def on_unexpected(raw: Request, exc: Exception) -> Response:
-        return _as_api_error(exc, raw.headers.get(REQUEST_ID_HEADER, "-")).response()
-
-    app.add_exception_handler(ApiError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected)
+    app.include_router(_v1)
+    app.add_api_route("/kvbridge/release_kv", _release_kv, methods=["POST"],
+                      dependencies=[Depends(_check_api_key)], include_in_schema=False)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _prometheus, methods=["GET"])
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
     return app
 
 

@@ -91,7 +91,7 @@ def test_a_dead_rank_makes_health_fail_and_requests_get_an_error_not_a_hang(load
     finally:
         server.stop()
         engine.shutdown()
-    assert engine._engine.runner.pids and not any(_alive(pid) for pid in engine._engine.runner.pids)
+    assert engine._engine.runner.pids and _gone(engine._engine.runner.pids) == []
 
 
 # ---- `kvbridge serve -tp 3`, a real process ------------------------------------------------
@@ -113,6 +113,15 @@ def _children(pid: int) -> list[int]:
         found += kids
         frontier += kids
     return found
+
+
+def _gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    """Wait until none of pids is alive (multiprocessing's resource tracker exits a moment after
+    its parent); returns those still alive at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
 
 
 def _alive(pid: int) -> bool:
@@ -176,7 +185,7 @@ def test_serve_tp3_answers_like_tp1_and_a_signal_leaves_no_rank_behind(tmp_path,
         # uvicorn shuts down gracefully, then re-raises SIGTERM (exit by the signal, as a
         # SIGTERMed process does); SIGINT ends as a handled KeyboardInterrupt (exit 0).
         assert serve.wait_exit() in ((0, -signal.SIGTERM) if sig == signal.SIGTERM else (0,)), serve.log.read_text()
-        assert [pid for pid in ranks if _alive(pid)] == []
+        assert _gone(ranks) == []
     finally:
         serve.close()
 
@@ -192,6 +201,6 @@ def test_a_rank_killed_fails_the_engine_cleanly_and_serve_exits_nonzero(tmp_path
         code = serve.wait_exit()
         assert code != 0, serve.log.read_text()
         assert "rank" in serve.log.read_text() and "exited" in serve.log.read_text()
-        assert [pid for pid in ranks if _alive(pid)] == []
+        assert _gone(ranks) == []
     finally:
         serve.close()
