@@ -137,21 +137,52 @@ def test_untrusted_prefill_host_is_a_client_error(loaded, pd):
         d.add_request("u", prompt, GREEDY, params)
 
 
+class LeaseClock:
+    """P's lease time, moved only by the test: how long a real step takes cannot matter."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Renewals:
+    """Wraps P's LeaseTable.renew (called on P's side-channel thread for each heartbeat) and
+    records the lease time of the latest renewal that took effect."""
+
+    def __init__(self, renew, clock: LeaseClock) -> None:
+        self._renew, self._clock = renew, clock
+        self.last_at = float("-inf")
+
+    def __call__(self, request_id: str, generation: int) -> bool:
+        at = self._clock.now  # read before renew reads it: renew's own time is never earlier
+        renewed = self._renew(request_id, generation)
+        if renewed:
+            self.last_at = max(self.last_at, at)
+        return renewed
+
+
 def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
     """D has no room for the remote request while a long local one runs, far past P's lease;
     D's heartbeats renew the lease, so the read still succeeds.
 
-    The wait is made by the test, not by the model's speed: D runs one request at a time and
-    the local one would run for far longer than the wait (1000 tokens), so the test aborts it
-    once `wait_leases` leases have passed since P granted the lease. The lease is long enough
-    that no single step on a loaded machine outlasts it (heartbeats go out between steps)."""
+    No wall-clock margin: P's leases run on a clock the test moves. The test moves it by a
+    third of a lease at a time (a renewal grants two thirds), and only once a heartbeat has
+    renewed the lease at the current time; without heartbeats it waits for one in vain and
+    fails, and were a renewal not to extend the lease it would expire. D runs one request at a
+    time; the local one (1000 tokens, far more than the wait takes) is aborted once 2.5 leases
+    have passed on P's clock, and only then can the remote request read."""
     fabric = FakeFabric(seed=4)
-    lease = 0.5
+    lease = 0.3  # D heartbeats every sixth of its own --kv-lease-seconds (real time): configure it like P's
     wait_leases = 2.5
     p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", lease_s=lease)
-    # D heartbeats every sixth of its own --kv-lease-seconds: configure it like P's.
     d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D", lease_s=lease,
                     max_num_seqs=1)
+    clock = LeaseClock()
+    leases = p.connectors[1].leases  # shared by both of P's connector halves and its control server
+    leases._clock = clock  # LeaseTable takes a clock; build_connectors passes none
+    renewals = leases.renew = Renewals(leases.renew, clock)
     try:
         d.add_request("hog", loaded.tokenizer.encode("word " * 20),
                       SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
@@ -159,23 +190,32 @@ def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
         prompt = prompt_of(loaded, "Name a bird.")
         want = colocated.generate([prompt], GREEDY)[0]
         params = prefill(p, prompt)
-        granted = time.monotonic()
+        granted = clock.now
         d.add_request("remote", prompt, GREEDY, parse_kv_transfer_params(params))
-        got, aborted, hog_ended_alone = [], False, False
-        deadline = granted + 120
+        got = []
+
+        def step_both() -> None:
+            for o in d.step():
+                assert o.request_id != "hog" or not o.finished or aborted, "the local request ended first"
+                if o.request_id == "remote":
+                    got.extend(o.new_token_ids)
+            p.step()
+
+        aborted = False
+        while clock.now - granted < wait_leases * lease:
+            deadline = time.monotonic() + 30
+            while renewals.last_at < clock.now:  # until a heartbeat renewed the lease at this time
+                assert time.monotonic() < deadline, "no heartbeat from D renewed the lease"
+                step_both()
+            clock.now += lease / 3
+            p.step()  # P checks its leases at the new time
+            assert p.connectors[1].stats.expired_leases == 0, "the lease expired although D renewed it"
+        d.abort_request("hog")  # only now may the remote request start its read
+        aborted = True
+        deadline = time.monotonic() + 120
         while d.has_unfinished_requests():
             assert time.monotonic() < deadline, "D did not finish"
-            if not aborted and time.monotonic() - granted >= wait_leases * lease:
-                assert not hog_ended_alone, "the local request ended before the wait did"
-                d.abort_request("hog")  # only now may the remote request start its read
-                aborted = True
-            for o in d.step():
-                if o.request_id == "hog" and o.finished and not aborted:
-                    hog_ended_alone = True
-                elif o.request_id == "remote":
-                    got += o.new_token_ids
-            p.step()
-        assert aborted and time.monotonic() - granted > 2 * lease  # it waited two leases or more
+            step_both()
         assert got == want
         assert p.connectors[1].stats.expired_leases == 0 and d.connectors[1].stats.transfers == 1
     finally:
