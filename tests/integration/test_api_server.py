@@ -109,7 +109,7 @@ class Instance:
         self.server = uvicorn.Server(uvicorn.Config(build_app(engine, api_key), log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not self.server.started:
             assert time.monotonic() < deadline, "server did not start"
             assert self.thread.is_alive(), "server thread died"
@@ -129,6 +129,13 @@ class Instance:
             if m.num_free_blocks == m.num_total_blocks or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
+
+    def wait_metric(self, name: str, value: float, timeout_s: float = 30.0, **labels: str) -> float:
+        """The metric once it reaches `value` (it is bumped on another thread), or its last value."""
+        deadline = time.monotonic() + timeout_s
+        while (got := self.metric(name, **labels)) != value and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return got
 
     def metric(self, name: str, **labels: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -546,18 +553,22 @@ def test_streaming_client_that_disconnects_aborts_its_request(inst: Instance) ->
     with httpx.stream("POST", inst.url + "/v1/completions", json=body, timeout=60) as r:
         assert "choices" in next(sse_events(r.iter_lines()))
     # the connection is closed mid-stream; the request would run for seconds more
-    m = inst.wait_all_blocks_free(timeout_s=5)
+    # The abort is counted on the server's loop after the engine thread freed the blocks: wait
+    # for the count (an abort proves the request did not run its 400 tokens), then the blocks.
+    assert inst.wait_metric("kvbridge_requests_total", aborted + 1, outcome="abort") == aborted + 1
+    m = inst.wait_all_blocks_free(timeout_s=30)
     assert m.num_free_blocks == m.num_total_blocks
-    assert inst.metric("kvbridge_requests_total", outcome="abort") == aborted + 1
 
 
 def test_non_streaming_client_that_disconnects_aborts_its_request(inst: Instance) -> None:
     aborted = inst.metric("kvbridge_requests_total", outcome="abort")
     with pytest.raises(httpx.ReadTimeout):
         post(inst, "/v1/completions", {"prompt": "Once upon a time", **LONG}, timeout=httpx.Timeout(60, read=1.0))
-    m = inst.wait_all_blocks_free(timeout_s=5)
+    # The abort is counted on the server's loop after the engine thread freed the blocks: wait
+    # for the count (an abort proves the request did not run its 400 tokens), then the blocks.
+    assert inst.wait_metric("kvbridge_requests_total", aborted + 1, outcome="abort") == aborted + 1
+    m = inst.wait_all_blocks_free(timeout_s=30)
     assert m.num_free_blocks == m.num_total_blocks
-    assert inst.metric("kvbridge_requests_total", outcome="abort") == aborted + 1
 
 
 @pytest.fixture

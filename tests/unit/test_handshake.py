@@ -217,7 +217,7 @@ def test_a_peer_that_accepts_and_never_answers_times_out_fast() -> None:
         start = time.monotonic()
         with pytest.raises(HandshakeTimeout) as info:
             HandshakeClient().fetch(HOST, silent.getsockname()[1], 0, timeout=0.2)
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 5.0  # the 0.2 s timeout, not the kernel's minutes
     assert info.value.kind is HandshakeFailureKind.TIMEOUT
 
 
@@ -322,11 +322,14 @@ def test_close_stops_the_listener_promptly_even_with_an_idle_client() -> None:
     port = server.port
     assert port > 0
     idle = socket.create_connection((HOST, port))
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while server.num_open != 1:  # the server has accepted it and a thread waits on it
+        assert time.monotonic() < deadline, "the server never accepted the idle client"
+        time.sleep(0.01)
     start = time.monotonic()
     server.close()
     server.close()  # idempotent
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 10.0  # promptly: not the 30 s read timeout
     assert server.port == port and not any(
         t.name.startswith(f"kvbridge-side-channel-{port}") for t in threading.enumerate())
     idle.close()
