@@ -14,6 +14,10 @@ ranks; MLA's latent is the same on every rank) is read from ONE replica, chosen
 deterministically from `salt` (e.g. a request's hash) and the local rank, so different
 requests and ranks spread over the replicas.
 
+`block_read_descs` turns the spans into the byte ranges of a request's read: for each
+remote rank, (local, remote) descriptor lists, with descriptors that are contiguous on
+both sides merged (equal TP sizes: a run of consecutive blocks is one descriptor).
+
 Pure functions over the layouts both sides announce in the handshake.
 """
 
@@ -45,6 +49,18 @@ class HeadSpan:
     remote_offset: int
     local_offset: int
     length: int
+
+
+@dataclass(frozen=True)
+class RankBlocks:
+    """Where one rank's KV blocks live: `num_blocks` blocks of `kv.block_bytes` from `base_addr`."""
+
+    kv: RankKV
+    base_addr: int
+    num_blocks: int
+
+
+Desc = tuple[int, int]  # (address, length in bytes)
 
 
 class TPMappingError(ValueError):
@@ -102,6 +118,41 @@ def reads_per_remote_rank(local: Sequence[RankKV], remote: Sequence[RankKV], sal
         for remote_rank in sorted({s.remote_rank for s in rank_reads(rank, remote, salt)}):
             counts[remote_rank] = counts.get(remote_rank, 0) + 1
     return counts
+
+
+def block_read_descs(local: RankBlocks, remote: Sequence[RankBlocks], local_ids: Sequence[int],
+                     remote_ids: Sequence[int], salt: int = 0) -> dict[int, tuple[list[Desc], list[Desc]]]:
+    """The byte ranges that fill `local`'s blocks `local_ids` from the remote engine's blocks
+    `remote_ids` (pairwise), per remote rank read: {remote rank: (local descs, remote descs)}.
+
+    Descriptors follow block order then span order; one that continues the previous one on
+    both sides is merged into it. Raises TPMappingError for unequal id lists, ids outside a
+    rank's blocks, or heads no remote rank holds."""
+    if len(local_ids) != len(remote_ids):
+        raise TPMappingError(f"{len(remote_ids)} remote blocks for {len(local_ids)} local blocks")
+    if [r.kv.tp_rank for r in remote] != list(range(len(remote))):
+        raise TPMappingError("the remote ranks are not 0..n-1 in order")
+    if any(not 0 <= b < local.num_blocks for b in local_ids):
+        raise TPMappingError(f"local block id out of range [0, {local.num_blocks})")
+    spans = rank_reads(local.kv, [r.kv for r in remote], salt)
+    for s in spans:
+        if any(not 0 <= b < remote[s.remote_rank].num_blocks for b in remote_ids):
+            raise TPMappingError(f"remote block id out of range [0, {remote[s.remote_rank].num_blocks}) "
+                                 f"on remote rank {s.remote_rank}")
+    out: dict[int, tuple[list[Desc], list[Desc]]] = {}
+    for l_id, r_id in zip(local_ids, remote_ids):
+        for s in spans:
+            src = remote[s.remote_rank]
+            l_addr = local.base_addr + l_id * local.kv.block_bytes + s.local_offset
+            r_addr = src.base_addr + r_id * src.kv.block_bytes + s.remote_offset
+            l_descs, r_descs = out.setdefault(s.remote_rank, ([], []))
+            if l_descs and sum(l_descs[-1]) == l_addr and sum(r_descs[-1]) == r_addr:
+                l_descs[-1] = (l_descs[-1][0], l_descs[-1][1] + s.length)
+                r_descs[-1] = (r_descs[-1][0], r_descs[-1][1] + s.length)
+            else:
+                l_descs.append((l_addr, s.length))
+                r_descs.append((r_addr, s.length))
+    return out
 
 
 def _all_heads(ranks: Sequence[RankKV]) -> set[int]:

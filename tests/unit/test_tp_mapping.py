@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import pytest
 import torch
 
 from kvbridge.engine.tp import TPSplitError, check_tp_split, rank_shard, shard_plan
-from kvbridge.kv_transfer.tp_mapping import (HeadSpan, RankKV, TPMappingError, check_pairing, rank_reads,
-                                             reads_per_remote_rank)
+from kvbridge.kv_transfer.tp_mapping import (HeadSpan, RankBlocks, RankKV, TPMappingError, block_read_descs,
+                                             check_pairing, rank_reads, reads_per_remote_rank)
 
 TP_SIZES = (1, 2, 4)
 LAYERS, BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 3, 4, 2, 5
@@ -144,3 +145,78 @@ def test_a_head_nobody_holds_is_refused():
 def test_cases_cover_both_directions():
     pairs = {(p, d) for _, _, p, d in CASES}
     assert pairs == set(itertools.product(TP_SIZES, TP_SIZES))
+
+
+# ---- the byte ranges of a request's read ------------------------------------------------
+
+BLOCK_IDS = [  # (remote ids, local ids): runs consecutive on both sides, on one side only, none
+    ([0, 1, 2, 3], [1, 2, 3, 4]),
+    ([4, 0, 1, 3], [0, 3, 4, 1]),
+    ([2], [2]),
+    ([], []),
+]
+
+
+def _caches(ranks: list[RankKV], full: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each rank's real cache memory: its own heads of `full` (head-major blocks), or zeros."""
+    if full is None:
+        return [torch.zeros(NUM_BLOCKS, r.block_bytes, dtype=torch.uint8) for r in ranks]
+    return [full[:, r.kv_heads.start:r.kv_heads.stop].contiguous().view(NUM_BLOCKS, -1).view(torch.uint8)
+            for r in ranks]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, p_tp, d_tp", CASES)
+@pytest.mark.parametrize("remote_ids, local_ids", BLOCK_IDS)
+def test_read_descriptors_copy_exactly_each_d_ranks_heads_of_the_requested_blocks(
+        num_heads, num_kv_heads, p_tp, d_tp, remote_ids, local_ids):
+    torch.manual_seed(num_heads * 100 + p_tp * 10 + d_tp)
+    full = torch.randn(NUM_BLOCKS, num_kv_heads, LAYERS, 2, BLOCK_SIZE, HEAD_DIM)
+    p, d = _layout(num_heads, num_kv_heads, p_tp), _layout(num_heads, num_kv_heads, d_tp)
+    p_mem, d_mem = _caches(p, full), _caches(d, None)
+    remote = [RankBlocks(r, m.data_ptr(), NUM_BLOCKS) for r, m in zip(p, p_mem)]
+    for rank, mem in zip(d, d_mem):
+        plan = block_read_descs(RankBlocks(rank, mem.data_ptr(), NUM_BLOCKS), remote, local_ids, remote_ids, 3)
+        for p_rank, (l_descs, r_descs) in plan.items():  # what a backend's READ does with them
+            assert [n for _, n in l_descs] == [n for _, n in r_descs]
+            p_lo, p_hi = p_mem[p_rank].data_ptr(), p_mem[p_rank].data_ptr() + p_mem[p_rank].numel()
+            for (l_addr, n), (r_addr, _) in zip(l_descs, r_descs):
+                assert mem.data_ptr() <= l_addr and l_addr + n <= mem.data_ptr() + mem.numel()
+                assert p_lo <= r_addr and r_addr + n <= p_hi
+                ctypes.memmove(l_addr, r_addr, n)
+        # Brute force: the requested blocks of the D rank's heads, head by head; the rest untouched.
+        got = mem.view(torch.float32).view(NUM_BLOCKS, len(rank.kv_heads), LAYERS, 2, BLOCK_SIZE, HEAD_DIM)
+        want = torch.zeros_like(got)
+        for l_id, r_id in zip(local_ids, remote_ids):
+            for i, h in enumerate(rank.kv_heads):
+                want[l_id, i] = full[r_id, h]
+        assert torch.equal(got, want)
+        spans = rank_reads(rank, p, 3)
+        assert sum(len(ld) for ld, _ in plan.values()) <= len(local_ids) * len(spans)
+        assert sum(n for ld, _ in plan.values() for _, n in ld) == len(local_ids) * rank.block_bytes
+
+
+def test_equal_tp_reads_a_run_of_consecutive_blocks_as_one_descriptor():
+    p = d = _layout(8, 4, 2)
+    remote = [RankBlocks(r, 1 << 20, 64) for r in p]
+    plan = block_read_descs(RankBlocks(d[1], 1 << 30, 64), remote, [5, 6, 7, 9], [10, 11, 12, 20])
+    bb = d[1].block_bytes
+    assert plan == {1: ([(2**30 + 5 * bb, 3 * bb), (2**30 + 9 * bb, bb)],
+                        [(2**20 + 10 * bb, 3 * bb), (2**20 + 20 * bb, bb)])}
+
+
+def test_a_head_slice_of_each_block_is_one_descriptor_per_block_when_d_tp_exceeds_p_tp():
+    p, d = _layout(8, 4, 1), _layout(8, 4, 2)
+    plan = block_read_descs(RankBlocks(d[1], 1 << 30, 8), [RankBlocks(p[0], 1 << 20, 8)], [0, 1], [0, 1])
+    half = d[1].block_bytes
+    assert plan == {0: ([(2**30, half), (2**30 + half, half)], [(2**20 + half, half), (2**20 + 3 * half, half)])}
+
+
+@pytest.mark.parametrize("local_ids, remote_ids, words", [
+    ([0, 8], [0, 1], "local block id out of range"),
+    ([0, 1], [0, 8], "remote block id out of range"),
+    ([0], [0, 1], "2 remote blocks for 1 local blocks"),
+])
+def test_read_descriptors_refuse_bad_block_ids(local_ids, remote_ids, words):
+    p = d = _layout(8, 4, 1)
+    with pytest.raises(TPMappingError, match=words):
+        block_read_descs(RankBlocks(d[0], 1 << 30, 8), [RankBlocks(p[0], 1 << 20, 8)], local_ids, remote_ids)
