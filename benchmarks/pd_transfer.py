@@ -67,6 +67,11 @@ READY_TIMEOUT_S = 300.0
 BLOCK_SIZE = 16  # the servers' (kvbridge serve's default)
 REQUEST_TIMEOUT_S = 600.0  # an 8k-token prefill on a busy 2-core machine
 RAW_READS = 3  # timed raw reads per repetition (their median), after RawPair.read_gbps's warm-up read
+# SmolLM2-135M's shapes with a head count TP 2 can split (SmolLM2 has 9 heads of 64, 3 KV heads).
+SMOLLM2_SHAPED_4_KV_HEADS = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=72,
+                                 max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                 tie_word_embeddings=True)
 METRICS = {"kvbridge_kv_transfer_duration_seconds": "sum", "kvbridge_kv_transfer_bytes": "total",
            "kvbridge_kv_transfer_descriptors": "total", "kvbridge_kv_transfers": "total"}
 
@@ -97,9 +102,11 @@ class RawSample:
 class PDPair:
     """One P and one D `kvbridge serve` process for one backend; stop() ends both by pid."""
 
-    def __init__(self, backend: str, model: str, log_dir: Path, num_threads: int, kv_cache_gb: float) -> None:
+    def __init__(self, backend: str, model: str, log_dir: Path, num_threads: int, kv_cache_gb: float,
+                 prefill_tp: int = 1, decode_tp: int = 1) -> None:
         self.backend, self.model = backend, model
-        specs = cluster.plan_instances(1, 1)
+        self.label = backend if (prefill_tp, decode_tp) == (1, 1) else f"{backend} P{prefill_tp}>D{decode_tp}"
+        specs = cluster.plan_instances(1, 1, prefill_tp=prefill_tp, decode_tp=decode_tp)
         env = cluster.child_env(os.environ, loopback_only=True, num_threads=num_threads)
         extra = {"prefill": ["--kv-cache-memory-gb", str(kv_cache_gb), "--log-level", "warning"],
                  "decode": ["--kv-cache-memory-gb", str(kv_cache_gb), "--log-level", "warning",
@@ -110,7 +117,8 @@ class PDPair:
             kind = spec.name.split("-")[0]
             argv = cluster.serve_command(cluster.DEFAULT_CLI, model, spec, host="127.0.0.1", kv_backend=backend,
                                          num_threads=num_threads, extra_args=extra[kind])
-            self.children.append(cluster.spawn_child(f"{backend}-{spec.name}", argv, env, log_dir))
+            self.children.append(cluster.spawn_child(f"{self.label.replace(' ', '-')}-{spec.name}", argv, env,
+                                                     log_dir))
             self.urls[kind] = cluster.http_url("127.0.0.1", spec.port)
         self.http = httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False)
 
@@ -231,10 +239,10 @@ def run(args: argparse.Namespace, pairs: dict[str, PDPair],
     shape: dict[tuple[str, int], tuple[int, int]] = {}  # (backend, tokens) -> (bytes, descriptors) read
 
     def bracket(when: str) -> None:
-        for (backend, n), (nbytes, descs) in shape.items():
-            seen = [x.descs for x in samples if (x.backend, x.tokens) == (backend, n)]
+        for (label, n), (nbytes, descs) in shape.items():
+            seen = [x.descs for x in samples if (x.backend, x.tokens) == (label, n)]
             descs = round(median(seen)) if seen else 1  # raw@descs: after the repetitions only
-            raws.append(raw_sample(raw_pairs[backend], backend, n, when, nbytes, descs, args))
+            raws.append(raw_sample(raw_pairs[pairs[label].backend], label, n, when, nbytes, descs, args))
 
     with tqdm(total=steps, desc="pd_transfer", unit="read", file=sys.stderr) as bar:
         for backend, pair in pairs.items():  # warm-up: P's prefill, handshake, wire-up
@@ -252,7 +260,8 @@ def run(args: argparse.Namespace, pairs: dict[str, PDPair],
                     seconds, nbytes, descs = pair.request(prompts[n])
                     samples.append(Sample(backend, n, rep, nbytes, descs, seconds))
                     if args.interleaved:
-                        raws.append(raw_sample(raw_pairs[backend], backend, n, f"rep {rep + 1}", nbytes, descs, args))
+                        raws.append(raw_sample(raw_pairs[pair.backend], backend, n, f"rep {rep + 1}", nbytes, descs,
+                                               args))
                     bar.update()
         if not args.interleaved:
             bar.set_postfix_str("raw reads after")
@@ -263,6 +272,11 @@ def run(args: argparse.Namespace, pairs: dict[str, PDPair],
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--pairings", nargs="+", default=["1:1"], metavar="P:D",
+                    help="prefill:decode tensor parallel sizes, e.g. 1:1 2:1 1:2 (default: %(default)s)")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="serve a random-weight SmolLM2-shaped model with 8 heads and 4 KV heads instead of "
+                         "--model (SmolLM2's 3 KV heads do not split over TP 2)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8000], help="prompt lengths")
     ap.add_argument("--backends", nargs="+", default=["nixl", "tcp"], choices=["nixl", "tcp"])
     ap.add_argument("--reps", type=int, default=7)
@@ -279,6 +293,12 @@ def main() -> int:
         args.tokens, args.reps = [1024], min(args.reps, 3)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvbridge-pd-transfer-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    if args.synthetic:
+        from kvbridge.engine.loader import load_model
+        from kvbridge.engine.loader.synthetic import write_synthetic_folder
+        args.model = str(write_synthetic_folder(log_dir / "synthetic-4-kv-heads", load_model(args.model).tokenizer,
+                                                **SMOLLM2_SHAPED_4_KV_HEADS))
+    tp_pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairings]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
     pairs: dict[str, PDPair] = {}
     with contextlib.ExitStack() as raw_stack:
@@ -290,7 +310,9 @@ def main() -> int:
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
             for backend in args.backends:
-                pairs[backend] = PDPair(backend, args.model, log_dir, args.threads, args.kv_cache_gb)
+                for p_tp, d_tp in tp_pairs:
+                    pair = PDPair(backend, args.model, log_dir, args.threads, args.kv_cache_gb, p_tp, d_tp)
+                    pairs[pair.label] = pair
             for pair in pairs.values():
                 pair.wait_healthy(deadline)
             samples, raws = run(args, pairs, raw_pairs)

@@ -21,7 +21,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # sets OMP_NUM_THREADS, and the API key travels in the environment (not visible in `ps`).
 _SET_BY_UP = frozenset({"model", "kv_backend", "num_threads", "api_key"})
 # serve options `kvbridge up` sets differently for each instance.
-_PER_INSTANCE = ("host", "port", "kv_role", "kv_engine_id", "kv_side_channel_port")
+_PER_INSTANCE = ("host", "port", "kv_role", "kv_engine_id", "kv_side_channel_port", "tensor_parallel_size")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -88,8 +88,8 @@ def _add_instance_args(p: argparse.ArgumentParser) -> None:
                    help="port a producer's side channel listens on (default: 0, any free port)")
     i.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="rank processes the model is split over (KV heads split across them, replicated "
-                        "when there are more ranks than KV heads); P/D instances need 1 for now "
-                        "(default: %(default)s)")
+                        "when there are more ranks than KV heads); a prefill and a decode instance may differ "
+                        "(`up`: --prefill-tp, --decode-tp) (default: %(default)s)")
 
 
 def engine_config_from_args(a: argparse.Namespace):
@@ -188,7 +188,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         return 2
     return run_cluster(model=model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port,
                        kv_backend=child.kv_backend, extra_serve_args=extra, num_threads=child.num_threads,
-                       api_key=child.api_key)
+                       api_key=child.api_key, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -253,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--num-decode", type=_positive_int, default=1, help="decode instances (default: %(default)s)")
     cluster.add_argument("--port", type=int, default=8000,
                          help="the proxy's HTTP port; instances get free ports (default: %(default)s)")
+    cluster.add_argument("--prefill-tp", type=_positive_int, default=1,
+                         help="tensor parallel size of each prefill instance (default: %(default)s)")
+    cluster.add_argument("--decode-tp", type=_positive_int, default=1,
+                         help="tensor parallel size of each decode instance (default: %(default)s)")
     _add_engine_args(up)
     up.set_defaults(func=cmd_up, serve_args=[])
 

@@ -21,7 +21,7 @@ from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
-from kvbridge.engine.tp import TPSplitError, check_tp_split
+from kvbridge.engine.tp import check_tp_split
 from kvbridge.engine.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
 
@@ -70,9 +70,9 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         if tp > 1:
             check_tp_split(loaded.arch.num_heads, loaded.arch.num_kv_heads, tp, loaded.arch.intermediate_size)
-            if connectors is not None or config.kv_transfer is not None:
-                raise TPSplitError("P/D KV transfer with tensor parallelism is not implemented yet: "
-                                   "run prefill and decode instances at --tensor-parallel-size 1")
+            if connectors is not None and connectors[1].local_agent is not None:
+                raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer agent: "
+                                 "build the connectors without a backend")
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
             loaded.arch, cache.block_size, DTYPES[config.dtype], tp))
         self.num_blocks = num_blocks
@@ -82,11 +82,16 @@ class LLMEngine:
         sched_conn, worker_conn = connectors if connectors is not None else (None, None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, sched_conn)
         self.runner: ModelRunner | TPExecutor
-        if tp > 1:  # the ranks load the weights themselves; this process keeps none
-            self.runner = TPExecutor(config, num_blocks)
+        if tp > 1:  # the ranks load the weights (and create their transfer agents) themselves
+            self.runner = TPExecutor(config, num_blocks, worker_conn.rank_agent_spec if worker_conn else None)
+            registrations = self.runner.registrations
         else:
+            agent = worker_conn.local_agent if worker_conn is not None else None
             self.runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, cache.block_size,
-                                      num_blocks, config.seed, worker_conn)
+                                      num_blocks, config.seed, agent)
+            registrations = [agent.registration] if agent is not None else []
+        if worker_conn is not None:
+            worker_conn.register_ranks(registrations)
         self.connectors = connectors
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -182,7 +187,11 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self.connectors is not None:
+            sched.kv_rank_commands = self.connectors[1].start_load_kv(sched.kv_connector_metadata)
         result = self.runner.execute(sched)
+        if self.connectors is not None:
+            result.kv_connector_output = self.connectors[1].get_finished(result.kv_rank_reports)
         touched = self.scheduler.update_from_output(sched, result)
         outputs, self._pending = self._pending, []
         for req in touched:

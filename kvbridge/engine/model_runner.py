@@ -1,7 +1,7 @@
 """Model runner: scheduler output -> input tensors -> forward -> sampling.
 
-It owns the model, the KV cache tensor and the sampler, and calls the worker half
-of the KV connector around each forward pass.
+It owns the model, the KV cache tensor and the sampler, and drives its rank's KV transfer
+agent (rank_agent.RankAgent) around each forward pass.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp import RankShard, rank_shard
-from kvbridge.kv_transfer.connector.base import WorkerConnector
+from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class ModelRunner:
 
     def __init__(self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: str, device: str,
                  block_size: int, num_blocks: int, seed: int = 0,
-                 connector: WorkerConnector | None = None, shard: RankShard | None = None,
+                 agent: RankAgent | None = None, shard: RankShard | None = None,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, samples: bool = True) -> None:
         self.arch = arch
         self.device = resolve_device(device)
@@ -91,20 +91,22 @@ class ModelRunner:
             advise_huge_pages(self.kv_cache)
         self.kv_cache.zero_()
         self.sampler = Sampler(seed)
-        self.connector = connector
-        if connector is not None:
-            connector.register_kv_cache(self.kv_cache, block_size)
+        self.agent = agent
+        self.tp_rank = shard.rank if shard is not None else 0
+        if agent is not None:
+            kv_heads = shard.kv_heads if shard is not None else range(arch.num_kv_heads)
+            agent.register(self.kv_cache, block_size, self.tp_rank, shard.tp_size if shard else 1, kv_heads)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(sched.finished_req_ids)
         out = ModelRunnerOutput()
-        if self.connector is not None:
-            self.connector.start_load_kv(sched.kv_connector_metadata)
+        if self.agent is not None and sched.kv_rank_commands:
+            self.agent.apply(sched.kv_rank_commands[self.tp_rank])
         if sched.scheduled:
             self._forward_and_sample(sched, out)
-        if self.connector is not None:
-            out.kv_connector_output = self.connector.get_finished()
+        if self.agent is not None:
+            out.kv_rank_reports = [self.agent.poll()]
         return out
 
     def _forward_and_sample(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:

@@ -28,6 +28,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     finished_req_ids: set[str]  # requests that ended since the last step; the runner drops their state
     kv_connector_metadata: Any = None
+    kv_rank_commands: list | None = None  # one rank_agent.RankCommands per TP rank, from the worker connector
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -39,4 +40,5 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     sampling_errors: dict[str, str] = field(default_factory=dict)  # request id -> why it got no token
-    kv_connector_output: KVConnectorOutput | None = None
+    kv_rank_reports: list = field(default_factory=list)  # rank_agent.RankReport of each rank with an agent
+    kv_connector_output: KVConnectorOutput | None = None  # the worker connector's reading of the reports

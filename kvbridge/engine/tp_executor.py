@@ -8,6 +8,11 @@ the N ranks (gloo on CPU, NCCL on CUDA). Each engine step is ONE `broadcast_obje
 of the step's inputs (the scheduler output, which carries the connector metadata) and ONE
 `gather_object` of the ranks' outputs; TP rank 0 samples.
 
+With a KV connector each rank also owns a transfer agent (rank_agent.RankAgent) and
+registers its KV shard with it at start-up (the registrations come back with the ready
+gather); the step's broadcast carries each rank's transfer commands and the gather
+brings back each rank's transfer report, so KV transfer adds no round of its own.
+
 Failure: a rank that raises logs its traceback and exits; its peers' collectives then fail
 at once (gloo sees the closed connection) and they exit too, so the engine's gather raises
 and the engine fails cleanly (EngineState.DEAD). A watchdog thread notices a rank process
@@ -87,6 +92,7 @@ class _RankReply:
     """A rank's answer to a step: TP rank 0's output (None elsewhere) and its own timings."""
 
     output: ModelRunnerOutput | None
+    kv_report: Any  # the rank's rank_agent.RankReport, or None without a KV connector
     execute_s: float  # runner.execute, all_reduce included
     all_reduce_s: float  # inside dist.all_reduce, waiting for the slowest peer included
     all_reduce_calls: int
@@ -160,7 +166,10 @@ class _ReduceClock:
 class TPExecutor:
     """`execute(sched)` like a ModelRunner's, over `config.tensor_parallel_size` rank processes."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int,
+                 agent_spec: tuple[str, str, bool] | None = None) -> None:
+        """`agent_spec` (engine id, backend name, serves reads): each rank creates a transfer
+        agent and registers its KV shard with it; `registrations` then lists them, rank order."""
         self.tp_size = config.tensor_parallel_size
         self.step_timeout_s = config.tp_step_timeout_s
         if not _active.acquire(blocking=False):
@@ -172,10 +181,11 @@ class TPExecutor:
         self._last_round = time.monotonic()
         self._stopping = threading.Event()
         self._procs: list[Any] = []
+        self.registrations: list[Any] = []  # each rank's rank_agent.RankRegistration (with an agent_spec)
         self._timings: collections.deque[TPStepTiming] = collections.deque(maxlen=_PROFILE_STEPS)
         self._timings_lock = threading.Lock()  # step_profile() may be called from another thread
         try:
-            self._start(config, num_blocks)
+            self._start(config, num_blocks, agent_spec)
         except BaseException:
             self._reap()
             _active.release()
@@ -193,6 +203,7 @@ class TPExecutor:
         result = replies[0].output  # TP rank 0 samples; every rank runs the same step
         if not isinstance(result, ModelRunnerOutput):
             raise TPExecutorError(f"TP rank 0 answered {type(result).__name__}")
+        result.kv_rank_reports = [r.kv_report for r in replies if r.kv_report is not None]
         timing = TPStepTiming(wall, tuple(r.execute_s for r in replies), tuple(r.all_reduce_s for r in replies),
                               replies[0].all_reduce_calls)
         with self._timings_lock:
@@ -235,13 +246,13 @@ class TPExecutor:
         return [p.pid for p in self._procs]
 
     # ---- internals ---------------------------------------------------------------
-    def _start(self, config: EngineConfig, num_blocks: int) -> None:
+    def _start(self, config: EngineConfig, num_blocks: int, agent_spec: tuple[str, str, bool] | None) -> None:
         world = self.tp_size + 1
         store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
                               wait_for_workers=False)
         ctx = mp.get_context("spawn")
         for rank in range(self.tp_size):
-            proc = ctx.Process(target=_rank_main, args=(config, num_blocks, rank, store.port),
+            proc = ctx.Process(target=_rank_main, args=(config, num_blocks, rank, store.port, agent_spec),
                                name=f"kvbridge-tp-rank-{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
@@ -249,9 +260,10 @@ class TPExecutor:
         dist.new_group(ranks=list(range(1, world)))  # every process takes part in creating the ranks' group
         ready: list[Any] = [None] * world
         dist.gather_object(None, ready, dst=0)
-        errors = [f"rank {i}: {msg}" for i, msg in enumerate(ready[1:]) if msg is not None]
+        errors = [f"rank {i}: {msg}" for i, (msg, _) in enumerate(ready[1:]) if msg is not None]
         if errors:
             raise TPExecutorError("tensor-parallel ranks failed to start: " + "; ".join(errors))
+        self.registrations = [reg for _, reg in ready[1:] if reg is not None]
         logger.info("tensor parallel: %d rank processes (pids %s)", self.tp_size, self.pids)
 
     def _round(self, command: _Command, timeout_s: float) -> list[Any]:
@@ -321,8 +333,10 @@ class TPExecutor:
 
 # ---- the rank process ------------------------------------------------------------------
 
-def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int) -> None:
-    """A rank process: join the group, build this rank's runner, then serve steps until told to stop."""
+def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int,
+               agent_spec: tuple[str, str, bool] | None) -> None:
+    """A rank process: join the group, build this rank's runner (and transfer agent), then serve
+    steps until told to stop."""
     from kvbridge.engine.loader import load_model  # heavy imports after the fork-free spawn
     from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads
 
@@ -350,18 +364,25 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
         clock.calls += 1
         return t
 
-    runner, error = None, None
+    runner, agent, error = None, None, None
     try:
+        if agent_spec is not None:
+            from kvbridge.kv_transfer.backends import create_backend
+            from kvbridge.kv_transfer.connector.rank_agent import RankAgent
+            engine_id, backend_name, serves = agent_spec
+            agent = RankAgent(create_backend(backend_name, agent_name=f"{engine_id}-tp{rank}"), serves)
         loaded = load_model(config.model)
         shard = rank_shard(loaded.arch.num_heads, loaded.arch.num_kv_heads, tp, rank)
         runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, device, config.cache.block_size,
-                             num_blocks, config.seed, None, shard=shard, all_reduce=all_reduce, samples=rank == 0)
+                             num_blocks, config.seed, agent, shard=shard, all_reduce=all_reduce, samples=rank == 0)
         del loaded
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         logger.exception("TP rank %d failed to start", rank)
-    dist.gather_object(error, dst=0)
+    dist.gather_object((error, agent.registration if agent is not None and runner is not None else None), dst=0)
     if runner is None:
+        if agent is not None:
+            agent.shutdown()
         return
     while True:
         box: list[Any] = [None]
@@ -378,7 +399,8 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
                 clock.seconds, clock.calls = 0.0, 0
                 started = time.perf_counter()
                 out = runner.execute(command.sched)
-                result = _RankReply(out if rank == 0 else None, time.perf_counter() - started,
+                report = out.kv_rank_reports[0] if out.kv_rank_reports else None
+                result = _RankReply(out if rank == 0 else None, report, time.perf_counter() - started,
                                     clock.seconds, clock.calls)
             except Exception:
                 # Peers may be waiting in a collective this rank will never join: exit, so
@@ -389,4 +411,6 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
             dist.gather_object(result, dst=0)
         except Exception:
             os._exit(1)
+    if agent is not None:
+        agent.shutdown()
     dist.destroy_process_group()

@@ -132,7 +132,9 @@ class RankLayout:
     block_len_bytes: tuple[int, ...]  # bytes of one kernel block, per region
     num_blocks: int  # kernel blocks per region
     block_size: int  # tokens per kernel block
-    kv_layout: str  # e.g. "HND" or "NHD"
+    kv_layout: str  # how a block is laid out (rank_agent.KV_LAYOUT)
+    kv_head_start: int  # the first of the global KV heads this rank holds
+    num_kv_heads: int  # how many consecutive KV heads it holds (each block_len_bytes / num_kv_heads)
     physical_blocks_per_logical: int = 1  # kernel blocks per scheduler (logical) block
 
     def __post_init__(self) -> None:
@@ -140,7 +142,7 @@ class RankLayout:
             if not isinstance(getattr(self, name), (list, tuple)):
                 raise ValueError(f"{name} must be a sequence of ints")
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        for name in ("tp_size", "tp_rank", "num_blocks", "block_size",
+        for name in ("tp_size", "tp_rank", "num_blocks", "block_size", "kv_head_start", "num_kv_heads",
                      "physical_blocks_per_logical"):
             if type(getattr(self, name)) is not int:
                 raise ValueError(f"{name} must be an int")
@@ -156,6 +158,10 @@ class RankLayout:
             raise ValueError("block_len_bytes must be positive ints")
         if not isinstance(self.kv_layout, str) or not self.kv_layout:
             raise ValueError("kv_layout must be a non-empty string")
+        if self.kv_head_start < 0 or self.num_kv_heads < 1:
+            raise ValueError("need kv_head_start >= 0 and num_kv_heads >= 1")
+        if any(n % self.num_kv_heads for n in self.block_len_bytes):
+            raise ValueError("block_len_bytes must split evenly over the rank's KV heads")
 
 
 @dataclass(frozen=True)
@@ -240,8 +246,8 @@ def decode_payload(data: bytes, expected_hash: bytes, expected_engine_id: str | 
 def validate_layout(remote: RankLayout, local: RankLayout, *, prefix_caching: bool) -> None:
     """Raise HandshakeLayoutMismatch when D (local) cannot read P's (remote) blocks.
 
-    TP-ratio arithmetic (block lengths per head slice) belongs to the topology module,
-    which can pass its own check to HandshakeManager as `validate`.
+    Which heads each rank holds, and whether D's ranks can be filled from P's, is checked
+    once every rank's payload is in (tp_mapping.check_pairing, in the worker connector).
     """
     if remote.kv_layout != local.kv_layout:
         raise HandshakeLayoutMismatch(
@@ -276,6 +282,8 @@ def _decode_body(body: bytes) -> HandshakeMetadata:
                 num_blocks=_typed(layout, "num_blocks", int),
                 block_size=_typed(layout, "block_size", int),
                 kv_layout=_typed(layout, "kv_layout", str),
+                kv_head_start=_typed(layout, "kv_head_start", int),
+                num_kv_heads=_typed(layout, "num_kv_heads", int),
                 physical_blocks_per_logical=_typed(layout, "physical_blocks_per_logical", int),
             ))
     except (ValueError, TypeError, KeyError, RecursionError) as exc:  # incl. binascii.Error

@@ -57,6 +57,7 @@ class InstanceSpec:
     port: int
     side_channel_port: int
     engine_id: str
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -83,15 +84,16 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def plan_instances(num_prefill: int, num_decode: int, host: str = "127.0.0.1") -> list[InstanceSpec]:
+def plan_instances(num_prefill: int, num_decode: int, host: str = "127.0.0.1", prefill_tp: int = 1,
+                   decode_tp: int = 1) -> list[InstanceSpec]:
     """Prefill instances first, then decode ones, each with two fresh ports and a unique engine id."""
     ports = free_ports(2 * (num_prefill + num_decode), host)
     run_tag = secrets.token_hex(3)  # engine ids differ between runs, so a restarted P is a new peer
-    roles = [("prefill", KVRole.PRODUCER, i) for i in range(num_prefill)]
-    roles += [("decode", KVRole.CONSUMER, i) for i in range(num_decode)]
+    roles = [("prefill", KVRole.PRODUCER, i, prefill_tp) for i in range(num_prefill)]
+    roles += [("decode", KVRole.CONSUMER, i, decode_tp) for i in range(num_decode)]
     return [InstanceSpec(name=f"{kind}-{i}", role=role, port=ports[2 * k], side_channel_port=ports[2 * k + 1],
-                         engine_id=f"{kind}-{i}-{run_tag}")
-            for k, (kind, role, i) in enumerate(roles)]
+                         engine_id=f"{kind}-{i}-{run_tag}", tensor_parallel_size=tp)
+            for k, (kind, role, i, tp) in enumerate(roles)]
 
 
 def threads_per_engine(num_engines: int, cores: int | None = None) -> int:
@@ -105,7 +107,7 @@ def serve_command(cli: Sequence[str], model: str, spec: InstanceSpec, *, host: s
     return [*cli, "serve", model, "--host", host, "--port", str(spec.port), "--kv-role", spec.role.value,
             "--kv-backend", kv_backend, "--kv-engine-id", spec.engine_id,
             "--kv-side-channel-port", str(spec.side_channel_port), "--num-threads", str(num_threads),
-            *extra_args]
+            "--tensor-parallel-size", str(spec.tensor_parallel_size), *extra_args]
 
 
 def proxy_command(cli: Sequence[str], prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
@@ -217,7 +219,8 @@ class LocalCluster:
                  kv_backend: str = "nixl", host: str = "127.0.0.1", extra_serve_args: Sequence[str] = (),
                  ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI,
                  log_dir: str | Path | None = None, num_threads: int | None = None,
-                 stop_grace_s: float = 10.0, api_key: str | None = None) -> None:
+                 stop_grace_s: float = 10.0, api_key: str | None = None, prefill_tp: int = 1,
+                 decode_tp: int = 1) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode instance")
         if ready_timeout_s <= 0 or stop_grace_s < 0:
@@ -226,6 +229,9 @@ class LocalCluster:
         self.port, self.kv_backend, self.host = port, kv_backend, host
         self.extra_serve_args, self.ready_timeout_s = tuple(extra_serve_args), ready_timeout_s
         self.cli, self.stop_grace_s, self.api_key = tuple(cli), stop_grace_s, api_key
+        if prefill_tp < 1 or decode_tp < 1:
+            raise ValueError("tensor parallel sizes must be at least 1")
+        self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
         self.num_threads = num_threads or threads_per_engine(num_prefill + num_decode)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.children: list[ChildProcess] = []  # in start order: instances, then the proxy
@@ -253,7 +259,7 @@ class LocalCluster:
         env = child_env(os.environ, loopback_only=self.host in LOOPBACK_HOSTS, num_threads=self.num_threads,
                         api_key=self.api_key)
         try:
-            specs = plan_instances(self.num_prefill, self.num_decode, self.host)
+            specs = plan_instances(self.num_prefill, self.num_decode, self.host, self.prefill_tp, self.decode_tp)
             for spec in specs:
                 argv = serve_command(self.cli, self.model, spec, host=self.host, kv_backend=self.kv_backend,
                                      num_threads=self.num_threads, extra_args=self.extra_serve_args)
@@ -333,14 +339,16 @@ def curl_example(proxy_url: str, model: str, with_api_key: bool = False) -> str:
 def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int = 8000,
                 kv_backend: str = "nixl", host: str = "127.0.0.1", extra_serve_args: Sequence[str] = (),
                 ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI,
-                num_threads: int | None = None, api_key: str | None = None) -> int:
+                num_threads: int | None = None, api_key: str | None = None, prefill_tp: int = 1,
+                decode_tp: int = 1) -> int:
     """`kvbridge up`: run a LocalCluster until Ctrl-C or SIGTERM (exit 0) or a child dies (exit 1).
 
     Call it from the main thread so it can turn SIGTERM into an orderly stop.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster = LocalCluster(model, num_prefill, num_decode, port, kv_backend, host, extra_serve_args,
-                           ready_timeout_s, cli=cli, num_threads=num_threads, api_key=api_key)
+                           ready_timeout_s, cli=cli, num_threads=num_threads, api_key=api_key,
+                           prefill_tp=prefill_tp, decode_tp=decode_tp)
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal needs it
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     if in_main_thread:

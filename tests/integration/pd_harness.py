@@ -20,7 +20,7 @@ _ids = itertools.count()
 def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBackend | None = None,
                 num_blocks: int = 96, block_size: int = 16, lease_s: float = 30.0,
                 policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE, backend_name: str = "fake",
-                handshake_timeout_s: float = 2.0, engine_id: str | None = None,
+                handshake_timeout_s: float = 5.0, engine_id: str | None = None,
                 max_num_seqs: int | None = None) -> LLMEngine:
     kv = None
     if role is not None:

@@ -67,7 +67,7 @@ def test_partial_prefix_hit_on_d_reads_only_missing_blocks(loaded, colocated, pd
     assert tokens(decode(d, p, prompt, params, GREEDY)) == want
     stats = d.connectors[1].stats
     n_blocks = -(-len(prompt) // 16)
-    block_bytes = d.connectors[1].layout.block_bytes * len(d.connectors[1].layout.plane_base_addrs)
+    block_bytes = d.connectors[1].ranks[0].layout.block_len_bytes[0]
     assert stats.bytes == (n_blocks - 1) * block_bytes
 
 

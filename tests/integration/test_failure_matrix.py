@@ -8,6 +8,7 @@ next request, and every block is free on P and D afterwards (P's by the lease)."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import struct
 import threading
@@ -87,9 +88,7 @@ def rogue_side_channel(fault: str, p):
     elif fault == "layout":
         w = p.connectors[1]
         meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(),
-                                 RankLayout(1, 0, w.layout.plane_base_addrs,
-                                            (w.layout.block_bytes,) * len(w.layout.plane_base_addrs),
-                                            w.layout.num_blocks, 32, "NHD"))
+                                 dataclasses.replace(w.ranks[0].layout, block_size=32, kv_layout="NHD"))
         payload = encode_payload(meta, w.compat.hash())
     else:  # undecodable
         payload = good[:38] + struct.pack("!I", 9) + b"not json!"

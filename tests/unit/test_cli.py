@@ -46,6 +46,13 @@ def test_up_passes_what_follows_double_dash_verbatim_to_each_serve(started: list
     assert call["num_threads"] == 1  # also what OMP_NUM_THREADS says
 
 
+def test_up_gives_prefill_and_decode_instances_their_tp_sizes(started: list[dict]) -> None:
+    assert run_cli(["up", "--prefill-tp", "2", "--decode-tp", "3"]) == 0
+    [call] = started
+    assert (call["prefill_tp"], call["decode_tp"]) == (2, 3)
+    assert "--tensor-parallel-size" not in call["extra_serve_args"]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["up", "--", "--bogus"], "unrecognized arguments: --bogus"),
     (["up", "--", "--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
@@ -53,6 +60,8 @@ def test_up_passes_what_follows_double_dash_verbatim_to_each_serve(started: list
     (["up", "--", "--port", "9000"], "--port is set by `up` for each instance"),
     (["up", "--", "--kv-role", "consumer"], "--kv-role is set by `up` for each instance"),
     (["up", "--num-prefill", "0"], "must be at least 1, got 0"),
+    (["up", "--decode-tp", "0"], "must be at least 1, got 0"),
+    (["up", "--", "-tp", "2"], "--tensor-parallel-size is set by `up` for each instance"),
 ])
 def test_up_refuses_invalid_instance_options_before_starting_anything(
         started: list[dict], capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

@@ -59,7 +59,8 @@ HASH = COMPAT.hash()
 def rank_layout(tp_rank: int = 0, **changes: object) -> RankLayout:
     fields: dict = dict(tp_size=2, tp_rank=tp_rank, region_base_addrs=(1 << 20, 2 << 20),
                         block_len_bytes=(4096, 4096), num_blocks=64, block_size=16,
-                        kv_layout="HND", physical_blocks_per_logical=1)
+                        kv_layout="HND", kv_head_start=2 * tp_rank, num_kv_heads=2,
+                        physical_blocks_per_logical=1)
     fields.update(changes)
     return RankLayout(**fields)
 

@@ -439,12 +439,18 @@ def test_proxy_command_line_without_prefill_is_colocated():
 
 # ---- local cluster: command lines, environment, children --------------------------------------------
 def test_serve_command_names_every_kv_option():
-    spec = cluster.InstanceSpec("prefill-0", KVRole.PRODUCER, 9001, 9002, "prefill-0-abc")
+    spec = cluster.InstanceSpec("prefill-0", KVRole.PRODUCER, 9001, 9002, "prefill-0-abc", 2)
     argv = cluster.serve_command(("py", "-m", "kvbridge.cli"), "model.gguf", spec, host="127.0.0.1",
                                  kv_backend="tcp", num_threads=2, extra_args=["--dtype", "bfloat16"])
     assert argv == ["py", "-m", "kvbridge.cli", "serve", "model.gguf", "--host", "127.0.0.1", "--port", "9001",
                     "--kv-role", "producer", "--kv-backend", "tcp", "--kv-engine-id", "prefill-0-abc",
-                    "--kv-side-channel-port", "9002", "--num-threads", "2", "--dtype", "bfloat16"]
+                    "--kv-side-channel-port", "9002", "--num-threads", "2", "--tensor-parallel-size", "2",
+                    "--dtype", "bfloat16"]
+
+
+def test_plan_instances_gives_prefill_and_decode_their_own_tp_sizes():
+    specs = cluster.plan_instances(2, 1, prefill_tp=2, decode_tp=3)
+    assert [(s.name, s.tensor_parallel_size) for s in specs] == [("prefill-0", 2), ("prefill-1", 2), ("decode-0", 3)]
 
 
 def test_proxy_command_lists_every_instance():

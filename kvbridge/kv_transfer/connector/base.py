@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    import torch
-
     from kvbridge.engine.request import Request
+    from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, RankReport
 
 BlockIds = tuple[list[int], ...]
 
@@ -91,19 +90,22 @@ class SchedulerConnector(ABC):
 
 
 class WorkerConnector(ABC):
-    """Worker half. Called on the engine thread by the model runner, once per step."""
+    """Worker half: the control plane of the transfers, in the engine process, called on the
+    engine thread once per step around the ranks' step. The bytes move in the ranks, each
+    through its own RankAgent (rank_agent.py), driven by the commands this half returns and
+    reporting back with the step's result."""
 
     @abstractmethod
-    def register_kv_cache(self, kv_cache: "torch.Tensor", block_size: int) -> None:
-        """Register the KV cache memory ([layers, 2, blocks, block_size, heads, dim]) once at start."""
+    def register_ranks(self, ranks: Sequence["RankRegistration"]) -> None:
+        """Every rank's transfer agent blob and KV layout, rank order, once at start."""
 
     @abstractmethod
-    def start_load_kv(self, metadata: Any) -> None:
-        """Start this step's reads (non-blocking) and any notifications it asks for."""
+    def start_load_kv(self, metadata: Any) -> list["RankCommands"]:
+        """Before the ranks run: take this step's metadata; return one RankCommands per rank."""
 
     @abstractmethod
-    def get_finished(self) -> KVConnectorOutput:
-        """Poll transfers and notifications; never raises: failures are reported as data."""
+    def get_finished(self, reports: Sequence["RankReport"] = ()) -> KVConnectorOutput:
+        """After the ranks ran, with their reports: never raises, failures are reported as data."""
 
     def has_transfers_in_flight(self) -> bool:
         """Transfers whose completion this engine must poll for promptly (not back off)."""

@@ -24,7 +24,8 @@ def compatibility_of(config: EngineConfig, arch: ModelArchConfig, model_identity
 def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity: str,
                      backend: TransferBackend | None = None
                      ) -> tuple[KVBridgeSchedulerConnector, KVBridgeWorkerConnector]:
-    """The backend is created from the config unless one is passed in (tests pass a fake)."""
+    """At TP 1 the engine process's transfer backend is created from the config unless one is
+    passed in (tests pass a fake); at TP N there is none here: each rank process creates its own."""
     kv = config.kv_transfer
     if kv is None:
         raise ValueError("no kv_transfer configuration")
@@ -36,7 +37,10 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
     if kv.role in (KVRole.PRODUCER, KVRole.BOTH):
         side_channel = SideChannelServer({}, kv.side_channel_host, kv.side_channel_port,
                                          key=kv.side_channel_key).start()
-    if backend is None:
+    if config.tensor_parallel_size > 1:
+        if backend is not None:
+            raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer backend")
+    elif backend is None:
         from kvbridge.kv_transfer.backends import create_backend  # imports NIXL only when asked for
         backend = create_backend(kv.backend, agent_name=engine_id)
     worker = KVBridgeWorkerConnector(

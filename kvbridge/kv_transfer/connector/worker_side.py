@@ -1,29 +1,48 @@
-"""The connector's worker half: registers the KV cache, moves blocks, reports results.
+"""The connector's worker half: the control plane of the engine's KV transfers.
 
-D, per request to receive, a small state machine advanced once per step without
-blocking the engine thread:
-  HANDSHAKE  the (deduplicated, background) handshake with P's engine
+It lives in the engine process and owns the protocol: D's handshakes with every rank of
+P, the lease check, which bytes each of D's ranks reads from which of P's ranks
+(tp_mapping.py), the aggregation of those reads, the read-done and release messages,
+and P's leases. The bytes move in the ranks: each rank (the engine process at TP 1, a
+rank process at TP N) owns a `RankAgent` with its own transfer agent, and this half
+drives them with per-rank commands that ride the step's scheduler output and reads the
+per-rank reports that come back with its result (rank_agent.py).
+
+D, per request to receive, a small state machine advanced twice per step (before the
+ranks run, to hand them new reads; after, to take their reports) without blocking:
+  HANDSHAKE  the (deduplicated, background) handshakes with each of P's ranks: rank 0's
+             payload names P's TP size, then the others are fetched; the pairing of D's
+             ranks with P's is checked (tp_mapping.check_pairing) before any read
   CHECK      P confirms on its side channel that the lease is live and grants the blocks
-  READ       a one-sided backend READ without a backend notification; when it is DONE,
-             D sends P kv_read_done on P's side channel (control.py says why)
-Any failure on the way goes through the one FailureHandler and the request is reported
-in finished_recving + failed_recving with its blocks invalid; it never raises.
-P: grants leases for finished requests, frees on read-done / release / expiry.
+  READ       one one-sided read per (D rank, P rank) pair it needs, without a backend
+             notification. The request is settled only when EVERY read has settled
+             (seed 000): then the handles are released, and either D sends P one
+             kv_read_done (all reads DONE) or the request fails with the first failure
+Any failure goes through the one FailureHandler and the request is reported in
+finished_recving + failed_recving with its blocks invalid; nothing raises into the step.
+
+Because D's reads are aggregated here before D says anything to P, P receives ONE
+read-done per request however many ranks either side has, and frees on it (or on
+release / lease expiry), keyed by its own request id: P needs no per-rank count.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvbridge.config import KVRole, KVTransferConfig
-from kvbridge.kv_transfer.backends.base import MemoryRegion, TransferBackend, TransferState
+from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, WorkerConnector
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, RemoteEngine
+from kvbridge.kv_transfer.connector.rank_agent import (RankAgent, RankCommands, RankRegistration, RankReport,
+                                                       ReadOp, ReadResult)
 from kvbridge.kv_transfer.control import ControlClient, ControlServer, incarnation_of
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
 from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, HandshakeFailureKind,
@@ -33,12 +52,12 @@ from kvbridge.kv_transfer.handshake_manager import HandshakeManager
 from kvbridge.kv_transfer.lease import CONTENT_MISMATCH, LeaseTable
 from kvbridge.kv_transfer.side_channel import HandshakeClient, SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
-from kvbridge.kv_transfer.topology import PlaneLayout, read_descriptors
+from kvbridge.kv_transfer.tp_mapping import RankBlocks, RankKV, TPMappingError, block_read_descs, check_pairing
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
-KV_LAYOUT = "block-major"  # [blocks, layers, 2, block_size, kv_heads, head_dim]: see topology.py
-# Failures after which D tells P to release: the read failed, but P's side channel answered.
+# Failures after which D tells P to release: the read failed, but P's side channel answered
+# (so does any failure once P granted the read: a rank failing to add P's agent, too).
 _RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL})
 
 
@@ -49,35 +68,57 @@ class _Phase(enum.Enum):
 
 
 @dataclass
-class _Recv:
-    spec: RecvSpec
-    phase: _Phase
-    future: Future | None
-    started: float = field(default_factory=time.perf_counter)
-    agent: str | None = None
-    remote_layout: PlaneLayout | None = None
-    handle: object | None = None
-    incarnation: str = ""
-    rehandshaken: bool = False
-    nbytes: int = 0
-    ndescs: int = 0
+class _SubRead:
+    """One (D rank, P rank) read of a request."""
+
+    local_rank: int
+    remote_rank: int
+    nbytes: int
+    ndescs: int
+    result: ReadResult | None = None
 
 
 @dataclass(frozen=True)
 class _Peer:
-    agent: str
-    layout: PlaneLayout
-    agent_metadata: bytes
+    """A prefill engine D has shaken hands with: every rank's agent blob and KV blocks."""
+
+    key: str
+    ranks: tuple[RankBlocks, ...]
+    agent_metadata: tuple[bytes, ...]
     incarnation: str
+
+    def rank_key(self, tp_rank: int) -> str:
+        return f"{self.key}/tp{tp_rank}"
+
+
+@dataclass
+class _Recv:
+    spec: RecvSpec
+    phase: _Phase
+    futures: list[Future]  # HANDSHAKE: one per P rank asked so far; CHECK: the lease check
+    started: float = field(default_factory=time.perf_counter)
+    peer: _Peer | None = None
+    rehandshaken: bool = False
+    reads: dict[str, _SubRead] = field(default_factory=dict)  # xfer id -> read
+
+
+def rank_blocks(layout: RankLayout) -> RankBlocks:
+    """A rank's KV blocks as the TP mapping sees them, from the layout it announced."""
+    head_bytes = layout.block_len_bytes[0] // layout.num_kv_heads
+    kv = RankKV(layout.tp_rank, range(layout.kv_head_start, layout.kv_head_start + layout.num_kv_heads), head_bytes)
+    return RankBlocks(kv, layout.region_base_addrs[0], layout.num_blocks)
 
 
 class KVBridgeWorkerConnector(WorkerConnector):
-    def __init__(self, config: KVTransferConfig, engine_id: str, backend: TransferBackend,
+    """`backend` is the engine process's own transfer agent at TP 1; None at TP N, where each
+    rank process creates its own (`rank_agent_spec`)."""
+
+    def __init__(self, config: KVTransferConfig, engine_id: str, backend: TransferBackend | None,
                  compat: CompatibilityInfo, leases: LeaseTable, failures: FailureHandler, stats: KVTransferStats,
                  side_channel: SideChannelServer | None, prefix_caching: bool) -> None:
         self.config = config
         self.engine_id = engine_id
-        self.backend = backend
+        self.local_agent = RankAgent(backend, side_channel is not None) if backend is not None else None
         self.compat = compat
         self.leases = leases
         self.failures = failures
@@ -90,8 +131,11 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.control = ControlClient(config.handshake_timeout_s, self._side_client)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-control")
         self._handshakes: HandshakeManager | None = None
-        self.layout: PlaneLayout | None = None
-        self._device, self._device_id = "cpu", 0
+        self.ranks: tuple[RankRegistration, ...] = ()
+        self._local: tuple[RankBlocks, ...] = ()
+        self._commands: list[RankCommands] = []
+        self._xfer_ids = itertools.count()
+        self._xfers: dict[str, str] = {}  # live xfer id -> D's request id
         self._peers: dict[RemoteEngine, _Peer] = {}
         self._recvs: dict[str, _Recv] = {}
         self._done_recv: set[str] = set()
@@ -100,57 +144,70 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._last_backend_error_log = float("-inf")
 
     @property
+    def backend(self) -> TransferBackend:
+        """The engine process's transfer agent (TP 1 only)."""
+        if self.local_agent is None:
+            raise AttributeError("at tensor parallel size > 1 each rank process owns its transfer agent")
+        return self.local_agent.backend
+
+    @property
+    def rank_agent_spec(self) -> tuple[str, str, bool]:
+        """(agent name prefix, backend name, serves reads): how a rank process builds its agent."""
+        return self.engine_id, self.config.backend, self.side_channel is not None
+
+    @property
     def is_consumer(self) -> bool:
         return self.config.role in (KVRole.CONSUMER, KVRole.BOTH)
 
     # ---- registration ------------------------------------------------------
     def register_kv_cache(self, kv_cache, block_size: int) -> None:
-        self.layout = PlaneLayout.of_kv_cache(kv_cache)
-        self._device = "cuda" if kv_cache.is_cuda else "cpu"
-        self._device_id = kv_cache.device.index or 0
-        self.backend.register_memory([MemoryRegion(
-            kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size(), self._device, self._device_id)])
-        planes = len(self.layout.plane_base_addrs)
-        rank_layout = RankLayout(
-            tp_size=1, tp_rank=0, region_base_addrs=self.layout.plane_base_addrs,
-            block_len_bytes=(self.layout.block_bytes,) * planes, num_blocks=self.layout.num_blocks,
-            block_size=block_size, kv_layout=KV_LAYOUT)
+        raise NotImplementedError("the ranks register their KV caches with their RankAgents; "
+                                  "the engine passes their registrations to register_ranks")
+
+    def register_ranks(self, ranks: Sequence[RankRegistration]) -> None:
+        """Every rank's agent blob and KV layout, rank order: serve them (P), shake hands (D)."""
+        self.ranks = tuple(ranks)
+        if [r.layout.tp_rank for r in self.ranks] != list(range(len(self.ranks))):
+            raise ValueError("rank registrations must be ranks 0..n-1 in order")
+        self._local = tuple(rank_blocks(r.layout) for r in self.ranks)
+        self._commands = [RankCommands() for _ in self.ranks]
         if self.side_channel is not None:
-            meta = HandshakeMetadata(self.engine_id, self.config.backend, self.backend.agent_metadata(), rank_layout)
-            self.control_server.incarnation = incarnation_of(meta.agent_metadata)
-            self.side_channel.set_payload(0, encode_payload(meta, self.compat.hash()))
+            self.control_server.incarnation = incarnation_of(self.ranks[0].agent_metadata)
+            for r in self.ranks:
+                meta = HandshakeMetadata(self.engine_id, self.config.backend, r.agent_metadata, r.layout)
+                self.side_channel.set_payload(r.layout.tp_rank, encode_payload(meta, self.compat.hash()))
         if self.is_consumer:
             self._handshakes = HandshakeManager(
-                self.compat.hash(), rank_layout, prefix_caching=self.prefix_caching,
+                self.compat.hash(), self.ranks[0].layout, prefix_caching=self.prefix_caching,
                 client=self._side_client, timeout_s=self.config.handshake_timeout_s,
-                validate=self._validate_peer)
+                validate=self._validate_peer_rank)
 
-    def _validate_peer(self, meta: HandshakeMetadata) -> None:
+    def _validate_peer_rank(self, meta: HandshakeMetadata) -> None:
         if meta.backend != self.config.backend:
             raise HandshakeLayoutMismatch(
                 f"peer uses transfer backend {meta.backend!r}, this engine {self.config.backend!r}")
-        assert self.layout is not None
-        if meta.layout.block_len_bytes[0] != self.layout.block_bytes:
-            raise HandshakeLayoutMismatch(
-                f"peer block length {meta.layout.block_len_bytes[0]} B, local {self.layout.block_bytes} B")
 
     # ---- per step ----------------------------------------------------------
-    def start_load_kv(self, metadata: ConnectorMetadata | None) -> None:
-        if metadata is None:
-            return
-        for r in metadata.reqs_to_recv:
-            self._start_recv(r)
-        for rel in metadata.reqs_to_release:
-            self._side_request("release", self.control.release, rel.remote.host, rel.remote.port,
-                               rel.remote_request_id, rel.lease_generation)
-        for remote, items in metadata.heartbeats.items():
-            self._side_request("heartbeat", self.control.heartbeat, remote.host, remote.port, items)
+    def start_load_kv(self, metadata: ConnectorMetadata | None) -> list[RankCommands]:
+        """Before the ranks run: take this step's requests, and return each rank's commands."""
+        if metadata is not None:
+            for r in metadata.reqs_to_recv:
+                self._start_recv(r)
+            for rel in metadata.reqs_to_release:
+                self._side_request("release", self.control.release, rel.remote.host, rel.remote.port,
+                                   rel.remote_request_id, rel.lease_generation)
+            for remote, items in metadata.heartbeats.items():
+                self._side_request("heartbeat", self.control.heartbeat, remote.host, remote.port, items)
+        for rid, recv in list(self._recvs.items()):
+            self._advance(rid, recv)
+        commands, self._commands = self._commands, [RankCommands() for _ in self.ranks]
+        return commands
 
     def _start_recv(self, spec: RecvSpec) -> None:
-        assert self._handshakes is not None, "a consumer connector receives only after register_kv_cache"
+        assert self._handshakes is not None, "a consumer connector receives only after register_ranks"
         r = spec.remote
         future = self._handshakes.ensure(r.engine_id or None, r.host, r.port, 0)
-        self._recvs[spec.request_id] = _Recv(spec, _Phase.HANDSHAKE, future)
+        self._recvs[spec.request_id] = _Recv(spec, _Phase.HANDSHAKE, [future])
 
     def _side_request(self, what: str, fn, *args) -> None:
         try:
@@ -158,8 +215,11 @@ class KVBridgeWorkerConnector(WorkerConnector):
         except RuntimeError:  # executor shut down
             self.stats.incr("failed_notifications")
 
-    def get_finished(self) -> KVConnectorOutput:
+    def get_finished(self, reports: Sequence[RankReport] = ()) -> KVConnectorOutput:
+        """After the ranks ran: take their reports; say which requests settled. Never raises."""
         out = KVConnectorOutput()
+        for report in reports:
+            self._take_report(report)
         for rid, recv in list(self._recvs.items()):
             self._advance(rid, recv)
         out.finished_recving |= self._done_recv
@@ -173,69 +233,94 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._collect_sending(out)
         return out
 
+    def _take_report(self, report: RankReport) -> None:
+        if report.backend_error is not None:
+            self._log_backend_error(f"rank {report.tp_rank}", report.backend_error)
+        for result in report.settled:
+            rid = self._xfers.get(result.xfer_id)
+            recv = self._recvs.get(rid) if rid is not None else None
+            if recv is None or result.xfer_id not in recv.reads:
+                logger.warning("rank %d reported unknown transfer %s", report.tp_rank, result.xfer_id)
+                continue
+            recv.reads[result.xfer_id].result = result
+
     # ---- D: the receive state machine -------------------------------------
     def _advance(self, rid: str, recv: _Recv) -> None:
         # A phase that fails the receive removes it from _recvs: then nothing more is done to it.
         try:
-            if recv.phase is _Phase.HANDSHAKE and recv.future.done():
+            if recv.phase is _Phase.HANDSHAKE and all(f.done() for f in recv.futures):
                 self._after_handshake(rid, recv)
-            if self._recvs.get(rid) is recv and recv.phase is _Phase.CHECK and recv.future.done():
+            if self._recvs.get(rid) is recv and recv.phase is _Phase.CHECK and recv.futures[0].done():
                 self._after_check(rid, recv)
             if self._recvs.get(rid) is recv and recv.phase is _Phase.READ:
-                self._poll_read(rid, recv)
+                self._settle_reads(rid, recv)
         except Exception as exc:  # never let a transfer failure reach the step loop
             if self._recvs.get(rid) is recv:
-                self._fail(rid, recv, FailureKind.TRANSFER_POLL, f"unexpected {type(exc).__name__}: {exc}")
+                logger.exception("request %s: unexpected error in its KV transfer", rid)
+                self._abandon_reads(rid, recv, FailureKind.TRANSFER_POLL, f"unexpected {type(exc).__name__}: {exc}")
             else:
                 logger.exception("request %s: error after its transfer had already ended", rid)
 
     def _after_handshake(self, rid: str, recv: _Recv) -> None:
-        exc = recv.future.exception()
-        if exc is not None:
-            kind = exc.kind.value if isinstance(exc, HandshakeError) else "error"
-            self.stats.record_handshake(0.0, kind)
-            self._fail(rid, recv, FailureKind.HANDSHAKE, f"{kind}: {exc}")
+        for future in recv.futures:
+            exc = future.exception()
+            if exc is not None:
+                kind = exc.kind.value if isinstance(exc, HandshakeError) else "error"
+                self.stats.record_handshake(0.0, kind)
+                self._fail(rid, recv, FailureKind.HANDSHAKE, f"{kind}: {exc}")
+                return
+        metas: list[HandshakeMetadata] = [f.result() for f in recv.futures]
+        s = recv.spec
+        p_tp = metas[0].layout.tp_size
+        if len(metas) < p_tp:  # rank 0 named P's TP size: fetch the other ranks' payloads
+            recv.futures += [self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, r)
+                             for r in range(len(metas), p_tp)]
             return
         try:
-            peer = self._peer(recv.spec.remote, recv.future.result())
-        except Exception as exc:  # the backend refused the peer's agent metadata
-            self.stats.record_handshake(0.0, "add_remote_agent")
-            self._fail(rid, recv, FailureKind.HANDSHAKE, f"adding the peer's transfer agent failed: {exc}")
+            peer = self._peer(s.remote, metas)
+        except (HandshakeLayoutMismatch, TPMappingError) as exc:
+            self.stats.record_handshake(0.0, HandshakeFailureKind.LAYOUT_MISMATCH.value)
+            self._fail(rid, recv, FailureKind.HANDSHAKE, f"{HandshakeFailureKind.LAYOUT_MISMATCH.value}: {exc}")
             return
-        recv.agent, recv.remote_layout, recv.incarnation = peer.agent, peer.layout, peer.incarnation
-        s = recv.spec
+        recv.peer = peer
         recv.phase = _Phase.CHECK
-        recv.future = self._executor.submit(self.control.check_read, s.remote.host, s.remote.port,
-                                            s.remote_request_id, s.lease_generation, s.remote_block_ids,
-                                            s.content)
+        recv.futures = [self._executor.submit(self.control.check_read, s.remote.host, s.remote.port,
+                                              s.remote_request_id, s.lease_generation, s.remote_block_ids,
+                                              s.content)]
 
-    def _peer(self, remote: RemoteEngine, meta: HandshakeMetadata) -> _Peer:
+    def _peer(self, remote: RemoteEngine, metas: list[HandshakeMetadata]) -> _Peer:
+        """The peer for P's ranks' payloads; raises HandshakeLayoutMismatch / TPMappingError with
+        the reason when D's ranks cannot be filled from P's."""
+        blobs = tuple(m.agent_metadata for m in metas)
         peer = self._peers.get(remote)
-        if peer is not None and peer.agent_metadata == meta.agent_metadata:
+        if peer is not None and peer.agent_metadata == blobs:
             return peer
-        if peer is not None:  # the peer restarted: its old agent is gone
+        if peer is not None:  # the peer restarted: its old agents are gone
             self._drop_peer(remote)
-        t0 = time.perf_counter()
-        agent = self.backend.add_remote_agent(meta.agent_metadata)
-        layout = PlaneLayout(meta.layout.region_base_addrs, meta.layout.block_len_bytes[0], meta.layout.num_blocks)
-        peer = self._peers[remote] = _Peer(agent, layout, meta.agent_metadata, incarnation_of(meta.agent_metadata))
-        self.stats.record_handshake(time.perf_counter() - t0, None)
-        logger.info("connected to prefill engine %s at %s:%s (agent %s)", remote.engine_id, remote.host,
-                    remote.port, agent)
+        if len({m.engine_id for m in metas}) != 1 or len({m.layout.tp_size for m in metas}) != 1:
+            raise HandshakeLayoutMismatch("the prefill engine's ranks disagree on its engine id or TP size "
+                                          "(it restarted during the handshake?)")
+        ranks = tuple(rank_blocks(m.layout) for m in metas)
+        check_pairing([r.kv for r in self._local], [r.kv for r in ranks])
+        incarnation = incarnation_of(blobs[0])
+        peer = self._peers[remote] = _Peer(f"{metas[0].engine_id}@{remote.host}:{remote.port}#{incarnation[:12]}",
+                                           ranks, blobs, incarnation)
+        self.stats.record_handshake(0.0, None)
+        logger.info("connected to prefill engine %s at %s:%s (TP %d -> TP %d here)", remote.engine_id,
+                    remote.host, remote.port, len(ranks), len(self._local))
         return peer
 
     def _drop_peer(self, remote: RemoteEngine) -> None:
         peer = self._peers.pop(remote, None)
         if self._handshakes is not None:
             self._handshakes.forget(remote.engine_id)
-        if peer is not None:
-            try:
-                self.backend.remove_remote_agent(peer.agent)
-            except Exception:  # the agent may already be unusable; nothing else holds it
-                logger.debug("removing agent %s failed", peer.agent, exc_info=True)
+        if peer is not None:  # every rank removes its agents for the peer's ranks
+            for commands in self._commands:
+                commands.drop_peers += [peer.rank_key(r) for r in range(len(peer.ranks))]
 
     def _after_check(self, rid: str, recv: _Recv) -> None:
-        exc = recv.future.exception()
+        future = recv.futures[0]
+        exc = future.exception()
         if exc is not None:
             kind = getattr(exc, "kind", None)
             if kind is HandshakeFailureKind.PEER_ERROR:
@@ -247,65 +332,95 @@ class KVBridgeWorkerConnector(WorkerConnector):
                 self._fail(rid, recv, FailureKind.PEER_DEATH, str(exc))
             return
         s = recv.spec
-        if recv.future.result() != recv.incarnation:
-            # P restarted under the same address: its old agent is gone. Handshake afresh, once.
+        peer = recv.peer
+        assert peer is not None
+        if future.result() != peer.incarnation:
+            # P restarted under the same address: its old agents are gone. Handshake afresh, once.
             self._drop_peer(s.remote)
             if recv.rehandshaken:
                 self._fail(rid, recv, FailureKind.HANDSHAKE, "the prefill engine restarted during the handshake")
                 return
             recv.rehandshaken = True
             recv.phase = _Phase.HANDSHAKE
-            recv.future = self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, 0)
+            recv.futures = [self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, 0)]
             return
-        assert self.layout is not None and recv.remote_layout is not None
-        local, remote = [], []
-        for l_ids, r_ids in zip(s.local_block_ids, s.remote_block_ids):
-            ld, rd = read_descriptors(self.layout, recv.remote_layout, l_ids, r_ids)
-            local += ld
-            remote += rd
+        try:
+            plans = self._plan_reads(s, peer)
+        except TPMappingError as exc:
+            self._fail(rid, recv, FailureKind.TRANSFER_SETUP, str(exc))
+            return
         recv.phase = _Phase.READ
         recv.started = time.perf_counter()
-        recv.nbytes, recv.ndescs = sum(n for _, n in local), len(local)
-        try:
-            recv.handle = self.backend.read(
-                recv.agent, self.backend.prep_descs(local, self._device, self._device_id),
-                self.backend.prep_descs(remote, self._device, self._device_id), b"")
-        except Exception as exc:
-            self._fail(rid, recv, FailureKind.TRANSFER_SETUP, f"{type(exc).__name__}: {exc}")
+        for (local_rank, remote_rank), (l_descs, r_descs) in plans.items():
+            xfer_id = f"x{next(self._xfer_ids)}"
+            self._commands[local_rank].reads.append(ReadOp(
+                xfer_id, peer.rank_key(remote_rank), peer.agent_metadata[remote_rank], tuple(l_descs), tuple(r_descs)))
+            recv.reads[xfer_id] = _SubRead(local_rank, remote_rank, sum(n for _, n in l_descs), len(l_descs))
+            self._xfers[xfer_id] = rid
+        self._settle_reads(rid, recv)  # a notification-only request has no reads: settled now
 
-    def _poll_read(self, rid: str, recv: _Recv) -> None:
-        try:
-            state = self.backend.check_state(recv.handle)
-        except Exception as exc:
-            self._fail(rid, recv, FailureKind.TRANSFER_POLL, f"{type(exc).__name__}: {exc}")
+    def _plan_reads(self, s: RecvSpec, peer: _Peer) -> dict[tuple[int, int], tuple[list, list]]:
+        """{(D rank, P rank): (local descs, remote descs)} for every group's blocks."""
+        salt = zlib.crc32(s.remote_request_id.encode())  # spreads replicated heads over P's ranks
+        plans: dict[tuple[int, int], tuple[list, list]] = {}
+        for l_ids, r_ids in zip(s.local_block_ids, s.remote_block_ids):
+            for local in self._local:
+                for remote_rank, (ld, rd) in block_read_descs(local, peer.ranks, l_ids, r_ids, salt).items():
+                    l_all, r_all = plans.setdefault((local.kv.tp_rank, remote_rank), ([], []))
+                    l_all += ld
+                    r_all += rd
+        return plans
+
+    def _settle_reads(self, rid: str, recv: _Recv) -> None:
+        """Once every read of the request has settled (never before: seed 000), release their
+        handles and finish the request: read-done to P, or the first failure."""
+        reads = recv.reads.values()
+        if any(r.result is None for r in reads):
             return
-        if state is TransferState.DONE:
-            self.stats.record_transfer(time.perf_counter() - recv.started, recv.nbytes, recv.ndescs)
-            self._release_handle(recv)
-            del self._recvs[rid]
-            self._done_recv.add(rid)
-            s = recv.spec
-            self._side_request("read-done", self.control.read_done, s.remote.host, s.remote.port,
-                               s.remote_request_id, s.lease_generation)
-        elif state is TransferState.ERROR:
-            self._fail(rid, recv, FailureKind.TRANSFER_STATE, "the transfer backend reported the read failed")
+        failed = [r for r in reads if not r.result.ok]
+        if failed:
+            first = failed[0]
+            if first.result.kind is FailureKind.HANDSHAKE:  # a rank could not add P's agent
+                self.stats.record_handshake(0.0, "add_remote_agent")
+                self._drop_peer(recv.spec.remote)
+            self._fail(rid, recv, first.result.kind,
+                       f"{first.result.cause} (D rank {first.local_rank} from P rank {first.remote_rank}; "
+                       f"{len(failed)} of {len(recv.reads)} reads failed)")
+            return
+        self.stats.record_transfer(time.perf_counter() - recv.started, sum(r.nbytes for r in reads),
+                                   sum(r.ndescs for r in reads))
+        self._release_handles(recv)
+        del self._recvs[rid]
+        self._done_recv.add(rid)
+        s = recv.spec
+        self._side_request("read-done", self.control.read_done, s.remote.host, s.remote.port,
+                           s.remote_request_id, s.lease_generation)
+
+    def _abandon_reads(self, rid: str, recv: _Recv, kind: FailureKind, cause: str) -> None:
+        """A bug in this half: reads may still be in flight, so the request's blocks are kept
+        out of use by failing it only when they settle; reads not yet reported are marked
+        failed now only if none was ever handed to a rank."""
+        if recv.phase is _Phase.READ and recv.reads:
+            for read in recv.reads.values():
+                if read.result is None:
+                    return  # the ranks' reports settle it; _settle_reads fails it then
+        self._fail(rid, recv, kind, cause)
 
     def _fail(self, rid: str, recv: _Recv, kind: FailureKind, cause: str) -> None:
-        self._release_handle(recv)
+        self._release_handles(recv)
         self._recvs.pop(rid, None)
         self.failures.handle(rid, kind, cause, recv.spec.local_block_ids, recv.spec.remote.engine_id)
-        if kind in _RELEASE_AFTER:  # P is known and reachable: let it free now, not at lease expiry
+        if kind in _RELEASE_AFTER or recv.phase is _Phase.READ:
+            # P granted the read on its side channel: let it free now, not at lease expiry.
             s = recv.spec
             self._side_request("release", self.control.release, s.remote.host, s.remote.port,
                                s.remote_request_id, s.lease_generation)
 
-    def _release_handle(self, recv: _Recv) -> None:
-        if recv.handle is not None:
-            handle, recv.handle = recv.handle, None
-            try:
-                self.backend.release(handle)
-            except Exception:
-                logger.debug("releasing a transfer handle failed", exc_info=True)
+    def _release_handles(self, recv: _Recv) -> None:
+        for xfer_id, read in recv.reads.items():
+            self._xfers.pop(xfer_id, None)
+            self._commands[read.local_rank].release.append(xfer_id)
+        recv.reads = {}
 
     def _reap_side_requests(self) -> None:
         pending = []
@@ -321,10 +436,6 @@ class KVBridgeWorkerConnector(WorkerConnector):
     def _collect_sending(self, out: KVConnectorOutput) -> None:
         if self.control_server is None:
             return
-        try:  # drives the agent's progress (a first read's wire-up needs it); D sends no notifications
-            self.backend.get_new_notifs()
-        except Exception as exc:  # a broken agent must not stop the engine; leases still expire
-            self._log_backend_error("get_new_notifs", exc)
         out.finished_sending.update(self.control_server.drain_released())
         for rid in self.leases.pop_expired():
             self.stats.incr("expired_leases")
@@ -341,16 +452,17 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.control_server.queue_released(request_id)
         return True
 
-    def _log_backend_error(self, what: str, exc: Exception) -> None:
+    def _log_backend_error(self, where: str, error: str) -> None:
         now = time.monotonic()
         if now - self._last_backend_error_log >= 10.0:  # rate-limited: it repeats every step
             self._last_backend_error_log = now
-            logger.error("transfer backend %s failed on engine %s: %s", what, self.engine_id, exc)
+            logger.error("transfer backend of %s failed on engine %s: %s", where, self.engine_id, error)
 
     def has_transfers_in_flight(self) -> bool:
         """D: loads under way. P: a read of its leased blocks granted and not yet done (the read
         completes only after P's agent progresses, so P must keep polling promptly)."""
-        return bool(self._recvs) or (self.control_server is not None and self.leases.reads_in_flight())
+        return (bool(self._recvs) or any(self._commands)
+                or (self.control_server is not None and self.leases.reads_in_flight()))
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """P: call ``wake`` (from the side-channel thread) when a read of leased blocks is granted,
@@ -359,18 +471,17 @@ class KVBridgeWorkerConnector(WorkerConnector):
             self.control_server.on_read_granted = wake
 
     def has_work(self) -> bool:
-        return bool(self._recvs or self._side_requests or len(self.leases))
+        return bool(self._recvs or self._side_requests or len(self.leases) or any(self._commands))
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for rid, recv in list(self._recvs.items()):
-            self._release_handle(recv)
         self._recvs.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._handshakes is not None:
             self._handshakes.close()
         if self.side_channel is not None:
             self.side_channel.close()
-        self.backend.shutdown()
+        if self.local_agent is not None:  # releases its live handles, then the backend
+            self.local_agent.shutdown()

@@ -1,0 +1,212 @@
+"""The data plane of one rank: its transfer agent, its registered KV shard, its reads.
+
+Every rank of an engine (the engine process itself at TP 1, each rank process at TP N)
+owns one `RankAgent`, which owns one transfer backend (NIXL agent / tcp endpoint). It
+knows nothing of requests, leases or handshakes: those live with the control plane
+(`worker_side.KVBridgeWorkerConnector`) in the engine process. Once per engine step the
+control plane's `RankCommands` for this rank travel to it inside the scheduler output
+(the step's one broadcast at TP N), and its `RankReport` travels back with the step's
+result (the one gather):
+
+    apply(commands)  before the forward: start reads, release settled ones, drop peers
+    poll()           after the forward: the reads that settled (DONE or ERROR) since the
+                     last poll, each reported once; the agent keeps a settled read's handle
+                     until the control plane releases it, which it does only when every
+                     read of the request has settled (seed 000's order)
+
+A rank whose KV others read (P) also drives its agent's progress in `poll()`
+(`get_new_notifs`): without a progress thread NIXL advances a read only inside the
+target's calls. Failures are data (`ReadResult` with a FailureKind); nothing raises into
+the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvbridge.kv_transfer.backends.base import MemoryRegion, TransferBackend, TransferState, XferHandle
+from kvbridge.kv_transfer.failure import FailureKind
+from kvbridge.kv_transfer.handshake import RankLayout
+
+logger = logging.getLogger("kvbridge.kv_transfer")
+
+# Every rank's KV cache is [blocks, kv_heads, layers, 2 (K, V), block_size, head_dim]: a block is
+# one contiguous span and so is each head's share of it (tp_mapping.py, docs/architecture.md).
+KV_LAYOUT = "blocks,heads,layers,kv,tokens,dim"
+
+Desc = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """Read `remote` descs of the peer agent `peer` into this rank's `local` descs."""
+
+    xfer_id: str
+    peer: str  # the peer rank's key: one agent per (engine incarnation, remote rank)
+    agent_metadata: bytes  # the peer's agent blob: added on first use, replaced when it changes
+    local: tuple[Desc, ...]
+    remote: tuple[Desc, ...]
+
+
+@dataclass
+class RankCommands:
+    reads: list[ReadOp] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)  # xfer ids whose handles to release
+    drop_peers: list[str] = field(default_factory=list)  # peer keys whose agents to remove
+
+    def __bool__(self) -> bool:
+        return bool(self.reads or self.release or self.drop_peers)
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    xfer_id: str
+    kind: FailureKind | None  # None: DONE
+    cause: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kind is None
+
+
+@dataclass
+class RankReport:
+    tp_rank: int
+    settled: list[ReadResult] = field(default_factory=list)
+    backend_error: str | None = None  # the agent's progress call failed (the control plane logs it)
+
+
+@dataclass(frozen=True)
+class RankRegistration:
+    """What a rank tells the control plane at start-up: its agent blob and where its KV is."""
+
+    agent_metadata: bytes
+    layout: RankLayout
+
+
+class RankAgent:
+    """One rank's transfer agent and reads. Called on the thread that steps this rank."""
+
+    def __init__(self, backend: TransferBackend, serves_reads: bool) -> None:
+        self.backend = backend
+        self.serves_reads = serves_reads  # P: others read this rank's KV; drive the agent's progress
+        self.registration: RankRegistration | None = None
+        self._device, self._device_id = "cpu", 0
+        self._peers: dict[str, tuple[bytes, str]] = {}  # peer key -> (agent metadata, agent name)
+        self._reads: dict[str, XferHandle | None] = {}  # live xfer id -> handle (None: never started)
+        self._settled: list[ReadResult] = []  # settled since the last poll
+        self._reported: set[str] = set()  # live xfer ids already settled (polled no more)
+        self._closed = False
+
+    def register(self, kv_cache, block_size: int, tp_rank: int, tp_size: int, kv_heads: range) -> RankRegistration:
+        """Register this rank's KV cache ([blocks, its kv heads, ...], contiguous) with the agent."""
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache must be contiguous")
+        self._device = "cuda" if kv_cache.is_cuda else "cpu"
+        self._device_id = kv_cache.device.index or 0
+        nbytes = kv_cache.numel() * kv_cache.element_size()
+        self.backend.register_memory([MemoryRegion(kv_cache.data_ptr(), nbytes, self._device, self._device_id)])
+        layout = RankLayout(
+            tp_size=tp_size, tp_rank=tp_rank, region_base_addrs=(kv_cache.data_ptr(),),
+            block_len_bytes=(nbytes // kv_cache.shape[0],), num_blocks=kv_cache.shape[0], block_size=block_size,
+            kv_layout=KV_LAYOUT, kv_head_start=kv_heads.start, num_kv_heads=len(kv_heads))
+        self.registration = RankRegistration(self.backend.agent_metadata(), layout)
+        return self.registration
+
+    def apply(self, commands: RankCommands | None) -> None:
+        if commands is None:
+            return
+        for xfer_id in commands.release:
+            self._release(xfer_id)
+        for peer in commands.drop_peers:
+            self._drop_peer(peer)
+        for op in commands.reads:
+            self._start(op)
+
+    def poll(self) -> RankReport:
+        report = RankReport(self.registration.layout.tp_rank if self.registration else 0)
+        for xfer_id, handle in self._reads.items():
+            if handle is None or xfer_id in self._reported:
+                continue
+            try:
+                state = self.backend.check_state(handle)
+            except Exception as exc:
+                self._reported.add(xfer_id)
+                self._settled.append(ReadResult(xfer_id, FailureKind.TRANSFER_POLL, f"{type(exc).__name__}: {exc}"))
+                continue
+            if state is TransferState.DONE:
+                self._reported.add(xfer_id)
+                self._settled.append(ReadResult(xfer_id, None))
+            elif state is TransferState.ERROR:
+                self._reported.add(xfer_id)
+                self._settled.append(ReadResult(xfer_id, FailureKind.TRANSFER_STATE,
+                                                "the transfer backend reported the read failed"))
+        if self.serves_reads:
+            try:
+                self.backend.get_new_notifs()
+            except Exception as exc:  # a broken agent must not stop the engine; leases still expire
+                report.backend_error = f"get_new_notifs: {type(exc).__name__}: {exc}"
+        report.settled, self._settled = self._settled, []
+        return report
+
+    @property
+    def num_live_reads(self) -> int:
+        return len(self._reads)
+
+    def shutdown(self) -> None:
+        """Release every handle and the backend. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for xfer_id in list(self._reads):
+            self._release(xfer_id)
+        self.backend.shutdown()
+
+    # ---- internals ------------------------------------------------------------------
+    def _start(self, op: ReadOp) -> None:
+        if op.xfer_id in self._reads:
+            self._settled.append(ReadResult(op.xfer_id, FailureKind.TRANSFER_SETUP, "duplicate transfer id"))
+            return
+        self._reads[op.xfer_id] = None
+        try:
+            agent = self._agent(op.peer, op.agent_metadata)
+        except Exception as exc:
+            self._settled.append(ReadResult(op.xfer_id, FailureKind.HANDSHAKE,
+                                            f"adding the peer's transfer agent failed: {exc}"))
+            return
+        try:
+            self._reads[op.xfer_id] = self.backend.read(
+                agent, self.backend.prep_descs(list(op.local), self._device, self._device_id),
+                self.backend.prep_descs(list(op.remote), self._device, self._device_id), b"")
+        except Exception as exc:
+            self._settled.append(ReadResult(op.xfer_id, FailureKind.TRANSFER_SETUP, f"{type(exc).__name__}: {exc}"))
+
+    def _agent(self, peer: str, metadata: bytes) -> str:
+        known = self._peers.get(peer)
+        if known is not None and known[0] == metadata:
+            return known[1]
+        if known is not None:
+            self._drop_peer(peer)
+        name = self.backend.add_remote_agent(metadata)
+        self._peers[peer] = (metadata, name)
+        return name
+
+    def _drop_peer(self, peer: str) -> None:
+        known = self._peers.pop(peer, None)
+        if known is None:
+            return
+        try:
+            self.backend.remove_remote_agent(known[1])
+        except Exception:  # the agent may already be unusable; nothing else holds it
+            logger.debug("removing agent %s failed", known[1], exc_info=True)
+
+    def _release(self, xfer_id: str) -> None:
+        self._reported.discard(xfer_id)
+        handle = self._reads.pop(xfer_id, None)
+        if handle is None:
+            return
+        try:
+            self.backend.release(handle)
+        except Exception:
+            logger.debug("releasing a transfer handle failed", exc_info=True)
