@@ -26,11 +26,16 @@ What is timed:
   read used (or the nearest count below that divides the bytes evenly), remote ones
   in reverse order so that none merge.
 
-Each repetition runs, per prompt size and backend, P/D then raw then raw@descs. A
-warm-up request per size and backend (P's prefill, handshake, UCX wire-up) is not
-counted. Figures are medians; ratio = median P/D GB/s / median raw GB/s.
+Each (backend, TP pairing) gets its own P and D servers, started after the previous
+pair's have stopped. Per pair: a warm-up request per size (P's prefill, handshake, UCX
+wire-up), not counted; raw reads; the repetitions (P/D per prompt size); raw reads again.
+Figures are medians; ratio = median P/D GB/s / median raw GB/s.
 
     UCX_NET_DEVICES=lo python benchmarks/pd_transfer.py --reps 5 --json /tmp/pd_transfer.json
+
+Hetero-TP (a random-weight SmolLM2-shaped model with 4 KV heads, which TP 2 splits):
+
+    python benchmarks/pd_transfer.py --synthetic --pairings 1:1 2:1 1:2 --backends nixl --reps 5 --kv-cache-gb 1
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ class PDPair:
     def __init__(self, backend: str, model: str, log_dir: Path, num_threads: int, kv_cache_gb: float,
                  prefill_tp: int = 1, decode_tp: int = 1) -> None:
         self.backend, self.model = backend, model
+        self.served = Path(model).name if Path(model).is_dir() else model  # the name `serve` gives a folder
         self.label = backend if (prefill_tp, decode_tp) == (1, 1) else f"{backend} P{prefill_tp}>D{decode_tp}"
         specs = cluster.plan_instances(1, 1, prefill_tp=prefill_tp, decode_tp=decode_tp)
         env = cluster.child_env(os.environ, loopback_only=True, num_threads=num_threads)
@@ -149,7 +155,7 @@ class PDPair:
 
     def request(self, prompt: list[int]) -> tuple[float, int, int]:
         """One P/D request; returns D's (READ seconds, bytes, descriptors) for it."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+        body = {"model": self.served, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
         r = self.http.post(self.urls["prefill"] + "/v1/completions",
                            json={**body, "kv_transfer_params": {"do_remote_decode": True}})
         r.raise_for_status()
@@ -300,25 +306,25 @@ def main() -> int:
                                                 **SMOLLM2_SHAPED_4_KV_HEADS))
     tp_pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairings]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
-    pairs: dict[str, PDPair] = {}
     with contextlib.ExitStack() as raw_stack:
         # The raw pairs (one per backend, kept for the whole run) allocate their buffers
         # before the servers start: allocated after them, P/D reads ran ~40% slower from
         # then on (RawPair in raw_transfer.py; figures in benchmarks/README.md).
         capacity = read_capacity(args.model, args.tokens)
         raw_pairs = {b: raw_stack.enter_context(RawPair(b, capacity)) for b in args.backends}
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            for backend in args.backends:
-                for p_tp, d_tp in tp_pairs:
-                    pair = PDPair(backend, args.model, log_dir, args.threads, args.kv_cache_gb, p_tp, d_tp)
-                    pairs[pair.label] = pair
-            for pair in pairs.values():
-                pair.wait_healthy(deadline)
-            samples, raws = run(args, pairs, raw_pairs)
-        finally:
-            for pair in pairs.values():
-                pair.stop()
+        samples, raws = [], []
+        for backend in args.backends:
+            for p_tp, d_tp in tp_pairs:
+                # One pair of servers at a time: idle TP engines' processes still take a share of
+                # the two cores (a TP 1 pair measured 0.54 beside two TP 2 pairs, 1.03 alone).
+                pair = PDPair(backend, args.model, log_dir, args.threads, args.kv_cache_gb, p_tp, d_tp)
+                try:
+                    pair.wait_healthy(time.monotonic() + READY_TIMEOUT_S)
+                    got, got_raw = run(args, {pair.label: pair}, raw_pairs)
+                finally:
+                    pair.stop()
+                samples += got
+                raws += got_raw
     rows = summarize(samples, raws)
     raw_when = "after each P/D request" if args.interleaved else "before and after the P/D repetitions"
     print(f"\nKV transfer efficiency, medians of {args.reps} P/D repetitions, raw reads {raw_when} "

@@ -149,6 +149,13 @@ def test_a_failed_read_fails_the_request_only_after_the_other_reads_settle(loade
         settle(p)
         assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
         assert p.connectors[1].stats.early_releases == 1  # P granted the read: D told it to free at once
+        d.agents[0].backend.set_faults(FaultConfig())  # the fault clears: the next request reads cleanly
+        d.agents[2].backend.set_faults(FaultConfig())
+        params = prefill(p, prompt)
+        out = run(p, d, recv_spec(p, prompt, params, list(range(len(params["remote_block_ids"])))))
+        assert out.finished_recving == {"d-req"} and not out.failed_recving
+        settle(p)
+        assert p.metrics().num_held_for_remote == 0 and d.stats.transfers == 1
     finally:
         d.close()
         p.shutdown()
