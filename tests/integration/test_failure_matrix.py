@@ -26,7 +26,8 @@ from kvbridge.kv_transfer.side_channel import SideChannelServer
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
-HANDSHAKE_FAULTS = ["refused", "timeout", "version", "hash", "engine_id", "layout", "tp_pairing", "undecodable"]
+HANDSHAKE_FAULTS = ["refused", "timeout", "version", "hash", "engine_id", "layout", "tp_pairing", "huge_tp",
+                    "undecodable"]
 TRANSFER_FAULTS = {"fail_read_setup": "transfer_setup", "error_state": "transfer_state",
                    "raise_on_check_state": "transfer_poll", "peer_killed": "transfer_state"}
 
@@ -96,6 +97,11 @@ def rogue_side_channel(fault: str, p):
         meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(), dataclasses.replace(
             layout, num_kv_heads=1, block_len_bytes=(layout.block_len_bytes[0] // layout.num_kv_heads,)))
         payload = encode_payload(meta, w.compat.hash())
+    elif fault == "huge_tp":  # a P claiming a million ranks: D refuses rather than fetch them all
+        w = p.connectors[1]
+        meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(),
+                                 dataclasses.replace(w.ranks[0].layout, tp_size=10**6))
+        payload = encode_payload(meta, w.compat.hash())
     else:  # undecodable
         payload = good[:38] + struct.pack("!I", 9) + b"not json!"
     with SideChannelServer({0: payload}).start() as server:
@@ -136,11 +142,12 @@ def test_handshake_failures_follow_the_policy(loaded, prompt, want, fault, polic
                 outs = decode(d, p, prompt, {**params, "remote_port": port}, GREEDY)
         check_outcome(outs, policy, want)
         assert d.connectors[1].stats.failed_transfers["handshake"] == 1
-        if fault == "tp_pairing":  # refused before any read, with the reason
+        if fault in ("tp_pairing", "huge_tp"):  # refused before any read, with the reason
             assert d.connectors[1].stats.handshake_failures["layout_mismatch"] == 1
             assert d.connectors[1].stats.transfers == 0
             if policy is LoadFailurePolicy.FAIL:
-                assert "different KV heads (3 here, 1 remote)" in outs[-1].error
+                reason = "different KV heads (3 here, 1 remote)" if fault == "tp_pairing" else "TP size 1000000"
+                assert reason in outs[-1].error
         # The engine lives on and the real P still works.
         assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
         settle(p, d)  # the abandoned lease expires on P

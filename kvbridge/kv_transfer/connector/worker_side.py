@@ -56,6 +56,7 @@ from kvbridge.kv_transfer.tp_mapping import RankBlocks, RankKV, TPMappingError, 
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
+MAX_REMOTE_TP_SIZE = 256  # the most ranks D will shake hands with for one prefill engine
 # Failures after which D tells P to release: the read failed, but P's side channel answered
 # (so does any failure once P granted the read: a rank failing to add P's agent, too).
 _RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL})
@@ -272,6 +273,11 @@ class KVBridgeWorkerConnector(WorkerConnector):
         metas: list[HandshakeMetadata] = [f.result() for f in recv.futures]
         s = recv.spec
         p_tp = metas[0].layout.tp_size
+        if p_tp > MAX_REMOTE_TP_SIZE:  # a hostile payload must not make D fetch a million payloads
+            self.stats.record_handshake(0.0, HandshakeFailureKind.LAYOUT_MISMATCH.value)
+            self._fail(rid, recv, FailureKind.HANDSHAKE, f"{HandshakeFailureKind.LAYOUT_MISMATCH.value}: the "
+                       f"prefill engine announces TP size {p_tp}, more than {MAX_REMOTE_TP_SIZE}")
+            return
         if len(metas) < p_tp:  # rank 0 named P's TP size: fetch the other ranks' payloads
             recv.futures += [self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, r)
                              for r in range(len(metas), p_tp)]
