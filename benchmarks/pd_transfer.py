@@ -72,11 +72,6 @@ READY_TIMEOUT_S = 300.0
 BLOCK_SIZE = 16  # the servers' (kvbridge serve's default)
 REQUEST_TIMEOUT_S = 600.0  # an 8k-token prefill on a busy 2-core machine
 RAW_READS = 3  # timed raw reads per repetition (their median), after RawPair.read_gbps's warm-up read
-# SmolLM2-135M's shapes with a head count TP 2 can split (SmolLM2 has 9 heads of 64, 3 KV heads).
-SMOLLM2_SHAPED_4_KV_HEADS = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                 num_attention_heads=8, num_key_value_heads=4, head_dim=72,
-                                 max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                                 tie_word_embeddings=True)
 METRICS = {"kvbridge_kv_transfer_duration_seconds": "sum", "kvbridge_kv_transfer_bytes": "total",
            "kvbridge_kv_transfer_descriptors": "total", "kvbridge_kv_transfers": "total"}
 
@@ -301,7 +296,7 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     if args.synthetic:
         from kvbridge.engine.loader import load_model
-        from kvbridge.engine.loader.synthetic import write_synthetic_folder
+        from kvbridge.engine.loader.synthetic import SMOLLM2_SHAPED_4_KV_HEADS, write_synthetic_folder
         args.model = str(write_synthetic_folder(log_dir / "synthetic-4-kv-heads", load_model(args.model).tokenizer,
                                                 **SMOLLM2_SHAPED_4_KV_HEADS))
     tp_pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairings]

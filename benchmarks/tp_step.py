@@ -55,27 +55,12 @@ import torch.multiprocessing as mp  # noqa: E402
 from kvbridge.config import CacheConfig, EngineConfig, default_num_threads  # noqa: E402
 from kvbridge.engine.engine import LLMEngine  # noqa: E402
 from kvbridge.engine.loader import DEFAULT_MODEL, LoadedModel, load_model  # noqa: E402
+from kvbridge.engine.loader.synthetic import SMOLLM2_SHAPED_4_KV_HEADS, write_synthetic_folder  # noqa: E402
 from kvbridge.engine.sampling_params import SamplingParams  # noqa: E402
 from kvbridge.engine.tp_executor import TPExecutor, TPStepProfile  # noqa: E402
 
 BLOCK_SIZE = 16
 TOKEN_RANGE = (100, 49000)  # prompt token ids: clear of the special tokens at the start of the vocab
-# SmolLM2-135M's shapes with a head count TP 2 can split (SmolLM2 has 9 heads of 64, 3 KV heads).
-SYNTHETIC = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                 num_attention_heads=8, num_key_value_heads=4, head_dim=72, max_position_embeddings=8192,
-                 rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
-
-
-def write_synthetic_folder(folder: Path, default: LoadedModel) -> None:
-    """config.json + model.safetensors (random weights, seed 0) + SmolLM2's tokenizer."""
-    import transformers  # here, not at the top: the spawned rank processes import this module too
-
-    torch.manual_seed(0)
-    special = json.loads(default.tokenizer.to_json())
-    config = transformers.LlamaConfig(**SYNTHETIC, bos_token_id=special["bos_token_id"],
-                                      eos_token_id=special["eos_token_id"])
-    transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    (folder / "tokenizer.json").write_text(special["backend"], encoding="utf-8")
 
 
 def _floor_rank(rank: int, world: int, store: str, rows: list[int], width: int, calls: int, queue) -> None:
@@ -286,7 +271,7 @@ def to_json(scenarios: list[Scenario], args: argparse.Namespace) -> dict:
     return {
         "benchmark": "tp_step",
         "args": {k: v for k, v in vars(args).items() if k != "json"},
-        "synthetic_config": SYNTHETIC,
+        "synthetic_config": SMOLLM2_SHAPED_4_KV_HEADS,
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "cpus": len(os.sched_getaffinity(0)),
         "load_average_at_end": list(os.getloadavg()),
@@ -331,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     scenarios: list[Scenario] = []
     with tempfile.TemporaryDirectory(prefix="kvbridge-tp-step-") as tmp:
         folder = Path(tmp) / "smollm2-shaped-8h4kv"
-        write_synthetic_folder(folder, default)
+        write_synthetic_folder(folder, default.tokenizer, **SMOLLM2_SHAPED_4_KV_HEADS)
         synthetic = load_model(str(folder))
         scenarios += run_pair("synthetic", str(folder), synthetic, 2, args)
         del synthetic

@@ -400,6 +400,7 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
                 started = time.perf_counter()
                 out = runner.execute(command.sched)
                 report = out.kv_rank_reports[0] if out.kv_rank_reports else None
+                out.kv_rank_reports = []  # sent once, as the reply's kv_report
                 result = _RankReply(out if rank == 0 else None, report, time.perf_counter() - started,
                                     clock.seconds, clock.calls)
             except Exception:

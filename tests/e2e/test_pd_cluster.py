@@ -6,10 +6,8 @@ free on P and on D."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
-import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
@@ -18,6 +16,7 @@ from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.serving.cluster import LocalCluster
+from tests.e2e.processes import metric
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 8
@@ -48,13 +47,6 @@ def cluster(request, tmp_path_factory):
         c.wait_healthy(300)
         yield c
         assert_all_blocks_free(c)
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
-    assert m, f"{name} missing from {url}/metrics"
-    return float(m.group(1))
 
 
 def assert_all_blocks_free(c: LocalCluster, timeout_s: float = 15.0) -> None:

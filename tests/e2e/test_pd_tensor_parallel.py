@@ -14,7 +14,6 @@ instance, no lease expired, and every request's KV was read (no recompute, no fa
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_fo
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.serving.cluster import (DEFAULT_CLI, ChildProcess, InstanceSpec, child_env, free_ports, http_url,
                                       proxy_command, serve_command, spawn_child, stop_children)
+from tests.e2e.processes import gone, metric, rank_pids
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 8
@@ -91,13 +91,6 @@ class Fleet:
 
     def stop(self) -> None:
         stop_children(self.children)
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
-    assert m, f"{name} missing from {url}/metrics"
-    return float(m.group(1))
 
 
 def assert_settled(fleet: Fleet, names: list[str], timeout_s: float = 15.0) -> None:
@@ -205,22 +198,6 @@ def test_smollm2_tp3_pairings_answer_like_one_tp1_engine(smol_fleet, smol_want, 
 
 # ---- a P rank killed between its prefill and D's read (last: it takes p2 down) ---------------
 
-def _rank_pids(pid: int) -> list[int]:
-    """The TP rank processes a `kvbridge serve` process spawned (torch.multiprocessing spawn)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
 def test_a_p_rank_killed_before_the_read_makes_d_recompute_and_serve_on(tiny_fleet, tiny_model, tiny_want):
     served = Path(tiny_model).name
     p2, d1 = tiny_fleet.urls["p2"], tiny_fleet.urls["d1"]
@@ -230,7 +207,7 @@ def test_a_p_rank_killed_before_the_read_makes_d_recompute_and_serve_on(tiny_fle
                        json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     assert first.status_code == 200, first.text
     params = first.json()["kv_transfer_params"]
-    ranks = _rank_pids(tiny_fleet.child("p2").pid)
+    ranks = rank_pids(tiny_fleet.child("p2").pid)
     assert len(ranks) == 2
     recomputed = metric(d1, "kvbridge_kv_recomputed_requests_total")
     os.kill(ranks[1], signal.SIGKILL)
@@ -241,5 +218,4 @@ def test_a_p_rank_killed_before_the_read_makes_d_recompute_and_serve_on(tiny_fle
     assert metric(d1, "kvbridge_kv_recomputed_requests_total") == recomputed + 1
     check_pairing(tiny_fleet, served, tiny_want, "p1", "d1")  # D serves on, reading KV again
     assert_settled(tiny_fleet, ["p1", "d1", "d2"])
-    assert [pid for pid in ranks if Path(f"/proc/{pid}").exists()
-            and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"] == []
+    assert gone(ranks) == []

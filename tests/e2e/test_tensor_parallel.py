@@ -30,6 +30,7 @@ from kvbridge.chaos import ThreadServer
 from kvbridge.serving.api_server import build_app
 from kvbridge.serving.async_engine import AsyncEngine
 from kvbridge.serving.cluster import free_ports
+from tests.e2e.processes import children, gone
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -91,46 +92,10 @@ def test_a_dead_rank_makes_health_fail_and_requests_get_an_error_not_a_hang(load
     finally:
         server.stop()
         engine.shutdown()
-    assert engine._engine.runner.pids and _gone(engine._engine.runner.pids) == []
+    assert engine._engine.runner.pids and gone(engine._engine.runner.pids) == []
 
 
 # ---- `kvbridge serve -tp 3`, a real process ------------------------------------------------
-
-def _children(pid: int) -> list[int]:
-    """Every descendant process of pid (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [c for c, p in parents.items() if p == frontier[-1]]
-        frontier.pop()
-        found += kids
-        frontier += kids
-    return found
-
-
-def _gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
-    """Wait until none of pids is alive (multiprocessing's resource tracker exits a moment after
-    its parent); returns those still alive at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
 
 class Serve:
     def __init__(self, tmp_path: Path, *args: str) -> None:
@@ -150,7 +115,7 @@ class Serve:
             assert time.monotonic() < deadline, f"serve not healthy in {WAIT_S}s:\n{self.log.read_text()}"
             try:
                 if httpx.get(self.url + "/health", timeout=5, trust_env=False).status_code == 200:
-                    return _children(self.proc.pid)
+                    return children(self.proc.pid)
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
@@ -166,7 +131,7 @@ class Serve:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
-        for pid in _children(self.proc.pid):
+        for pid in children(self.proc.pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -185,7 +150,7 @@ def test_serve_tp3_answers_like_tp1_and_a_signal_leaves_no_rank_behind(tmp_path,
         # uvicorn shuts down gracefully, then re-raises SIGTERM (exit by the signal, as a
         # SIGTERMed process does); SIGINT ends as a handled KeyboardInterrupt (exit 0).
         assert serve.wait_exit() in ((0, -signal.SIGTERM) if sig == signal.SIGTERM else (0,)), serve.log.read_text()
-        assert _gone(ranks) == []
+        assert gone(ranks) == []
     finally:
         serve.close()
 
@@ -201,6 +166,6 @@ def test_a_rank_killed_fails_the_engine_cleanly_and_serve_exits_nonzero(tmp_path
         code = serve.wait_exit()
         assert code != 0, serve.log.read_text()
         assert "rank" in serve.log.read_text() and "exited" in serve.log.read_text()
-        assert _gone(ranks) == []
+        assert gone(ranks) == []
     finally:
         serve.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from kvbridge.serving.cluster import free_ports
+from tests.e2e.processes import metric
 
 KEY = "sk-up-e2e"
 READY_LINE = "Ctrl-C stops everything."
@@ -27,12 +28,6 @@ def wait_until_ready(launcher: subprocess.Popen, stdout: Path, stderr: Path, tim
         assert time.monotonic() < deadline, f"kvbridge up not ready in {timeout_s}s:\n{stderr.read_text()}"
         time.sleep(0.2)
     return text
-
-
-def metric(url: str, name: str) -> float:
-    m = re.search(rf"^{name} ([0-9.e+]+)$", httpx.get(url + "/metrics", trust_env=False).text, re.M)
-    assert m, f"{name} missing from {url}/metrics"
-    return float(m.group(1))
 
 
 def test_up_passes_options_to_every_instance_and_sigterm_leaves_no_process(tmp_path: Path) -> None:

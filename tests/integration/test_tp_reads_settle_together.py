@@ -59,9 +59,9 @@ class DecodeRanks:
         self.log: list[tuple[int, str]] = []  # (step, event) in order
 
     def step(self, n: int, metadata: ConnectorMetadata | None = None):
-        commands = self.conn.start_load_kv(metadata)
+        commands = self.conn.start_load_kv(metadata) or [None] * TP  # None: no rank has anything to do
         for rank, (agent, cmds) in enumerate(zip(self.agents, commands)):
-            self.log += [(n, f"rank {rank} releases")] * len(cmds.release)
+            self.log += [(n, f"rank {rank} releases")] * (len(cmds.release) if cmds is not None else 0)
             agent.apply(cmds)
         reports: list[RankReport] = [a.poll() for a in self.agents]
         for report in reports:

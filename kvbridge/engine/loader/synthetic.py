@@ -21,6 +21,12 @@ TINY_4_KV_HEADS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers
                        rms_norm_eps=1e-5, tie_word_embeddings=True,
                        initializer_range=0.2)  # weights large enough that greedy text depends on the context
 
+# SmolLM2-135M's shapes with a head count TP 2 can split (SmolLM2 has 9 heads of 64, 3 KV heads).
+SMOLLM2_SHAPED_4_KV_HEADS = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=72,
+                                 max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                 tie_word_embeddings=True)
+
 
 def write_synthetic_folder(folder: Path | str, tokenizer: Tokenizer, seed: int = 0, **geometry) -> Path:
     """A Llama folder with `geometry` (transformers.LlamaConfig keys; vocab_size defaults to the

@@ -100,8 +100,9 @@ class WorkerConnector(ABC):
         """Every rank's transfer agent blob and KV layout, rank order, once at start."""
 
     @abstractmethod
-    def start_load_kv(self, metadata: Any) -> list["RankCommands"]:
-        """Before the ranks run: take this step's metadata; return one RankCommands per rank."""
+    def start_load_kv(self, metadata: Any) -> list["RankCommands"] | None:
+        """Before the ranks run: take this step's metadata; return one RankCommands per rank,
+        or None when no rank has anything to do."""
 
     @abstractmethod
     def get_finished(self, reports: Sequence["RankReport"] = ()) -> KVConnectorOutput:

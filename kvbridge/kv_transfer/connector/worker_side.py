@@ -161,10 +161,6 @@ class KVBridgeWorkerConnector(WorkerConnector):
         return self.config.role in (KVRole.CONSUMER, KVRole.BOTH)
 
     # ---- registration ------------------------------------------------------
-    def register_kv_cache(self, kv_cache, block_size: int) -> None:
-        raise NotImplementedError("the ranks register their KV caches with their RankAgents; "
-                                  "the engine passes their registrations to register_ranks")
-
     def register_ranks(self, ranks: Sequence[RankRegistration]) -> None:
         """Every rank's agent blob and KV layout, rank order: serve them (P), shake hands (D)."""
         self.ranks = tuple(ranks)
@@ -189,8 +185,9 @@ class KVBridgeWorkerConnector(WorkerConnector):
                 f"peer uses transfer backend {meta.backend!r}, this engine {self.config.backend!r}")
 
     # ---- per step ----------------------------------------------------------
-    def start_load_kv(self, metadata: ConnectorMetadata | None) -> list[RankCommands]:
-        """Before the ranks run: take this step's requests, and return each rank's commands."""
+    def start_load_kv(self, metadata: ConnectorMetadata | None) -> list[RankCommands] | None:
+        """Before the ranks run: take this step's requests, and return each rank's commands
+        (None when no rank has any: nothing to ship with the step)."""
         if metadata is not None:
             for r in metadata.reqs_to_recv:
                 self._start_recv(r)
@@ -201,6 +198,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
                 self._side_request("heartbeat", self.control.heartbeat, remote.host, remote.port, items)
         for rid, recv in list(self._recvs.items()):
             self._advance(rid, recv)
+        if not any(self._commands):
+            return None
         commands, self._commands = self._commands, [RankCommands() for _ in self.ranks]
         return commands
 
