@@ -1,6 +1,10 @@
-"""Architecture description of a Llama-family model, independent of its weight format.
+"""Architecture description of a model, independent of its weight format.
 
-Loaders (GGUF, Hugging Face folders) produce one; model classes consume it.
+Loaders (GGUF, Hugging Face folders) produce one; model classes consume it. Two families
+of attention: the Llama family's per-head K and V (grouped-query), and DeepSeek-V2/V3's
+multi-head latent attention (MLA, `mla`), whose KV cache holds one compressed latent
+per token shared by every head. `cache_kv_heads`, `cache_head_size` and
+`cache_entries` say what the KV cache holds, whichever the family.
 """
 
 from __future__ import annotations
@@ -13,6 +17,89 @@ class ModelFamily(str, Enum):
     LLAMA = "llama"
     QWEN2 = "qwen2"  # Llama + bias on the Q/K/V projections
     QWEN3 = "qwen3"  # Llama + RMSNorm on each head of Q and K (no QKV bias)
+    DEEPSEEK_V2 = "deepseek_v2"  # MLA + (optionally) MoE, softmax routing
+    DEEPSEEK_V3 = "deepseek_v3"  # MLA + (optionally) MoE, sigmoid routing with a score-correction bias
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2). Per token the cache keeps the normalised
+    latent (kv_lora_rank values) and the rotated shared rotary key (qk_rope_head_dim)."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q comes from one projection (q_proj)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the checkpoint's rotary dims are interleaved pairs (x0, x1), (x2, x3), ...
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank must be >= 1 or None, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek mixture-of-experts MLP: routed experts (top-k of n) plus always-on shared experts,
+    on every layer from `first_k_dense_replace` on (earlier layers keep a dense MLP)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    first_k_dense_replace: int
+    routed_scaling_factor: float = 1.0
+    scoring: str = "softmax"  # softmax (V2) | sigmoid (V3, with e_score_correction_bias)
+    topk_method: str = "greedy"  # greedy | group_limited_greedy (V2) | noaux_tc (V3)
+    num_groups: int | None = None
+    topk_group: int | None = None
+    norm_topk_prob: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1 or self.num_shared_experts < 0 or self.first_k_dense_replace < 0:
+            raise ValueError("moe_intermediate_size must be >= 1, num_shared_experts and first_k_dense_replace >= 0")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported MoE scoring {self.scoring!r}")
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"unsupported MoE topk_method {self.topk_method!r}")
+        if self.topk_method != "greedy":
+            if not self.num_groups or not self.topk_group or self.num_experts % self.num_groups \
+                    or not 1 <= self.topk_group <= self.num_groups:
+                raise ValueError(f"{self.topk_method} routing needs n_group dividing the {self.num_experts} experts "
+                                 f"and 1 <= topk_group <= n_group, got {self.num_groups}, {self.topk_group}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rotary scaling (the `rope_scaling` DeepSeek configs use), transformers' parameters."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -31,6 +118,9 @@ class ModelArchConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    mla: MLAConfig | None = None  # DeepSeek: multi-head latent attention (head_dim = its qk_head_dim)
+    moe: MoEConfig | None = None  # DeepSeek: mixture-of-experts MLP layers
+    rope_scaling: YarnScaling | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -42,6 +132,31 @@ class ModelArchConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
     @property
+    def use_mla(self) -> bool:
+        return self.mla is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions rotated per head: all of head_dim, or MLA's decoupled rotary part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads in the cache, whole model: MLA's latent is ONE head that every query head
+        reads (so under TP every rank holds all of it: a replicated head)."""
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def cache_head_size(self) -> int:
+        """Values per cached head per token and layer."""
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
+
+    @property
+    def cache_entries(self) -> int:
+        """Tensors cached per head: K and V (2), or MLA's one latent (1)."""
+        return 1 if self.mla is not None else 2
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, at 4 bytes per element (fp32)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+        """Bytes of KV cache per token over all layers, at 4 bytes per element (fp32)."""
+        return self.cache_entries * self.num_layers * self.cache_kv_heads * self.cache_head_size * 4
