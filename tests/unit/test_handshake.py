@@ -18,6 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvbridge.config import EngineConfig
+from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, ModelFamily
+from kvbridge.kv_transfer.connector.factory import compatibility_of
 from kvbridge.kv_transfer.handshake import (
     KVBRIDGE_CONNECTOR_VERSION,
     PAYLOAD_MAGIC,
@@ -132,6 +135,26 @@ def test_compatibility_hash_changes_with_every_input() -> None:
     assert len(hashes) == len(variants) and HASH not in hashes
     assert len(HASH) == 32 and HASH == CompatibilityInfo(**COMPAT.__dict__).hash()
     assert not hasattr(COMPAT, "block_size") and not hasattr(COMPAT, "tp_size")
+
+
+LLAMA_ARCH = ModelArchConfig(ModelFamily.LLAMA, vocab_size=64, hidden_size=576, intermediate_size=1536,
+                             num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+MLA_ARCH = ModelArchConfig(ModelFamily.DEEPSEEK_V2, vocab_size=64, hidden_size=1024, intermediate_size=2048,
+                           num_layers=4, num_heads=16, num_kv_heads=16, head_dim=192,
+                           mla=MLAConfig(kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                                         qk_rope_head_dim=64, v_head_dim=128))
+
+
+def test_compatibility_describes_what_the_kv_cache_holds() -> None:
+    config = EngineConfig()
+    mla = compatibility_of(config, MLA_ARCH, "tiny-deepseek")
+    # MLA: one latent "head" (kv_lora_rank + qk_rope_head_dim values), not 16 K/V heads of 192.
+    assert (mla.use_mla, mla.num_kv_heads, mla.head_size, mla.kv_cache_groups) == (True, 1, 576, ("mla",))
+    llama = compatibility_of(config, LLAMA_ARCH, "SmolLM2-135M-Instruct")
+    assert (llama.use_mla, llama.num_kv_heads, llama.head_size, llama.kv_cache_groups) == \
+        (False, 3, 64, ("full_attention",))
+    assert llama == COMPAT and llama.hash() == HASH  # a non-MLA model's hash is what it was before MLA
+    assert compatibility_of(config, MLA_ARCH, "SmolLM2-135M-Instruct").hash() != HASH
 
 
 def test_version_mismatch_is_reported_before_the_hash_is_looked_at() -> None:

@@ -17,8 +17,14 @@ from kvbridge.kv_transfer.stats import KVTransferStats
 
 
 def compatibility_of(config: EngineConfig, arch: ModelArchConfig, model_identity: str) -> CompatibilityInfo:
-    return CompatibilityInfo(model=model_identity, dtype=config.dtype, num_kv_heads=arch.num_kv_heads,
-                             head_size=arch.head_dim, num_layers=arch.num_layers, cache_dtype=config.dtype)
+    """What a peer must share with this engine to exchange KV: described by what the KV cache
+    holds (MLA: one latent "head" of kv_lora_rank + qk_rope_head_dim values, in one "mla" group;
+    otherwise the model's K/V heads, in one "full_attention" group). A non-MLA model's info, and
+    so its hash, is the same as before MLA existed."""
+    return CompatibilityInfo(model=model_identity, dtype=config.dtype, num_kv_heads=arch.cache_kv_heads,
+                             head_size=arch.cache_head_size, num_layers=arch.num_layers, cache_dtype=config.dtype,
+                             use_mla=arch.use_mla,
+                             kv_cache_groups=("mla",) if arch.use_mla else ("full_attention",))
 
 
 def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity: str,
