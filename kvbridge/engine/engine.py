@@ -14,6 +14,7 @@ from typing import Callable
 from kvbridge.config import EngineConfig
 from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheKind, KVCacheManager
+from kvbridge.engine.models import check_arch_tp_split
 from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.model_runner import DTYPES, ModelRunner, configure_torch_threads, kv_bytes_per_block
 from kvbridge.engine.output_processor import OutputProcessor
@@ -21,7 +22,6 @@ from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
-from kvbridge.engine.tp import check_tp_split
 from kvbridge.engine.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
 
@@ -69,14 +69,15 @@ class LLMEngine:
         cache = config.cache
         tp = config.tensor_parallel_size
         if tp > 1:
-            check_tp_split(loaded.arch.num_heads, loaded.arch.num_kv_heads, tp, loaded.arch.intermediate_size)
+            check_arch_tp_split(loaded.arch, tp)
             if connectors is not None and connectors[1].local_agent is not None:
                 raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer agent: "
                                  "build the connectors without a backend")
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
             loaded.arch, cache.block_size, DTYPES[config.dtype], tp))
         self.num_blocks = num_blocks
-        groups = [KVCacheGroupSpec(KVCacheKind.FULL_ATTENTION, cache.block_size,
+        kind = KVCacheKind.MLA if loaded.arch.use_mla else KVCacheKind.FULL_ATTENTION
+        groups = [KVCacheGroupSpec(kind, cache.block_size,
                                    tuple(range(loaded.arch.num_layers)))]
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching), groups)
         sched_conn, worker_conn = connectors if connectors is not None else (None, None)

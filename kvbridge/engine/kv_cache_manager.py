@@ -1,7 +1,9 @@
 """KV cache manager: block tables per request, organised by KV cache groups.
 
 Layers are grouped by the kind of state they keep (a *KV cache group*): full
-attention today; sliding window and Mamba state are further specs. Each group
+attention (per-head K and V) and MLA (one latent per token, the same on every TP rank;
+for block tables and prefix caching it behaves exactly like full attention: every token
+of the context stays); sliding window and Mamba state are further specs. Each group
 has one block table per request, and block ids cross every boundary as a tuple
 of lists, one list per group, so hybrid models need no interface change.
 All groups share one block pool. Prefix caching works on full-attention groups
@@ -22,6 +24,12 @@ BlockIds = tuple[list[int], ...]
 
 class KVCacheKind(enum.Enum):
     FULL_ATTENTION = "full_attention"
+    MLA = "mla"  # multi-head latent attention: one compressed latent per token, all heads share it
+
+    @property
+    def keeps_every_token(self) -> bool:
+        """A request's blocks cover its whole context, block i holding tokens [i*bs, (i+1)*bs)."""
+        return self in (KVCacheKind.FULL_ATTENTION, KVCacheKind.MLA)
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ class KVCacheManager:
         if not groups:
             raise ValueError("at least one KV cache group is required")
         for g in groups:
-            if g.kind is not KVCacheKind.FULL_ATTENTION:
+            if not g.kind.keeps_every_token:
                 raise ValueError(f"unsupported KV cache group kind {g.kind}")
         self.pool = pool
         self.groups = tuple(groups)

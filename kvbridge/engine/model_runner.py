@@ -64,8 +64,8 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     """One block, every layer, on one rank (the largest share any rank of `tp_size` holds)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    heads = rank_shard(arch.num_heads, arch.num_kv_heads, tp_size, 0).num_kv_heads
-    return arch.num_layers * 2 * block_size * heads * arch.head_dim * elem
+    heads = rank_shard(arch.num_heads, arch.cache_kv_heads, tp_size, 0).num_kv_heads
+    return arch.num_layers * arch.cache_entries * block_size * heads * arch.cache_head_size * elem
 
 
 class ModelRunner:
@@ -84,7 +84,7 @@ class ModelRunner:
         self.samples = samples
         self.model = build_model(arch, self.dtype, self.device, shard, all_reduce)
         self.model.load_weights(weights)
-        heads = shard.num_kv_heads if shard is not None else arch.num_kv_heads
+        heads = shard.num_kv_heads if shard is not None else arch.cache_kv_heads
         self.kv_cache = torch.empty(kv_cache_shape(arch, num_blocks, block_size, heads), dtype=self.dtype,
                                     device=self.device)
         if self.device.type == "cpu":
@@ -94,7 +94,7 @@ class ModelRunner:
         self.agent = agent
         self.tp_rank = shard.rank if shard is not None else 0
         if agent is not None:
-            kv_heads = shard.kv_heads if shard is not None else range(arch.num_kv_heads)
+            kv_heads = shard.kv_heads if shard is not None else range(arch.cache_kv_heads)
             agent.register(self.kv_cache, block_size, self.tp_rank, shard.tp_size if shard else 1, kv_heads)
 
     @torch.inference_mode()

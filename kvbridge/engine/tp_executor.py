@@ -372,7 +372,7 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
             engine_id, backend_name, serves = agent_spec
             agent = RankAgent(create_backend(backend_name, agent_name=f"{engine_id}-tp{rank}"), serves)
         loaded = load_model(config.model)
-        shard = rank_shard(loaded.arch.num_heads, loaded.arch.num_kv_heads, tp, rank)
+        shard = rank_shard(loaded.arch.num_heads, loaded.arch.cache_kv_heads, tp, rank)
         runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, device, config.cache.block_size,
                              num_blocks, config.seed, agent, shard=shard, all_reduce=all_reduce, samples=rank == 0)
         del loaded

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvbridge.engine.loader.cache import ModelParts
-from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
+from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, ModelFamily, MoEConfig, YarnScaling
 from kvbridge.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,12 +26,28 @@ _FAMILIES = {
     "LlamaForCausalLM": ModelFamily.LLAMA,
     "Qwen2ForCausalLM": ModelFamily.QWEN2,
     "Qwen3ForCausalLM": ModelFamily.QWEN3,
+    "DeepseekV2ForCausalLM": ModelFamily.DEEPSEEK_V2,
+    "DeepseekV3ForCausalLM": ModelFamily.DEEPSEEK_V3,
 }
 # transformers' LlamaConfig / Qwen2Config / Qwen3Config defaults for the keys read here.
 _DEFAULTS = {
     ModelFamily.LLAMA: {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     ModelFamily.QWEN2: {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
     ModelFamily.QWEN3: {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    ModelFamily.DEEPSEEK_V2: {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    ModelFamily.DEEPSEEK_V3: {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096},
+}
+# transformers' DeepseekV2Config / DeepseekV3Config defaults for the MLA and MoE keys.
+_DEEPSEEK_DEFAULTS = {
+    ModelFamily.DEEPSEEK_V2: dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                  v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=None,
+                                  moe_intermediate_size=1407, first_k_dense_replace=0, routed_scaling_factor=1.0,
+                                  topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False),
+    ModelFamily.DEEPSEEK_V3: dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                  v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                                  moe_intermediate_size=2048, first_k_dense_replace=3, routed_scaling_factor=2.5,
+                                  topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+                                  rope_interleave=True),
 }
 # Buffers some checkpoints store that are recomputed at run time.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -48,15 +64,64 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
-def _rope_theta(config: dict) -> float:
-    """rope_theta from a flat key (transformers 4) or rope_parameters (transformers 5); rejects
-    scaled RoPE, which kvbridge does not implement."""
+def _rope(config: dict, allow_yarn: bool) -> tuple[float, YarnScaling | None]:
+    """rope_theta and scaling from flat keys (transformers 4) or rope_parameters (transformers 5).
+    YaRN where `allow_yarn` (the families whose parity with it is tested); other scaling refused."""
     parameters = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or parameters
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"RoPE scaling {rope_type!r} is not supported")
-    return float(config.get("rope_theta", parameters.get("rope_theta", 10000.0)))
+    theta = float(config.get("rope_theta", parameters.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn" or not allow_yarn:
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported for this model")
+    max_pos = config.get("max_position_embeddings")
+    original = scaling.get("original_max_position_embeddings")
+    factor = scaling.get("factor")
+    if original is None:
+        raise ValueError("YaRN rope scaling needs original_max_position_embeddings")
+    if factor is None:
+        if max_pos is None:
+            raise ValueError("YaRN rope scaling needs a factor or max_position_embeddings")
+        factor = max_pos / original
+
+    def optional(key: str) -> float | None:
+        value = scaling.get(key)
+        return None if value is None else float(value)
+
+    return theta, YarnScaling(
+        factor=float(factor), original_max_position_embeddings=int(original),
+        beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+        mscale=optional("mscale"), mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"), truncate=bool(scaling.get("truncate", True)))
+
+
+def _deepseek_parts(config: dict, family: ModelFamily) -> dict:
+    """The MLA and MoE fields of a DeepSeek-V2/V3 config."""
+    d = {**_DEEPSEEK_DEFAULTS[family], **{k: v for k, v in config.items() if k in _DEEPSEEK_DEFAULTS[family]}}
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError("DeepSeek configs with attention_bias or mlp_bias are not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.get('hidden_act')!r} is not supported (silu only)")
+    mla = MLAConfig(kv_lora_rank=int(d["kv_lora_rank"]),
+                    q_lora_rank=None if d["q_lora_rank"] is None else int(d["q_lora_rank"]),
+                    qk_nope_head_dim=int(d["qk_nope_head_dim"]), qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+                    v_head_dim=int(d["v_head_dim"]), rope_interleave=bool(d.get("rope_interleave", True)))
+    moe = None
+    layers = int(config["num_hidden_layers"])
+    if d["n_routed_experts"] and d["num_experts_per_tok"] and int(d["first_k_dense_replace"]) < layers:
+        v3 = family is ModelFamily.DEEPSEEK_V3
+        moe = MoEConfig(num_experts=int(d["n_routed_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
+                        moe_intermediate_size=int(d["moe_intermediate_size"]),
+                        num_shared_experts=int(d["n_shared_experts"] or 0),
+                        first_k_dense_replace=int(d["first_k_dense_replace"]),
+                        routed_scaling_factor=float(d["routed_scaling_factor"]),
+                        scoring="sigmoid" if v3 else "softmax",
+                        # transformers routes every V3 model with noaux_tc, whatever topk_method says
+                        topk_method="noaux_tc" if v3 else str(d["topk_method"]),
+                        num_groups=d["n_group"], topk_group=d["topk_group"],
+                        norm_topk_prob=bool(d["norm_topk_prob"]) and v3)  # transformers' V2 never normalises
+    return dict(mla=mla, moe=moe, head_dim=mla.qk_head_dim)
 
 
 def arch_from_config(config: dict) -> ModelArchConfig:
@@ -68,12 +133,15 @@ def arch_from_config(config: dict) -> ModelArchConfig:
     if config.get("use_sliding_window"):
         raise ValueError("sliding-window attention is not supported")
     defaults = _DEFAULTS[family]
-    if family is not ModelFamily.QWEN2 and config.get("attention_bias"):
+    deepseek = family in (ModelFamily.DEEPSEEK_V2, ModelFamily.DEEPSEEK_V3)
+    if not deepseek and family is not ModelFamily.QWEN2 and config.get("attention_bias"):
         # transformers gives these o_proj a bias too, which ModelArchConfig cannot express.
         raise ValueError(f"attention_bias is not supported for {family.value} models")
     try:
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
+        extra = _deepseek_parts(config, family) if deepseek else {}
+        theta, scaling = _rope(config, allow_yarn=deepseek)
         return ModelArchConfig(
             family=family,
             vocab_size=int(config["vocab_size"]),
@@ -82,14 +150,16 @@ def arch_from_config(config: dict) -> ModelArchConfig:
             num_layers=int(config["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            head_dim=extra.pop("head_dim", None) or int(config.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])),
-            rope_theta=_rope_theta(config),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=int(config.get("max_position_embeddings",
                                                    defaults["max_position_embeddings"])),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=family is ModelFamily.QWEN2,  # always on q/k/v; its config has no key for it
             qk_norm=family is ModelFamily.QWEN3,
+            **extra,
         )
     except KeyError as e:
         raise ValueError(f"config.json lacks {e.args[0]!r}") from None

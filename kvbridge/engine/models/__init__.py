@@ -4,8 +4,10 @@ Contract (the model runner codes against it):
 - `build_model(arch, dtype, device)` returns a `CausalLM` with uninitialised weights;
   the runner then calls `load_weights` with Hugging Face tensor names.
 - The runner allocates ONE KV cache tensor of shape `kv_cache_shape(arch, num_blocks,
-  block_size, num_kv_heads)` = [num_blocks, num_kv_heads, num_layers, 2, block_size,
-  head_dim] (0 = K, 1 = V; num_kv_heads: this rank's). Block-major, so a block of every
+  block_size, num_kv_heads)` = [num_blocks, num_kv_heads, num_layers, entries, block_size,
+  head_size] (Llama family: entries 0 = K, 1 = V of head_dim each, num_kv_heads this rank's;
+  MLA: one KV head, one entry = the latent of kv_lora_rank + qk_rope_head_dim values, the
+  same on every TP rank; see ModelArchConfig.cache_*). Block-major, so a block of every
   layer is contiguous for KV transfers, and head-major within a block, so a run of heads
   of a block is contiguous too (a decode rank of another TP size reads its heads as one
   span: kv_transfer/tp_mapping.py). Layer i uses the view `kv_cache[:, :, i]`.
@@ -22,7 +24,7 @@ import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
-from kvbridge.engine.tp import RankShard
+from kvbridge.engine.tp import RankShard, TPSplitError, check_tp_split
 
 
 class CausalLM(torch.nn.Module, ABC):
@@ -52,8 +54,19 @@ def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int,
                    num_kv_heads: int | None = None) -> tuple[int, ...]:
     """The shape of the single KV cache tensor the runner allocates for `arch` (for a TP rank:
     `num_kv_heads` = the heads it holds; default all)."""
-    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return (num_blocks, heads, arch.num_layers, 2, block_size, arch.head_dim)
+    heads = arch.cache_kv_heads if num_kv_heads is None else num_kv_heads
+    return (num_blocks, heads, arch.num_layers, arch.cache_entries, block_size, arch.cache_head_size)
+
+
+def check_arch_tp_split(arch: ModelArchConfig, tp_size: int) -> None:
+    """Raises TPSplitError when `tp_size` ranks cannot split this model (heads, MLP, experts)."""
+    check_tp_split(arch.num_heads, arch.cache_kv_heads, tp_size, arch.intermediate_size)
+    if arch.moe is not None:
+        moe = arch.moe
+        for what, size in (("MoE expert intermediate size", moe.moe_intermediate_size),
+                           ("shared experts' intermediate size", moe.moe_intermediate_size * moe.num_shared_experts)):
+            if size % tp_size:
+                raise TPSplitError(f"tensor parallel size {tp_size} does not divide the {what} {size}")
 
 
 def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
@@ -61,12 +74,15 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device 
     """An eval-mode model for arch on device, weights allocated in dtype but not yet loaded.
     With a TP `shard`, only that rank's part, summing partial outputs with `all_reduce`."""
     # Imported here because the family modules import CausalLM from this package.
+    from kvbridge.engine.models.deepseek import DeepseekForCausalLM
     from kvbridge.engine.models.llama import LlamaForCausalLM
 
     families: dict[ModelFamily, type[CausalLM]] = {
         ModelFamily.LLAMA: LlamaForCausalLM,
         ModelFamily.QWEN2: LlamaForCausalLM,  # differs by arch.attention_bias
         ModelFamily.QWEN3: LlamaForCausalLM,  # differs by arch.qk_norm
+        ModelFamily.DEEPSEEK_V2: DeepseekForCausalLM,
+        ModelFamily.DEEPSEEK_V3: DeepseekForCausalLM,  # differs by arch.moe's routing
     }
     model_cls = families.get(arch.family)
     if model_cls is None:
@@ -74,4 +90,4 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device 
     return model_cls(arch, dtype, torch.device(device), shard=shard, all_reduce=all_reduce).eval()
 
 
-__all__ = ["AttentionMetadata", "CausalLM", "build_model", "kv_cache_shape"]
+__all__ = ["AttentionMetadata", "CausalLM", "build_model", "check_arch_tp_split", "kv_cache_shape"]

@@ -16,7 +16,6 @@ whole Hugging Face tensors and copies each rank's slice.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +27,10 @@ from kvbridge.engine.layers.norm import RMSNorm, rms_norm
 from kvbridge.engine.layers.rotary import RotaryEmbedding
 from kvbridge.engine.models import CausalLM
 from kvbridge.engine.models.config import ModelArchConfig
+from kvbridge.engine.models.weights import Embedding, WeightSlot, load_slots, whole
 from kvbridge.engine.tp import RankShard, even_split, rank_shard
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP ranks, in place
-
-# Non-persistent buffers that older checkpoints sometimes contain; they carry no weights.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
@@ -108,16 +105,6 @@ class LlamaDecoderLayer(nn.Module):
         return h
 
 
-class Embedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
 class LlamaModel(nn.Module):
     """The transformer body, named like the Hugging Face `model.` prefix."""
 
@@ -128,38 +115,6 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype, device, fold_gqa_decode, shard, all_reduce)
                                     for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-
-
-@dataclass(frozen=True)
-class _WeightSlot:
-    """Where one checkpoint tensor goes: rows [start, start + rows) of a (possibly fused) parameter.
-    `src` = (dim, start, length, whole): this rank's part [start, start + length) along `dim` of a
-    checkpoint tensor `whole` long in that dim (TP), or None for the whole tensor."""
-
-    param: torch.Tensor
-    start: int
-    rows: int
-    src: tuple[int, int, int, int] | None = None
-
-    @property
-    def target(self) -> torch.Tensor:
-        return self.param.narrow(0, self.start, self.rows)
-
-    def checkpoint_shape(self) -> tuple[int, ...]:
-        """The shape of the whole checkpoint tensor this slot takes its part of."""
-        shape = list(self.target.shape)
-        if self.src is not None:
-            shape[self.src[0]] = self.src[3]
-        return tuple(shape)
-
-    def source(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The rank's part of a checkpoint tensor; a mis-shaped one unchanged (load_weights reports it)."""
-        if self.src is None:
-            return tensor
-        dim, start, length, whole = self.src
-        if tensor.dim() <= dim or tensor.shape[dim] != whole:
-            return tensor
-        return tensor.narrow(dim, start, length)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -218,27 +173,8 @@ class LlamaForCausalLM(CausalLM):
         Raises ValueError naming every missing, unexpected or mis-shaped tensor; on error
         nothing is copied. `lm_head.weight` is accepted and ignored when embeddings are tied.
         """
-        slots = self._weight_slots()
-        unexpected, misshaped, tied_head = [], [], None
-        for name, tensor in weights.items():
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                tied_head = tensor
-                continue
-            slot = slots.get(name)
-            if slot is None:
-                unexpected.append(name)
-            elif tuple(tensor.shape) != slot.checkpoint_shape():
-                misshaped.append(f"{name}: expected {slot.checkpoint_shape()}, got {tuple(tensor.shape)}")
-        if tied_head is not None and tuple(tied_head.shape) != tuple(self.model.embed_tokens.weight.shape):
-            misshaped.append(f"lm_head.weight: expected {tuple(self.model.embed_tokens.weight.shape)}, "
-                             f"got {tuple(tied_head.shape)}")
-        missing = sorted(set(slots) - set(weights))
-        if missing or unexpected or misshaped:
-            raise ValueError(_describe_problems(missing, sorted(unexpected), misshaped))
-        for name, slot in slots.items():
-            slot.target.copy_(slot.source(weights[name]))
+        load_slots(self._weight_slots(), weights,
+                   tied_head=self.model.embed_tokens.weight if self.lm_head is None else None)
         for layer in self.model.layers:
             layer.self_attn.refresh_derived()
         for module in self.modules():
@@ -246,7 +182,7 @@ class LlamaForCausalLM(CausalLM):
                 module.prepack()
         self._packed_head = prepack_weight(self.model.embed_tokens.weight) if self.lm_head is None else None
 
-    def _weight_slots(self) -> dict[str, _WeightSlot]:
+    def _weight_slots(self) -> dict[str, WeightSlot]:
         arch, shard, hd = self.arch, self.shard, self.arch.head_dim
         q_rows, kv_rows = shard.num_q_heads * hd, shard.num_kv_heads * hd
         q_src = (0, shard.q_heads.start * hd, q_rows, arch.num_heads * hd)  # column-parallel: the rank's rows
@@ -256,27 +192,27 @@ class LlamaForCausalLM(CausalLM):
         size = len(inter)
         i_src = (0, inter.start, size, arch.intermediate_size)
         i_cols = (1, inter.start, size, arch.intermediate_size)
-        slots = {"model.embed_tokens.weight": _whole(self.model.embed_tokens.weight),
-                 "model.norm.weight": _whole(self.model.norm.weight)}
+        slots = {"model.embed_tokens.weight": whole(self.model.embed_tokens.weight),
+                 "model.norm.weight": whole(self.model.norm.weight)}
         if self.lm_head is not None:
-            slots["lm_head.weight"] = _whole(self.lm_head.weight)
+            slots["lm_head.weight"] = whole(self.lm_head.weight)
         for i, layer in enumerate(self.model.layers):
             p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
             kinds = ["weight"] + (["bias"] if arch.attention_bias else [])
             for kind in kinds:
                 fused = getattr(attn.qkv_proj, kind)
-                slots[f"{p}self_attn.q_proj.{kind}"] = _WeightSlot(fused, 0, q_rows, q_src)
-                slots[f"{p}self_attn.k_proj.{kind}"] = _WeightSlot(fused, q_rows, kv_rows, kv_src)
-                slots[f"{p}self_attn.v_proj.{kind}"] = _WeightSlot(fused, q_rows + kv_rows, kv_rows, kv_src)
-            slots[f"{p}self_attn.o_proj.weight"] = _WeightSlot(attn.o_proj.weight, 0, arch.hidden_size, o_src)
+                slots[f"{p}self_attn.q_proj.{kind}"] = WeightSlot(fused, 0, q_rows, q_src)
+                slots[f"{p}self_attn.k_proj.{kind}"] = WeightSlot(fused, q_rows, kv_rows, kv_src)
+                slots[f"{p}self_attn.v_proj.{kind}"] = WeightSlot(fused, q_rows + kv_rows, kv_rows, kv_src)
+            slots[f"{p}self_attn.o_proj.weight"] = WeightSlot(attn.o_proj.weight, 0, arch.hidden_size, o_src)
             if attn.q_norm is not None and attn.k_norm is not None:
-                slots[f"{p}self_attn.q_norm.weight"] = _whole(attn.q_norm.weight)
-                slots[f"{p}self_attn.k_norm.weight"] = _whole(attn.k_norm.weight)
-            slots[f"{p}mlp.gate_proj.weight"] = _WeightSlot(mlp.gate_up_proj.weight, 0, size, i_src)
-            slots[f"{p}mlp.up_proj.weight"] = _WeightSlot(mlp.gate_up_proj.weight, size, size, i_src)
-            slots[f"{p}mlp.down_proj.weight"] = _WeightSlot(mlp.down_proj.weight, 0, arch.hidden_size, i_cols)
-            slots[f"{p}input_layernorm.weight"] = _whole(layer.input_layernorm.weight)
-            slots[f"{p}post_attention_layernorm.weight"] = _whole(layer.post_attention_layernorm.weight)
+                slots[f"{p}self_attn.q_norm.weight"] = whole(attn.q_norm.weight)
+                slots[f"{p}self_attn.k_norm.weight"] = whole(attn.k_norm.weight)
+            slots[f"{p}mlp.gate_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, 0, size, i_src)
+            slots[f"{p}mlp.up_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, size, size, i_src)
+            slots[f"{p}mlp.down_proj.weight"] = WeightSlot(mlp.down_proj.weight, 0, arch.hidden_size, i_cols)
+            slots[f"{p}input_layernorm.weight"] = whole(layer.input_layernorm.weight)
+            slots[f"{p}post_attention_layernorm.weight"] = whole(layer.post_attention_layernorm.weight)
         return slots
 
     def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -285,16 +221,3 @@ class LlamaForCausalLM(CausalLM):
                 or kv_cache.shape[5] != arch.head_dim or not kv_cache.is_contiguous()):
             raise ValueError(f"kv_cache must be one contiguous [blocks, {heads}, {arch.num_layers}, 2, block_size, "
                              f"{arch.head_dim}] tensor, got {tuple(kv_cache.shape)}")
-
-
-def _whole(param: torch.Tensor) -> _WeightSlot:
-    return _WeightSlot(param, 0, param.shape[0])
-
-
-def _describe_problems(missing: list[str], unexpected: list[str], misshaped: list[str]) -> str:
-    def listed(label: str, items: list[str]) -> str:
-        shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
-        return f"{label}: {shown}"
-    parts = [listed(label, items) for label, items in
-             (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)) if items]
-    return "cannot load weights; " + "; ".join(parts)
