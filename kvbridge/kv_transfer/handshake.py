@@ -3,13 +3,20 @@
 The wire payload P serves for one TP rank is a fixed header followed by a body:
 
     header  b"KVBH" | connector version (u16) | compatibility hash (32 bytes) | body length (u32)
-    body    UTF-8 JSON: engine_id, backend, agent_metadata (base64), layout (RankLayout)
+    body    UTF-8 JSON: engine_id, backend, agent_metadata (base64), layout (RankLayout),
+            and compat: P's CompatibilityInfo, the hash's inputs (left out when its
+            canonical JSON exceeds MAX_COMPAT_BYTES; optional, so older peers interoperate)
 
 The magic and version come first and stay put in every future version. D checks, in
 order: magic, version, compatibility hash, and only then decodes the body, so a peer
 running another model or release is refused with a precise reason rather than a
-decode error. Then the engine id (when D knows which engine it expects) and the
-memory layout are checked against D's own.
+decode error. When the hashes differ, D reads P's `compat` description, if one is there
+and it hashes to the header's hash (a description D cannot trust explains nothing), and
+names the fields that differ: "the prefill engine serves an MLA model (latent KV cache)
+and this engine a non-MLA one" rather than two hex digests. With equal hashes a
+description that is malformed or does not hash to the header's hash is a decode error.
+Then the engine id (when D knows which engine it expects) and the memory layout are
+checked against D's own.
 
 The payload travels over the side channel (side_channel.py); D's deduplicating,
 backing-off fetches live in handshake_manager.py.
@@ -37,6 +44,8 @@ PAYLOAD_MAGIC = b"KVBH"
 _PAYLOAD_PREFIX = struct.Struct("!4sH")  # magic, connector version
 HASH_LEN = 32  # SHA-256 digest
 _PAYLOAD_V1 = struct.Struct(f"!{HASH_LEN}sI")  # compatibility hash, body length
+MAX_COMPAT_BYTES = 4096  # the most bytes of canonical JSON a compatibility description may have
+_SHOWN_VALUE_CHARS = 80  # a differing field's value is cut to this in a refusal's message
 
 
 class HandshakeFailureKind(str, Enum):
@@ -121,6 +130,62 @@ class CompatibilityInfo:
         """SHA-256 (32 bytes) of the canonical JSON encoding of every field."""
         return hashlib.sha256(self.canonical()).digest()
 
+    @classmethod
+    def from_json(cls, obj: object) -> "CompatibilityInfo":
+        """A peer's description (the object `canonical` encodes), checked field by field: exactly
+        the fields, each of its exact JSON type, at most MAX_COMPAT_BYTES encoded. Raises
+        ValueError (or TypeError) for anything else; never trusts the peer's input further."""
+        if not isinstance(obj, dict):
+            raise TypeError("expected a JSON object")
+        if set(obj) != set(_COMPAT_FIELD_TYPES):
+            raise ValueError(f"fields {sorted(map(str, obj))[:16]} are not {sorted(_COMPAT_FIELD_TYPES)}")
+        values: dict[str, Any] = {}
+        for name, want in _COMPAT_FIELD_TYPES.items():
+            value = obj[name]
+            if want is tuple:  # a tuple of strings, a JSON list
+                if type(value) is not list or not all(type(g) is str for g in value):
+                    raise TypeError(f"{name} must be a list of strings")
+                value = tuple(value)
+            elif type(value) is not want:  # exact: a JSON bool must not pass as an int
+                raise TypeError(f"{name} must be {want.__name__}")
+            values[name] = value
+        info = cls(**values)
+        if len(info.canonical()) > MAX_COMPAT_BYTES:
+            raise ValueError(f"longer than {MAX_COMPAT_BYTES} bytes")
+        return info
+
+    def differences(self, local: "CompatibilityInfo") -> list[str]:
+        """`field (peer X, local Y)` for each field that differs, values as JSON, cut short."""
+        out = []
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(local, f.name), getattr(self, f.name)
+            if mine != theirs:
+                out.append(f"{f.name} (peer {_shown(theirs)}, local {_shown(mine)})")
+        return out
+
+
+# The JSON type of each CompatibilityInfo field (a field of another type must be added here).
+_COMPAT_FIELD_TYPES: dict[str, type] = {
+    f.name: {"str": str, "int": int, "bool": bool, "tuple[str, ...]": tuple}[str(f.type)]
+    for f in dataclasses.fields(CompatibilityInfo)}
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(list(value) if isinstance(value, tuple) else value)
+    return text if len(text) <= _SHOWN_VALUE_CHARS else text[:_SHOWN_VALUE_CHARS - 3] + "..."
+
+
+def mismatch_reason(peer: CompatibilityInfo, local: CompatibilityInfo) -> str:
+    """Why the prefill engine described by `peer` and this (decode) engine cannot exchange KV."""
+    parts = []
+    if peer.use_mla != local.use_mla:
+        parts.append("the prefill engine serves an MLA model (latent KV cache) and this engine a non-MLA one: "
+                     "they cannot exchange KV" if peer.use_mla else
+                     "the prefill engine serves a non-MLA model and this engine an MLA one (latent KV cache): "
+                     "they cannot exchange KV")
+    parts.append("the engines differ in " + ", ".join(peer.differences(local)))
+    return "; ".join(parts)
+
 
 @dataclass(frozen=True)
 class RankLayout:
@@ -184,8 +249,14 @@ class HandshakeMetadata:
             raise ValueError("layout must be a RankLayout")
 
 
-def encode_payload(metadata: HandshakeMetadata, compat_hash: bytes) -> bytes:
-    """P side: the bytes served for one rank (compute once, at registration)."""
+def encode_payload(metadata: HandshakeMetadata, compat: CompatibilityInfo | bytes) -> bytes:
+    """P side: the bytes served for one rank (compute once, at registration). `compat`: this
+    engine's CompatibilityInfo (its hash goes in the header, the description in the body,
+    unless longer than MAX_COMPAT_BYTES), or a bare 32-byte hash (no description)."""
+    if isinstance(compat, CompatibilityInfo):
+        compat_hash, description = compat.hash(), compat.canonical()
+    else:
+        compat_hash, description = compat, None
     if len(compat_hash) != HASH_LEN:
         raise ValueError("compat_hash must be a 32-byte SHA-256 digest")
     body_obj = {
@@ -194,21 +265,27 @@ def encode_payload(metadata: HandshakeMetadata, compat_hash: bytes) -> bytes:
         "agent_metadata": base64.b64encode(metadata.agent_metadata).decode("ascii"),
         "layout": dataclasses.asdict(metadata.layout),
     }
+    if description is not None and len(description) <= MAX_COMPAT_BYTES:
+        body_obj["compat"] = json.loads(description)
     body = json.dumps(body_obj, sort_keys=True, separators=(",", ":")).encode()
     header = _PAYLOAD_PREFIX.pack(PAYLOAD_MAGIC, KVBRIDGE_CONNECTOR_VERSION)
     return header + _PAYLOAD_V1.pack(compat_hash, len(body)) + body
 
 
-def decode_payload(data: bytes, expected_hash: bytes, expected_engine_id: str | None = None,
+def decode_payload(data: bytes, expected: CompatibilityInfo | bytes, expected_engine_id: str | None = None,
                    local_layout: RankLayout | None = None, *,
                    prefix_caching: bool = False) -> HandshakeMetadata:
     """D side: check and decode P's payload. Raises only HandshakeError subclasses.
 
-    Order: magic (DecodeError), version (VersionMismatch), compatibility hash
-    (HashMismatch, before any body byte is looked at), body (DecodeError), engine id
-    (EngineMismatch, skipped when expected_engine_id is None), layout against
-    `local_layout` (LayoutMismatch, skipped when None).
+    `expected`: this engine's CompatibilityInfo, or just its hash (then a mismatch cannot
+    name the fields that differ). Order: magic (DecodeError), version (VersionMismatch),
+    compatibility hash (HashMismatch, decided before any body byte is looked at; its
+    message names the differing fields when P's description can be read and trusted),
+    body (DecodeError), engine id (EngineMismatch, skipped when expected_engine_id is
+    None), layout against `local_layout` (LayoutMismatch, skipped when None).
     """
+    local_compat = expected if isinstance(expected, CompatibilityInfo) else None
+    expected_hash = expected.hash() if local_compat is not None else expected
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandshakeDecodeError(f"payload must be bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -226,6 +303,9 @@ def decode_payload(data: bytes, expected_hash: bytes, expected_engine_id: str | 
         raise HandshakeDecodeError(f"payload truncated: {len(data)} bytes, header is {header_len}")
     compat_hash, body_len = _PAYLOAD_V1.unpack_from(data, _PAYLOAD_PREFIX.size)
     if not hmac.compare_digest(compat_hash, expected_hash):
+        peer = _peer_compat(data[header_len:], body_len, compat_hash) if local_compat is not None else None
+        if peer is not None:
+            raise HandshakeHashMismatch(f"compatibility hash mismatch: {mismatch_reason(peer, local_compat)}")
         raise HandshakeHashMismatch(
             f"compatibility hash mismatch: peer {compat_hash.hex()[:16]}, local "
             f"{bytes(expected_hash).hex()[:16]} (model, dtype, KV heads, head size, layers, "
@@ -233,7 +313,7 @@ def decode_payload(data: bytes, expected_hash: bytes, expected_engine_id: str | 
     if len(data) - header_len != body_len:
         raise HandshakeDecodeError(
             f"payload body is {len(data) - header_len} bytes, header says {body_len}")
-    metadata = _decode_body(data[header_len:])
+    metadata = _decode_body(data[header_len:], compat_hash)
     if expected_engine_id is not None and metadata.engine_id != expected_engine_id:
         raise HandshakeEngineMismatch(
             f"expected engine {expected_engine_id!r}, the side channel serves "
@@ -266,9 +346,32 @@ def validate_layout(remote: RankLayout, local: RankLayout, *, prefix_caching: bo
             "match (disable prefix caching on the decode instance or align block sizes)")
 
 
-def _decode_body(body: bytes) -> HandshakeMetadata:
+def _peer_compat(body: bytes, body_len: int, compat_hash: bytes) -> CompatibilityInfo | None:
+    """P's description from a payload whose hash differs from D's: None unless the body is
+    whole, parses, carries a well-formed description and that description hashes to the
+    header's hash. Never raises (the peer's bytes may be anything)."""
+    if len(body) != body_len:
+        return None
     try:
         obj = json.loads(body.decode("utf-8"))
+        if not isinstance(obj, dict) or "compat" not in obj:
+            return None
+        peer = CompatibilityInfo.from_json(obj["compat"])
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return peer if hmac.compare_digest(peer.hash(), compat_hash) else None
+
+
+def _decode_body(body: bytes, compat_hash: bytes) -> HandshakeMetadata:
+    try:
+        obj = json.loads(body.decode("utf-8"))
+        if isinstance(obj, dict) and "compat" in obj:
+            try:
+                described = CompatibilityInfo.from_json(obj["compat"]).hash()
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"bad compatibility description: {exc}") from None
+            if not hmac.compare_digest(described, compat_hash):
+                raise ValueError("the compatibility description does not match the payload's hash")
         layout = _typed(obj, "layout", dict)
         return HandshakeMetadata(
             engine_id=_typed(obj, "engine_id", str),

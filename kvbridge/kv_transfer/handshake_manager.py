@@ -18,7 +18,7 @@ from concurrent.futures import Executor, Future, InvalidStateError, ThreadPoolEx
 from dataclasses import dataclass
 from functools import lru_cache
 
-from kvbridge.kv_transfer.handshake import (HandshakeDecodeError, HandshakeError,
+from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
                                             HandshakeLayoutMismatch, HandshakeMetadata,
                                             HandshakeRefused, RankLayout, decode_payload)
 from kvbridge.kv_transfer.side_channel import HandshakeClient
@@ -54,7 +54,7 @@ class HandshakeManager:
     Thread-safe. Handshakes run on `executor` (default: a private pool of `max_workers`).
     """
 
-    def __init__(self, expected_hash: bytes, local_layout: RankLayout | None = None, *,
+    def __init__(self, expected: CompatibilityInfo | bytes, local_layout: RankLayout | None = None, *,
                  prefix_caching: bool = False, client: HandshakeClient | None = None,
                  timeout_s: float = 5.0, backoff_initial_s: float = 0.5,
                  backoff_max_s: float = 10.0,
@@ -63,7 +63,7 @@ class HandshakeManager:
                  clock: Callable[[], float] = time.monotonic) -> None:
         if timeout_s <= 0 or backoff_initial_s <= 0 or backoff_max_s < backoff_initial_s:
             raise ValueError("need timeout_s > 0 and 0 < backoff_initial_s <= backoff_max_s")
-        self._expected_hash = expected_hash
+        self._expected = expected  # this engine's CompatibilityInfo (a mismatch names what differs), or its hash
         self._local_layout = local_layout
         self._prefix_caching = prefix_caching
         self._client = client or HandshakeClient()
@@ -138,7 +138,7 @@ class HandshakeManager:
         error: HandshakeError | None = None
         try:
             data = self._client.fetch(host, port, tp_rank, self._timeout_s)
-            metadata = decode_payload(data, self._expected_hash, engine_id, self._local_layout,
+            metadata = decode_payload(data, self._expected, engine_id, self._local_layout,
                                       prefix_caching=self._prefix_caching)
             if metadata.layout.tp_rank != tp_rank:
                 raise HandshakeLayoutMismatch(

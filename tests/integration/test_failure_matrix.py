@@ -15,11 +15,13 @@ import threading
 
 import pytest
 
-from kvbridge.config import KVRole, LoadFailurePolicy
+from kvbridge.config import EngineConfig, KVRole, LoadFailurePolicy
 from kvbridge.engine.loader import load_model
+from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, ModelFamily
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
+from kvbridge.kv_transfer.connector.factory import compatibility_of
 from kvbridge.kv_transfer.handshake import HandshakeMetadata, HandshakeRefused, RankLayout, encode_payload
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.kv_transfer.side_channel import SideChannelServer
@@ -27,7 +29,14 @@ from tests.integration.pd_harness import decode, make_engine, prefill, settle, t
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 HANDSHAKE_FAULTS = ["refused", "timeout", "version", "hash", "engine_id", "layout", "tp_pairing", "huge_tp",
-                    "undecodable"]
+                    "mla", "undecodable"]
+# A DeepSeek-V2-shaped MLA model: its KV cache is one latent of 512 + 64 values per token.
+MLA_ARCH = ModelArchConfig(ModelFamily.DEEPSEEK_V2, vocab_size=64, hidden_size=1024, intermediate_size=2048,
+                           num_layers=4, num_heads=16, num_kv_heads=16, head_dim=192,
+                           mla=MLAConfig(kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                                         qk_rope_head_dim=64, v_head_dim=128))
+MLA_REASON = ("the prefill engine serves an MLA model (latent KV cache) and this engine a non-MLA one: "
+              "they cannot exchange KV")
 TRANSFER_FAULTS = {"fail_read_setup": "transfer_setup", "error_state": "transfer_state",
                    "raise_on_check_state": "transfer_poll", "peer_killed": "transfer_state"}
 
@@ -102,6 +111,10 @@ def rogue_side_channel(fault: str, p):
         meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(),
                                  dataclasses.replace(w.ranks[0].layout, tp_size=10**6))
         payload = encode_payload(meta, w.compat.hash())
+    elif fault == "mla":  # a P serving an MLA model (its real description and hash) to D's SmolLM2
+        w = p.connectors[1]
+        meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(), w.ranks[0].layout)
+        payload = encode_payload(meta, compatibility_of(EngineConfig(), MLA_ARCH, "tiny-deepseek-v2"))
     else:  # undecodable
         payload = good[:38] + struct.pack("!I", 9) + b"not json!"
     with SideChannelServer({0: payload}).start() as server:
@@ -148,6 +161,11 @@ def test_handshake_failures_follow_the_policy(loaded, prompt, want, fault, polic
             if policy is LoadFailurePolicy.FAIL:
                 reason = "different KV heads (3 here, 1 remote)" if fault == "tp_pairing" else "TP size 1000000"
                 assert reason in outs[-1].error
+        if fault == "mla":  # refused on the hash, before any read, saying why
+            assert d.connectors[1].stats.handshake_failures["hash_mismatch"] == 1
+            assert d.connectors[1].stats.transfers == 0
+            if policy is LoadFailurePolicy.FAIL:
+                assert MLA_REASON in outs[-1].error and "use_mla (peer true, local false)" in outs[-1].error
         # The engine lives on and the real P still works.
         assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
         settle(p, d)  # the abandoned lease expires on P

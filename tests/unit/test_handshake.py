@@ -6,6 +6,7 @@ Everything network-facing runs over real sockets on 127.0.0.1 with OS-chosen por
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import socket
 import struct
@@ -75,7 +76,7 @@ def prefill_metadata(tp_rank: int = 0, engine_id: str = "prefill-0",
                              layout=rank_layout(tp_rank, **layout))
 
 
-PAYLOADS = {rank: encode_payload(prefill_metadata(rank), HASH) for rank in (0, 1)}
+PAYLOADS = {rank: encode_payload(prefill_metadata(rank), COMPAT) for rank in (0, 1)}
 HEADER_LEN = 4 + 2 + 32 + 4
 
 
@@ -171,6 +172,101 @@ def test_hash_mismatch_is_reported_before_the_body_is_decoded() -> None:
     assert info.value.kind is HandshakeFailureKind.HASH_MISMATCH
     with pytest.raises(HandshakeDecodeError):  # the same body with the right hash: undecodable
         fetch_over_loopback(with_body(b"\xff\xfe not json at all"))
+
+
+def served_by(compat: CompatibilityInfo | bytes) -> bytes:
+    """Rank 0's payload as a P whose compatibility is `compat` (a bare hash: no description) serves it."""
+    return encode_payload(prefill_metadata(0), compat)
+
+
+def hash_mismatch(payload: bytes, local: CompatibilityInfo | bytes = COMPAT) -> str:
+    """D (compatibility `local`) fetches `payload` over a real side channel; the refusal's message."""
+    with SideChannelServer({0: payload}, HOST) as server:
+        data = HandshakeClient().fetch(HOST, server.port, 0, timeout=2.0)
+    with pytest.raises(HandshakeHashMismatch) as info:
+        decode_payload(data, local, "prefill-0", rank_layout(0))
+    assert info.value.kind is HandshakeFailureKind.HASH_MISMATCH
+    return str(info.value)
+
+
+def test_a_hash_mismatch_names_the_fields_that_differ() -> None:
+    peer = dataclasses.replace(COMPAT, dtype="bfloat16", num_layers=31)
+    message = hash_mismatch(served_by(peer))
+    assert 'dtype (peer "bfloat16", local "float32")' in message
+    assert "num_layers (peer 31, local 30)" in message
+    assert "model" not in message.split("differ in")[1] and "MLA model" not in message
+    assert decode_payload(served_by(COMPAT), COMPAT) == prefill_metadata(0)  # the same engine: accepted
+
+
+MLA_COMPAT = compatibility_of(EngineConfig(), MLA_ARCH, "tiny-deepseek")
+LLAMA_COMPAT = compatibility_of(EngineConfig(), LLAMA_ARCH, "tiny-llama")
+
+
+@pytest.mark.parametrize("prefill, decode, reason", [
+    (MLA_COMPAT, LLAMA_COMPAT, "the prefill engine serves an MLA model (latent KV cache) and this engine a "
+                               "non-MLA one: they cannot exchange KV"),
+    (LLAMA_COMPAT, MLA_COMPAT, "the prefill engine serves a non-MLA model and this engine an MLA one "
+                               "(latent KV cache): they cannot exchange KV"),
+], ids=["mla-prefill", "mla-decode"])
+def test_an_mla_and_a_non_mla_engine_are_refused_with_the_reason(prefill, decode, reason) -> None:
+    message = hash_mismatch(served_by(prefill), decode)
+    assert reason in message
+    for name in ("use_mla", "num_kv_heads", "head_size", "kv_cache_groups"):
+        assert f"{name} (peer " in message
+    assert 'kv_cache_groups (peer ["mla"], local ["full_attention"])' in message \
+        or 'kv_cache_groups (peer ["full_attention"], local ["mla"])' in message
+    # Through D's handshake manager too: the failed future carries the reason.
+    with SideChannelServer({0: served_by(prefill)}, HOST) as server:
+        manager = HandshakeManager(decode, timeout_s=1.0)
+        try:
+            error = manager.ensure("prefill-0", HOST, server.port, 0).exception(timeout=5.0)
+        finally:
+            manager.close()
+    assert isinstance(error, HandshakeHashMismatch) and reason in str(error)
+
+
+def _with_compat(compat: object, compat_hash: bytes = HASH) -> bytes:
+    return with_body(_body(compat=compat), compat_hash)
+
+
+GARBAGE_COMPAT = [
+    5,
+    "compat",
+    [1, 2],
+    {},
+    {**json.loads(COMPAT.canonical()), "use_mla": "yes"},  # not a bool
+    {**json.loads(COMPAT.canonical()), "num_kv_heads": True},  # a bool is not an int
+    {**json.loads(COMPAT.canonical()), "num_kv_heads": 0},
+    {**json.loads(COMPAT.canonical()), "kv_cache_groups": "mla"},
+    {**json.loads(COMPAT.canonical()), "kv_cache_groups": [1]},
+    {**json.loads(COMPAT.canonical()), "extra": 1},
+    {k: v for k, v in json.loads(COMPAT.canonical()).items() if k != "dtype"},
+    {**json.loads(COMPAT.canonical()), "model": "m" * 100_000},  # far over the size bound
+    json.loads(dataclasses.replace(COMPAT, dtype="bfloat16").canonical()),  # another engine's: not the header's hash
+]
+
+
+@pytest.mark.parametrize("compat", GARBAGE_COMPAT, ids=range(len(GARBAGE_COMPAT)))
+def test_a_garbage_compatibility_description_is_a_decode_error_or_an_unexplained_mismatch(compat) -> None:
+    with pytest.raises(HandshakeDecodeError, match="compatibility description"):  # the hash matches
+        fetch_over_loopback(_with_compat(compat))
+    # The hash differs: refused as a mismatch; a description D cannot trust explains nothing.
+    message = hash_mismatch(_with_compat(compat, b"\x07" * 32))
+    assert message.startswith("compatibility hash mismatch: peer 0707070707070707, local ")
+    assert "the engines differ in" not in message and "MLA model" not in message and len(message) < 400
+
+
+def test_a_peer_without_a_description_still_gets_the_plain_mismatch() -> None:
+    message = hash_mismatch(served_by(MLA_COMPAT.hash()))  # a P that sends only its hash
+    assert message.startswith("compatibility hash mismatch: peer ") and "the engines differ in" not in message
+    assert decode_payload(served_by(HASH), COMPAT) == prefill_metadata(0)
+
+
+def test_an_oversized_description_is_left_out_of_the_payload() -> None:
+    huge = dataclasses.replace(COMPAT, model="m" * 10_000)
+    body = json.loads(served_by(huge)[HEADER_LEN:])
+    assert "compat" not in body and served_by(huge)[6:38] == huge.hash()
+    assert decode_payload(served_by(huge), huge) == prefill_metadata(0)
 
 
 def test_engine_id_mismatch_is_refused_when_d_knows_which_engine_it_wants() -> None:
@@ -590,7 +686,7 @@ def _mutations() -> st.SearchStrategy[bytes]:
     json_bodies = st.recursive(
         st.none() | st.booleans() | st.integers() | st.text(max_size=6),
         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-            st.sampled_from(["engine_id", "backend", "agent_metadata", "layout", "tp_size",
+            st.sampled_from(["engine_id", "backend", "agent_metadata", "layout", "compat", "use_mla", "tp_size",
                              "tp_rank", "region_base_addrs", "block_len_bytes", "num_blocks",
                              "block_size", "kv_layout", "physical_blocks_per_logical"]),
             inner, max_size=8),
@@ -601,10 +697,11 @@ def _mutations() -> st.SearchStrategy[bytes]:
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_mutations(), st.booleans())
-def test_decode_payload_raises_only_handshake_errors(data: bytes, check_layout: bool) -> None:
+@given(_mutations(), st.booleans(), st.sampled_from([HASH, COMPAT, MLA_COMPAT]))
+def test_decode_payload_raises_only_handshake_errors(data: bytes, check_layout: bool,
+                                                      expected: CompatibilityInfo | bytes) -> None:
     try:
-        decode_payload(data, HASH, "prefill-0", rank_layout(0) if check_layout else None,
+        decode_payload(data, expected, "prefill-0", rank_layout(0) if check_layout else None,
                        prefix_caching=True)
     except HandshakeError:
         pass

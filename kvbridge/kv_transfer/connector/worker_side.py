@@ -172,10 +172,10 @@ class KVBridgeWorkerConnector(WorkerConnector):
             self.control_server.incarnation = incarnation_of(self.ranks[0].agent_metadata)
             for r in self.ranks:
                 meta = HandshakeMetadata(self.engine_id, self.config.backend, r.agent_metadata, r.layout)
-                self.side_channel.set_payload(r.layout.tp_rank, encode_payload(meta, self.compat.hash()))
+                self.side_channel.set_payload(r.layout.tp_rank, encode_payload(meta, self.compat))
         if self.is_consumer:
             self._handshakes = HandshakeManager(
-                self.compat.hash(), self.ranks[0].layout, prefix_caching=self.prefix_caching,
+                self.compat, self.ranks[0].layout, prefix_caching=self.prefix_caching,
                 client=self._side_client, timeout_s=self.config.handshake_timeout_s,
                 validate=self._validate_peer_rank)
 
