@@ -18,11 +18,20 @@ requests and ranks spread over the replicas.
 remote rank, (local, remote) descriptor lists, with descriptors that are contiguous on
 both sides merged (equal TP sizes: a run of consecutive blocks is one descriptor).
 
+`plan_request_reads` is the whole plan of one request, and the one D's worker connector
+executes: per local (D) rank the spans it reads and so the remote (P) ranks it reads
+from, the P ranks whose copies nobody reads (MLA with P TP > D TP: all but the chosen
+ones), and the `ReleaseNotice` that frees the request's blocks on EVERY P rank, read or
+not: P's request id (never D's: seed 003) and the lease generation. P's blocks live in
+one block pool in P's engine process, so that one notice (D's read-done, or its release
+after a failure) frees every rank's copy at once; no P rank is left to its lease.
+
 Pure functions over the layouts both sides announce in the handshake.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -128,14 +137,23 @@ def block_read_descs(local: RankBlocks, remote: Sequence[RankBlocks], local_ids:
     Descriptors follow block order then span order; one that continues the previous one on
     both sides is merged into it. Raises TPMappingError for unequal id lists, ids outside a
     rank's blocks, or heads no remote rank holds."""
+    if [r.kv.tp_rank for r in remote] != list(range(len(remote))):
+        raise TPMappingError("the remote ranks are not 0..n-1 in order")
+    return span_descs(local, remote, rank_reads(local.kv, [r.kv for r in remote], salt), local_ids, remote_ids)
+
+
+def span_descs(local: RankBlocks, remote: Sequence[RankBlocks], spans: Sequence[HeadSpan],
+               local_ids: Sequence[int], remote_ids: Sequence[int]) -> dict[int, tuple[list[Desc], list[Desc]]]:
+    """`block_read_descs` for spans already chosen (`rank_reads`, or a `ReadPlan`'s)."""
     if len(local_ids) != len(remote_ids):
         raise TPMappingError(f"{len(remote_ids)} remote blocks for {len(local_ids)} local blocks")
     if [r.kv.tp_rank for r in remote] != list(range(len(remote))):
         raise TPMappingError("the remote ranks are not 0..n-1 in order")
     if any(not 0 <= b < local.num_blocks for b in local_ids):
         raise TPMappingError(f"local block id out of range [0, {local.num_blocks})")
-    spans = rank_reads(local.kv, [r.kv for r in remote], salt)
     for s in spans:
+        if not 0 <= s.remote_rank < len(remote):
+            raise TPMappingError(f"a span reads remote rank {s.remote_rank} of {len(remote)}")
         if any(not 0 <= b < remote[s.remote_rank].num_blocks for b in remote_ids):
             raise TPMappingError(f"remote block id out of range [0, {remote[s.remote_rank].num_blocks}) "
                                  f"on remote rank {s.remote_rank}")
@@ -157,3 +175,90 @@ def block_read_descs(local: RankBlocks, remote: Sequence[RankBlocks], local_ids:
 
 def _all_heads(ranks: Sequence[RankKV]) -> set[int]:
     return {h for r in ranks for h in r.kv_heads}
+
+
+# ---- one request's plan -----------------------------------------------------------------
+
+def request_salt(remote_request_id: str) -> int:
+    """The salt that picks a request's replicas: crc32 of P's request id (the same on every D
+    rank and engine, spread over requests)."""
+    return zlib.crc32(remote_request_id.encode())
+
+
+@dataclass(frozen=True)
+class ReleaseNotice:
+    """The one message that frees a request's blocks on every rank of P: D's read-done when
+    every read succeeded, its release otherwise. Keyed by P's own request id (P knows no
+    other: seed 003's bug was D's id here) and the lease generation (a stale notice frees
+    nothing). P's engine process owns one block pool for all its ranks, so one notice
+    frees the copies of every rank in `remote_ranks`, read or not."""
+
+    request_id: str  # P's request id (the remote_request_id P returned), never D's
+    generation: int
+    remote_ranks: tuple[int, ...]  # every P rank: each frees its copy on this notice
+
+
+@dataclass(frozen=True)
+class LocalRankPlan:
+    """What one local (D) rank reads for each of its blocks."""
+
+    local_rank: int
+    spans: tuple[HeadSpan, ...]  # rank_reads: local offset order, covering its block once
+
+    @property
+    def remote_ranks(self) -> tuple[int, ...]:
+        """The remote (P) ranks this rank reads from (one per run of heads; one for MLA)."""
+        return tuple(sorted({s.remote_rank for s in self.spans}))
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(s.length for s in self.spans)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """A request's reads and how P is told it may free, for one (D layout, P layout) pairing."""
+
+    ranks: tuple[LocalRankPlan, ...]  # one per local rank, rank order
+    read: tuple[int, ...]  # remote ranks some local rank reads
+    unread: tuple[int, ...]  # remote ranks holding copies nobody reads (replicas not chosen)
+    notice: ReleaseNotice
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(local rank, remote rank) of every read: one READ each."""
+        return [(r.local_rank, p) for r in self.ranks for p in r.remote_ranks]
+
+    def block_descs(self, local: Sequence[RankBlocks], remote: Sequence[RankBlocks], local_ids: Sequence[int],
+                    remote_ids: Sequence[int]) -> dict[tuple[int, int], tuple[list[Desc], list[Desc]]]:
+        """{(local rank, remote rank): (local descs, remote descs)} filling the local ranks'
+        blocks `local_ids` from P's `remote_ids` (pairwise), as this plan's spans say."""
+        if [r.kv.tp_rank for r in local] != [r.local_rank for r in self.ranks]:
+            raise TPMappingError("the local ranks are not the plan's")
+        out: dict[tuple[int, int], tuple[list[Desc], list[Desc]]] = {}
+        for blocks, plan in zip(local, self.ranks):
+            for remote_rank, descs in span_descs(blocks, remote, plan.spans, local_ids, remote_ids).items():
+                out[(plan.local_rank, remote_rank)] = descs
+        return out
+
+
+def plan_request_reads(local: Sequence[RankKV], remote: Sequence[RankKV], salt: int, remote_request_id: str,
+                       generation: int) -> ReadPlan:
+    """The plan of one request's reads by D (`local` ranks) from P (`remote` ranks).
+
+    Every head a D rank holds is read from exactly one P rank; a head P replicates (MLA's
+    latent: every P rank; a KV head when P's TP exceeds its KV heads) from the replica
+    `rank_reads` picks by `salt` (`request_salt` of P's request id) and the D rank, so the
+    choice is deterministic, spread over requests, and D ranks spread over replicas. The
+    notice names P's request id and `generation`, and covers every P rank. D's own request
+    id is not an input: nothing P is told can carry it. Raises TPMappingError when D's ranks
+    cannot be filled from P's (`check_pairing`)."""
+    if not isinstance(remote_request_id, str) or not remote_request_id:
+        raise TPMappingError("the remote request id must be a non-empty string")
+    if type(generation) is not int:
+        raise TPMappingError("the lease generation must be an int")
+    check_pairing(local, remote)
+    ranks = tuple(LocalRankPlan(r.tp_rank, tuple(rank_reads(r, remote, salt))) for r in local)
+    read = sorted({p for r in ranks for p in r.remote_ranks})
+    every = tuple(r.tp_rank for r in remote)
+    return ReadPlan(ranks, tuple(read), tuple(p for p in every if p not in read),
+                    ReleaseNotice(remote_request_id, generation, every))

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvbridge.engine.tp import TPSplitError, check_tp_split, rank_shard, shard_plan
-from kvbridge.kv_transfer.tp_mapping import (HeadSpan, RankBlocks, RankKV, TPMappingError, block_read_descs,
-                                             check_pairing, rank_reads, reads_per_remote_rank)
+from kvbridge.kv_transfer.tp_mapping import (HeadSpan, RankBlocks, RankKV, ReleaseNotice, TPMappingError,
+                                             block_read_descs, check_pairing, plan_request_reads, rank_reads,
+                                             reads_per_remote_rank, request_salt)
 
 TP_SIZES = (1, 2, 4)
 LAYERS, BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 3, 4, 2, 5
@@ -220,3 +221,127 @@ def test_read_descriptors_refuse_bad_block_ids(local_ids, remote_ids, words):
     p = d = _layout(8, 4, 1)
     with pytest.raises(TPMappingError, match=words):
         block_read_descs(RankBlocks(d[0], 1 << 30, 8), [RankBlocks(p[0], 1 << 20, 8)], local_ids, remote_ids)
+
+
+# ---- one request's plan: which P rank is read, which are not, and how every one is freed ---------
+
+LATENT_DIM = 9  # MLA: kv_lora_rank + qk_rope_head_dim values per token and layer, one "head"
+LATENT_BYTES = LAYERS * 1 * BLOCK_SIZE * LATENT_DIM * 4  # [1 head, layers, 1 entry, block_size, dim], fp32
+P_RID, GEN = "prefill-req-BBBB", 1234567
+
+
+def _mla(tp: int) -> list[RankKV]:
+    """An MLA engine's ranks: each holds the whole latent, the one KV "head" (replicated)."""
+    return [RankKV(r, range(0, 1), LATENT_BYTES) for r in range(tp)]
+
+
+LAYOUTS = {"mla": lambda tp: _mla(tp), "gqa-8x4": lambda tp: _layout(8, 4, tp),
+           "gqa-4x1": lambda tp: _layout(4, 1, tp), "gqa-8x2": lambda tp: _layout(8, 2, tp)}
+SALTS = [request_salt(f"prefill-req-{i}") for i in range(64)]
+
+
+@pytest.mark.parametrize("p_tp", TP_SIZES)
+@pytest.mark.parametrize("d_tp", TP_SIZES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_plan_reads_each_head_once_from_one_p_rank_and_frees_every_p_rank(layout, p_tp, d_tp):
+    p, d = LAYOUTS[layout](p_tp), LAYOUTS[layout](d_tp)
+    for salt in SALTS:
+        plan = plan_request_reads(d, p, salt, P_RID, GEN)
+        assert plan == plan_request_reads(d, p, salt, P_RID, GEN)  # deterministic
+        assert [r.local_rank for r in plan.ranks] == list(range(d_tp))
+        for rank, rp in zip(d, plan.ranks):
+            # The spans tile the D rank's block exactly once: each of its heads comes from one P rank.
+            assert [(s.local_offset, s.length) for s in rp.spans] == \
+                list(zip(itertools.accumulate([0] + [s.length for s in rp.spans[:-1]]),
+                         [s.length for s in rp.spans]))
+            assert rp.bytes_per_block == rank.block_bytes
+            assert list(rp.spans) == rank_reads(rank, p, salt)
+            for span in rp.spans:  # and from a P rank that holds those heads
+                src = p[span.remote_rank]
+                first = src.kv_heads.start + span.remote_offset // HEAD_BYTES if layout != "mla" else 0
+                assert span.remote_offset + span.length <= src.block_bytes and first in src.kv_heads
+            if layout == "mla":  # one copy of the latent per D rank, from one P rank
+                assert len(rp.spans) == 1 and len(rp.remote_ranks) == 1
+                assert rp.bytes_per_block == p[0].block_bytes == LATENT_BYTES
+        assert sorted(plan.read + plan.unread) == list(range(p_tp)) and not set(plan.read) & set(plan.unread)
+        assert set(plan.read) == {q for rp in plan.ranks for q in rp.remote_ranks}
+        assert plan.pairs() == [(rp.local_rank, q) for rp in plan.ranks for q in rp.remote_ranks]
+        # Every P rank, read or not, is freed by the one notice: P's request id and lease generation.
+        assert plan.notice == ReleaseNotice(P_RID, GEN, tuple(range(p_tp)))
+        if layout == "mla":  # D TP >= P TP: every P rank is read; D TP < P TP: D TP of them
+            assert len(plan.read) == min(p_tp, d_tp) and len(plan.unread) == p_tp - min(p_tp, d_tp)
+        if layout == "gqa-8x4" and p_tp <= 4:  # no replicas: every P rank is read
+            assert plan.unread == ()
+
+
+@pytest.mark.parametrize("p_tp", TP_SIZES)
+@pytest.mark.parametrize("d_tp", TP_SIZES)
+def test_the_mla_latent_read_is_spread_over_p_ranks_across_requests(p_tp, d_tp):
+    salts = [request_salt(f"prefill-req-{i}") for i in range(400)]
+    for rank in range(d_tp):
+        counts = {q: 0 for q in range(p_tp)}
+        for salt in salts:
+            (chosen,) = plan_request_reads(_mla(d_tp), _mla(p_tp), salt, P_RID, GEN).ranks[rank].remote_ranks
+            counts[chosen] += 1
+        assert min(counts.values()) >= 400 / p_tp * 0.7, counts  # every P rank takes its share
+    for salt in salts[:32]:  # within a request, D's ranks read different P ranks while there are enough
+        plan = plan_request_reads(_mla(d_tp), _mla(p_tp), salt, P_RID, GEN)
+        chosen = [rp.remote_ranks[0] for rp in plan.ranks]
+        assert len(set(chosen)) == min(p_tp, d_tp)
+
+
+@pytest.mark.parametrize("p_tp", TP_SIZES)
+@pytest.mark.parametrize("d_tp", TP_SIZES)
+@pytest.mark.parametrize("remote_ids, local_ids", BLOCK_IDS[:2])
+def test_executing_an_mla_plan_copies_one_latent_per_d_rank(p_tp, d_tp, remote_ids, local_ids):
+    torch.manual_seed(p_tp * 10 + d_tp)
+    latent = torch.randn(NUM_BLOCKS, 1, LAYERS, 1, BLOCK_SIZE, LATENT_DIM)  # the same on every P rank
+    p_mem = [latent.clone().view(NUM_BLOCKS, -1).view(torch.uint8) for _ in range(p_tp)]
+    d_mem = [torch.zeros(NUM_BLOCKS, LATENT_BYTES, dtype=torch.uint8) for _ in range(d_tp)]
+    local = [RankBlocks(r, m.data_ptr(), NUM_BLOCKS) for r, m in zip(_mla(d_tp), d_mem)]
+    remote = [RankBlocks(r, m.data_ptr(), NUM_BLOCKS) for r, m in zip(_mla(p_tp), p_mem)]
+    plan = plan_request_reads(_mla(d_tp), _mla(p_tp), request_salt(P_RID), P_RID, GEN)
+    descs = plan.block_descs(local, remote, local_ids, remote_ids)
+    assert sorted(descs) == plan.pairs()  # one READ per (D rank, P rank) pair, no other
+    read = {}
+    for (d_rank, p_rank), (l_descs, r_descs) in descs.items():
+        p_lo = p_mem[p_rank].data_ptr()
+        for (l_addr, n), (r_addr, m) in zip(l_descs, r_descs):
+            assert n == m and p_lo <= r_addr and r_addr + n <= p_lo + p_mem[p_rank].numel()
+            ctypes.memmove(l_addr, r_addr, n)
+        read[d_rank] = read.get(d_rank, 0) + sum(n for _, n in l_descs)
+    for d_rank, mem in enumerate(d_mem):
+        assert read[d_rank] == len(local_ids) * LATENT_BYTES  # one copy of the latent, not P TP copies
+        got = mem.view(torch.float32).view(latent.shape)
+        want = torch.zeros_like(got)
+        want[local_ids] = latent[remote_ids]
+        assert torch.equal(got, want)
+
+
+def test_seed_003_case():
+    """vLLM's bug (seed 003): D TP 1 read the MLA latent from one of P's 4 ranks and told the
+    other three to free with D's request id, which they did not know: they held their blocks
+    until the lease expired. Here the plan names P's id for every P rank, read or not, and
+    D's id is not even an input."""
+    d_request_id, p_request_id = "decode-req-AAAA", "prefill-req-BBBB"
+    plan = plan_request_reads(_mla(1), _mla(4), request_salt(p_request_id), p_request_id, 42)
+    ((d_rank, chosen),) = plan.pairs()
+    assert d_rank == 0 and plan.read == (chosen,) and chosen == request_salt(p_request_id) % 4
+    assert sorted(plan.unread) == sorted({0, 1, 2, 3} - {chosen}) and len(plan.unread) == 3
+    assert plan.notice == ReleaseNotice(p_request_id, 42, (0, 1, 2, 3))
+    assert set(plan.unread) <= set(plan.notice.remote_ranks)  # the three unread ranks: freed by P's id
+    assert d_request_id not in repr(plan)
+
+
+@pytest.mark.parametrize("rid, gen, words", [("", 1, "request id"), (None, 1, "request id"),
+                                              ("p", "1", "generation"), ("p", True, "generation")])
+def test_a_plan_needs_ps_request_id_and_generation(rid, gen, words):
+    with pytest.raises(TPMappingError, match=words):
+        plan_request_reads(_mla(1), _mla(2), 0, rid, gen)
+
+
+def test_a_plan_refuses_layouts_it_cannot_map():
+    with pytest.raises(TPMappingError, match="different KV heads"):  # MLA's one latent vs 4 K/V heads
+        plan_request_reads(_mla(1), [RankKV(0, range(0, 4), LATENT_BYTES)], 0, P_RID, GEN)
+    with pytest.raises(TPMappingError, match="head sizes"):
+        plan_request_reads(_mla(1), _layout(4, 1, 2), 0, P_RID, GEN)

@@ -14,16 +14,20 @@ ranks run, to hand them new reads; after, to take their reports) without blockin
              payload names P's TP size, then the others are fetched; the pairing of D's
              ranks with P's is checked (tp_mapping.check_pairing) before any read
   CHECK      P confirms on its side channel that the lease is live and grants the blocks
-  READ       one one-sided read per (D rank, P rank) pair it needs, without a backend
-             notification. The request is settled only when EVERY read has settled
-             (seed 000): then the handles are released, and either D sends P one
+  READ       the request's ReadPlan (tp_mapping.plan_request_reads): one one-sided read
+             per (D rank, P rank) pair it names, without a backend notification (a
+             replicated head, e.g. MLA's latent, from the one P rank the plan picks). The
+             request is settled only when EVERY read has settled (seed 000): then the
+             handles are released, and either D sends P the plan's notice as one
              kv_read_done (all reads DONE) or the request fails with the first failure
+             and the same notice goes as a kv_release
 Any failure goes through the one FailureHandler and the request is reported in
 finished_recving + failed_recving with its blocks invalid; nothing raises into the step.
 
 Because D's reads are aggregated here before D says anything to P, P receives ONE
 read-done per request however many ranks either side has, and frees on it (or on
-release / lease expiry), keyed by its own request id: P needs no per-rank count.
+release / lease expiry), keyed by its own request id: P needs no per-rank count, and a
+P rank whose copy nobody read (MLA, P TP > D TP) is freed by the same notice.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import enum
 import itertools
 import logging
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -52,7 +55,8 @@ from kvbridge.kv_transfer.handshake_manager import HandshakeManager
 from kvbridge.kv_transfer.lease import CONTENT_MISMATCH, LeaseTable
 from kvbridge.kv_transfer.side_channel import HandshakeClient, SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
-from kvbridge.kv_transfer.tp_mapping import RankBlocks, RankKV, TPMappingError, block_read_descs, check_pairing
+from kvbridge.kv_transfer.tp_mapping import (RankBlocks, RankKV, ReadPlan, ReleaseNotice, TPMappingError,
+                                             check_pairing, plan_request_reads, request_salt)
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
@@ -100,7 +104,16 @@ class _Recv:
     started: float = field(default_factory=time.perf_counter)
     peer: _Peer | None = None
     rehandshaken: bool = False
+    plan: ReadPlan | None = None  # READ: what is read from which P rank, and the notice that frees P
     reads: dict[str, _SubRead] = field(default_factory=dict)  # xfer id -> read
+
+    def notice(self) -> ReleaseNotice:
+        """What frees P's blocks of this request: the plan's notice; before a plan, the same
+        key (P's request id and generation) for whatever P ranks are known."""
+        if self.plan is not None:
+            return self.plan.notice
+        ranks = tuple(range(len(self.peer.ranks))) if self.peer is not None else ()
+        return ReleaseNotice(self.spec.remote_request_id, self.spec.lease_generation, ranks)
 
 
 def rank_blocks(layout: RankLayout) -> RankBlocks:
@@ -350,13 +363,14 @@ class KVBridgeWorkerConnector(WorkerConnector):
             recv.futures = [self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, 0)]
             return
         try:
-            plans = self._plan_reads(s, peer)
+            plan, descs = self._plan_reads(s, peer)
         except TPMappingError as exc:
             self._fail(rid, recv, FailureKind.TRANSFER_SETUP, str(exc))
             return
         recv.phase = _Phase.READ
+        recv.plan = plan
         recv.started = time.perf_counter()
-        for (local_rank, remote_rank), (l_descs, r_descs) in plans.items():
+        for (local_rank, remote_rank), (l_descs, r_descs) in descs.items():
             xfer_id = f"x{next(self._xfer_ids)}"
             self._commands[local_rank].reads.append(ReadOp(
                 xfer_id, peer.rank_key(remote_rank), peer.agent_metadata[remote_rank], tuple(l_descs), tuple(r_descs)))
@@ -364,17 +378,18 @@ class KVBridgeWorkerConnector(WorkerConnector):
             self._xfers[xfer_id] = rid
         self._settle_reads(rid, recv)  # a notification-only request has no reads: settled now
 
-    def _plan_reads(self, s: RecvSpec, peer: _Peer) -> dict[tuple[int, int], tuple[list, list]]:
-        """{(D rank, P rank): (local descs, remote descs)} for every group's blocks."""
-        salt = zlib.crc32(s.remote_request_id.encode())  # spreads replicated heads over P's ranks
-        plans: dict[tuple[int, int], tuple[list, list]] = {}
+    def _plan_reads(self, s: RecvSpec, peer: _Peer) -> tuple[ReadPlan, dict[tuple[int, int], tuple[list, list]]]:
+        """The request's plan, and {(D rank, P rank): (local descs, remote descs)} of its
+        reads over every group's blocks, as the plan says (the only place reads come from)."""
+        plan = plan_request_reads([r.kv for r in self._local], [r.kv for r in peer.ranks],
+                                  request_salt(s.remote_request_id), s.remote_request_id, s.lease_generation)
+        descs: dict[tuple[int, int], tuple[list, list]] = {}
         for l_ids, r_ids in zip(s.local_block_ids, s.remote_block_ids):
-            for local in self._local:
-                for remote_rank, (ld, rd) in block_read_descs(local, peer.ranks, l_ids, r_ids, salt).items():
-                    l_all, r_all = plans.setdefault((local.kv.tp_rank, remote_rank), ([], []))
-                    l_all += ld
-                    r_all += rd
-        return plans
+            for pair, (ld, rd) in plan.block_descs(self._local, peer.ranks, l_ids, r_ids).items():
+                l_all, r_all = descs.setdefault(pair, ([], []))
+                l_all += ld
+                r_all += rd
+        return plan, descs
 
     def _settle_reads(self, rid: str, recv: _Recv) -> None:
         """Once every read of the request has settled (never before: seed 000), release their
@@ -397,9 +412,14 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._release_handles(recv)
         del self._recvs[rid]
         self._done_recv.add(rid)
-        s = recv.spec
-        self._side_request("read-done", self.control.read_done, s.remote.host, s.remote.port,
-                           s.remote_request_id, s.lease_generation)
+        self._notify(recv, "read-done", self.control.read_done)
+
+    def _notify(self, recv: _Recv, what: str, send: Callable[[str, int, str, int], None]) -> None:
+        """Send P the request's notice (P's request id and generation: it frees every P rank's
+        copy, read or not) as a read-done or a release."""
+        notice = recv.notice()
+        self._side_request(what, send, recv.spec.remote.host, recv.spec.remote.port, notice.request_id,
+                           notice.generation)
 
     def _abandon_reads(self, rid: str, recv: _Recv, kind: FailureKind, cause: str) -> None:
         """A bug in this half: reads may still be in flight, so the request's blocks are kept
@@ -416,10 +436,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._recvs.pop(rid, None)
         self.failures.handle(rid, kind, cause, recv.spec.local_block_ids, recv.spec.remote.engine_id)
         if kind in _RELEASE_AFTER or recv.phase is _Phase.READ:
-            # P granted the read on its side channel: let it free now, not at lease expiry.
-            s = recv.spec
-            self._side_request("release", self.control.release, s.remote.host, s.remote.port,
-                               s.remote_request_id, s.lease_generation)
+            # P granted the read on its side channel: let every P rank free now, not at lease expiry.
+            self._notify(recv, "release", self.control.release)
 
     def _release_handles(self, recv: _Recv) -> None:
         for xfer_id, read in recv.reads.items():
