@@ -30,32 +30,11 @@ CACHE_FORMAT_VERSION = "1"  # bump when the conversion changes, to invalidate ol
 
 
 def expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF parameter a model of `arch` has, with its shape (lm_head only when untied)."""
-    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h),
-                                          "model.norm.weight": (h,)}
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    for i in range(arch.num_layers):
-        layer = f"model.layers.{i}"
-        shapes.update({
-            f"{layer}.input_layernorm.weight": (h,),
-            f"{layer}.post_attention_layernorm.weight": (h,),
-            f"{layer}.self_attn.q_proj.weight": (q, h),
-            f"{layer}.self_attn.k_proj.weight": (kv, h),
-            f"{layer}.self_attn.v_proj.weight": (kv, h),
-            f"{layer}.self_attn.o_proj.weight": (h, q),
-            f"{layer}.mlp.gate_proj.weight": (arch.intermediate_size, h),
-            f"{layer}.mlp.up_proj.weight": (arch.intermediate_size, h),
-            f"{layer}.mlp.down_proj.weight": (h, arch.intermediate_size),
-        })
-        if arch.attention_bias:
-            shapes.update({f"{layer}.self_attn.q_proj.bias": (q,), f"{layer}.self_attn.k_proj.bias": (kv,),
-                           f"{layer}.self_attn.v_proj.bias": (kv,)})
-        if arch.qk_norm:
-            shapes.update({f"{layer}.self_attn.q_norm.weight": (arch.head_dim,),
-                           f"{layer}.self_attn.k_norm.weight": (arch.head_dim,)})
-    return shapes
+    """Every HF parameter a model of `arch` has, with its shape (lm_head only when untied): what
+    the model class itself loads, asked of a copy built on the meta device (no memory)."""
+    from kvbridge.engine.models import build_model  # the model package imports the loader's users
+
+    return build_model(arch, torch.float32, "meta").checkpoint_shapes()
 
 
 @dataclass(frozen=True)

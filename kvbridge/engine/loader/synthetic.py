@@ -1,9 +1,10 @@
 """Random-weight model folders, for geometries the shipped model lacks (tests, benchmarks).
 
-`write_synthetic_folder` writes a Hugging Face Llama folder (config.json, model.safetensors
-with seeded random weights, tokenizer.json) that `load_model(path)` serves like any other:
-e.g. 4 KV heads, which TP 2 and TP 4 can split where SmolLM2's 3 cannot. The tokenizer is
-the given model's (SmolLM2's by default), so prompts are real text.
+`write_synthetic_folder` writes a Hugging Face folder (config.json, model.safetensors with
+seeded random weights, tokenizer.json) that `load_model(path)` serves like any other: a
+Llama with 4 KV heads, which TP 2 and TP 4 can split where SmolLM2's 3 cannot, or a tiny
+DeepSeek-V2/V3 (MLA, MoE). The tokenizer is the given model's (SmolLM2's by default), so
+prompts are real text.
 """
 
 from __future__ import annotations
@@ -27,19 +28,39 @@ SMOLLM2_SHAPED_4_KV_HEADS = dict(vocab_size=49152, hidden_size=576, intermediate
                                  max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
                                  tie_word_embeddings=True)
 
+# A small DeepSeek-V2 with MLA (latent 32 + rotary 8 per token), q LoRA, YaRN and MoE
+# (8 routed experts, top-2 in 4 groups, 1 shared) after one dense layer: 4 heads, so TP 1, 2, 4.
+TINY_DEEPSEEK_V2_MOE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                            topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                            max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                            rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=1024,
+                                              beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+                            initializer_range=0.2)
 
-def write_synthetic_folder(folder: Path | str, tokenizer: Tokenizer, seed: int = 0, **geometry) -> Path:
-    """A Llama folder with `geometry` (transformers.LlamaConfig keys; vocab_size defaults to the
-    tokenizer's) and random weights drawn from `seed`. Returns the folder."""
+_ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                  "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+                  "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+
+
+def write_synthetic_folder(folder: Path | str, tokenizer: Tokenizer, seed: int = 0, architecture: str = "llama",
+                           **geometry) -> Path:
+    """A folder of `architecture` (llama | deepseek_v2 | deepseek_v3) with `geometry` (its
+    transformers config keys; vocab_size defaults to the tokenizer's) and random weights drawn
+    from `seed`. Returns the folder."""
     import transformers  # only here: it is heavy, and serving never needs it
 
+    if architecture not in _ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r} (known: {', '.join(_ARCHITECTURES)})")
+    config_cls, model_cls = (getattr(transformers, name) for name in _ARCHITECTURES[architecture])
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     special = json.loads(tokenizer.to_json())
     geometry.setdefault("vocab_size", tokenizer.vocab_size)
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**geometry, bos_token_id=special["bos_token_id"],
-                                      eos_token_id=special["eos_token_id"])
-    transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    config = config_cls(**geometry, bos_token_id=special["bos_token_id"], eos_token_id=special["eos_token_id"])
+    model_cls(config).save_pretrained(folder, safe_serialization=True)
     (folder / "tokenizer.json").write_text(special["backend"], encoding="utf-8")
     return folder

@@ -24,6 +24,7 @@ import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
+from kvbridge.engine.models.weights import WeightSlot
 from kvbridge.engine.tp import RankShard, TPSplitError, check_tp_split
 
 
@@ -35,6 +36,14 @@ class CausalLM(torch.nn.Module, ABC):
     @abstractmethod
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in; ValueError names any missing/unexpected/mis-shaped one."""
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor `load_weights` takes, with its whole (unsharded) shape."""
+        return {name: slot.checkpoint_shape() for name, slot in self._weight_slots().items()}
+
+    @abstractmethod
+    def _weight_slots(self) -> dict[str, WeightSlot]:
+        """Where each checkpoint tensor goes (models/weights.py)."""
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
