@@ -63,4 +63,6 @@ def write_synthetic_folder(folder: Path | str, tokenizer: Tokenizer, seed: int =
     config = config_cls(**geometry, bos_token_id=special["bos_token_id"], eos_token_id=special["eos_token_id"])
     model_cls(config).save_pretrained(folder, safe_serialization=True)
     (folder / "tokenizer.json").write_text(special["backend"], encoding="utf-8")
+    if special.get("chat_template"):
+        (folder / "chat_template.jinja").write_text(special["chat_template"], encoding="utf-8")
     return folder
