@@ -6,6 +6,15 @@ P engine and its real side channel.
 - Every D rank ends up with exactly its heads of P's blocks; P frees on the one read-done.
 - Seed 000's race: a read that fails while another is still in flight fails the request only
   after that other read has settled; only then are the handles released; P is told to free.
+
+MLA (issue 9, seed 003): a prefill engine of TP 2 or 4 whose ranks each hold the whole latent
+(one replicated KV "head"), built from the real producer half of the worker connector (its
+side channel, control server and lease table) and in-process RankAgents; D of TP 1 or 2.
+- Each D rank reads one copy of the latent from one P rank (the plan's), D's request id is not
+  P's, and the one read-done, keyed by P's request id, ends P's lease for every rank.
+- The read from the chosen P rank fails: the request fails after every read settled (the
+  scheduler then applies the load-failure policy to its invalid blocks), P is released at once
+  for every rank (not left to the lease), and the next request reads cleanly.
 """
 
 from __future__ import annotations
@@ -18,15 +27,19 @@ import torch
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.models import kv_cache_shape
+from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, ModelFamily
 from kvbridge.engine.tp import rank_shard
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.connector.factory import compatibility_of
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, RemoteEngine
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankReport
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
-from kvbridge.kv_transfer.failure import FailureHandler
+from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
+from kvbridge.kv_transfer.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
+from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
+from kvbridge.kv_transfer.tp_mapping import RankKV, plan_request_reads, request_salt
 from tests.integration.pd_harness import make_engine, prefill, settle
 
 TP = 3
@@ -40,28 +53,40 @@ def loaded():
 
 
 class DecodeRanks:
-    """D's control plane and its TP ranks' agents in one process (no model: only KV moves)."""
+    """D's control plane and its TP ranks' agents in one process (no model: only KV moves):
+    rank r registers `caches[r]`, holding KV heads `kv_heads[r]`."""
 
-    def __init__(self, loaded, fabric: FakeFabric, faults: list[FaultConfig]) -> None:
-        arch = loaded.arch
-        kv = KVTransferConfig(role=KVRole.CONSUMER, backend="fake", engine_id="d-tp3", handshake_timeout_s=10.0)
-        config = EngineConfig(cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS), kv_transfer=kv,
-                              tensor_parallel_size=TP)
+    def __init__(self, fabric: FakeFabric, faults: list[FaultConfig], compat: CompatibilityInfo,
+                 caches: list[torch.Tensor], kv_heads: list[range], engine_id: str = "d-tp3") -> None:
+        kv = KVTransferConfig(role=KVRole.CONSUMER, backend="fake", engine_id=engine_id, handshake_timeout_s=10.0)
+        self.tp = len(caches)
         self.stats = KVTransferStats()
-        self.conn = KVBridgeWorkerConnector(kv, "d-tp3", None, compatibility_of(config, arch, loaded.name),
-                                            LeaseTable(30.0), FailureHandler(self.stats), self.stats, None, True)
-        self.agents = [RankAgent(fabric.create_agent(f"d-tp3-tp{r}", faults[r]), serves_reads=False)
-                       for r in range(TP)]
-        self.shards = [rank_shard(arch.num_heads, arch.num_kv_heads, TP, r) for r in range(TP)]
-        self.caches = [torch.zeros(kv_cache_shape(arch, NUM_BLOCKS, BLOCK_SIZE, s.num_kv_heads)) for s in self.shards]
-        self.conn.register_ranks([a.register(c, BLOCK_SIZE, r, TP, s.kv_heads)
-                                  for r, (a, c, s) in enumerate(zip(self.agents, self.caches, self.shards))])
+        self.conn = KVBridgeWorkerConnector(kv, engine_id, None, compat, LeaseTable(30.0), FailureHandler(self.stats),
+                                            self.stats, None, True)
+        self.agents = [RankAgent(fabric.create_agent(f"{engine_id}-tp{r}", faults[r]), serves_reads=False)
+                       for r in range(self.tp)]
+        self.caches = caches
+        self.conn.register_ranks([a.register(c, BLOCK_SIZE, r, self.tp, h)
+                                  for r, (a, c, h) in enumerate(zip(self.agents, caches, kv_heads))])
         self.log: list[tuple[int, str]] = []  # (step, event) in order
+        self.reads: list[tuple[int, int, int]] = []  # every read started: (D rank, P rank, bytes)
+
+    @classmethod
+    def smollm2(cls, loaded, fabric: FakeFabric, faults: list[FaultConfig]) -> "DecodeRanks":
+        arch = loaded.arch
+        config = EngineConfig(cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS), tensor_parallel_size=TP)
+        shards = [rank_shard(arch.num_heads, arch.num_kv_heads, TP, r) for r in range(TP)]
+        caches = [torch.zeros(kv_cache_shape(arch, NUM_BLOCKS, BLOCK_SIZE, s.num_kv_heads)) for s in shards]
+        d = cls(fabric, faults, compatibility_of(config, arch, loaded.name), caches, [s.kv_heads for s in shards])
+        d.shards = shards
+        return d
 
     def step(self, n: int, metadata: ConnectorMetadata | None = None):
-        commands = self.conn.start_load_kv(metadata) or [None] * TP  # None: no rank has anything to do
+        commands = self.conn.start_load_kv(metadata) or [None] * self.tp  # None: no rank has anything to do
         for rank, (agent, cmds) in enumerate(zip(self.agents, commands)):
             self.log += [(n, f"rank {rank} releases")] * (len(cmds.release) if cmds is not None else 0)
+            self.reads += [(rank, int(op.peer.rsplit("/tp", 1)[1]), sum(ln for _, ln in op.local))
+                           for op in (cmds.reads if cmds is not None else ())]
             agent.apply(cmds)
         reports: list[RankReport] = [a.poll() for a in self.agents]
         for report in reports:
@@ -105,7 +130,7 @@ def prompt(loaded):
 def test_each_d_rank_reads_exactly_its_heads_and_p_frees_on_the_one_read_done(loaded, prompt):
     fabric = FakeFabric()
     p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("p-tp1"), block_size=BLOCK_SIZE)
-    d = DecodeRanks(loaded, fabric, [FaultConfig()] * TP)
+    d = DecodeRanks.smollm2(loaded, fabric, [FaultConfig()] * TP)
     try:
         params = prefill(p, prompt)
         r_ids = list(params["remote_block_ids"])
@@ -132,7 +157,7 @@ def test_a_failed_read_fails_the_request_only_after_the_other_reads_settle(loade
     fabric = FakeFabric()
     p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("p-tp1"), block_size=BLOCK_SIZE)
     slow = FaultConfig(delay_polls=6)  # rank 2's read is still in flight for six polls after rank 0's failed
-    d = DecodeRanks(loaded, fabric, [fault, FaultConfig(), slow])
+    d = DecodeRanks.smollm2(loaded, fabric, [fault, FaultConfig(), slow])
     try:
         params = prefill(p, prompt)
         out = run(p, d, recv_spec(p, prompt, params, list(range(len(params["remote_block_ids"])))))
@@ -159,3 +184,151 @@ def test_a_failed_read_fails_the_request_only_after_the_other_reads_settle(loade
     finally:
         d.close()
         p.shutdown()
+
+
+# ---- MLA: one latent per token, replicated on every rank ---------------------------------------
+
+MLA_ARCH = ModelArchConfig(ModelFamily.DEEPSEEK_V2, vocab_size=64, hidden_size=64, intermediate_size=128,
+                           num_layers=2, num_heads=4, num_kv_heads=4, head_dim=24,
+                           mla=MLAConfig(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                                         qk_rope_head_dim=8, v_head_dim=16))
+MLA_COMPAT = compatibility_of(EngineConfig(), MLA_ARCH, "tiny-deepseek-v2")
+# An MLA rank's cache: [blocks, 1 (the latent, one "head"), layers, 1 (no separate V), block_size, 32 + 8].
+MLA_SHAPE = (NUM_BLOCKS, MLA_ARCH.cache_kv_heads, MLA_ARCH.num_layers, MLA_ARCH.cache_entries, BLOCK_SIZE,
+             MLA_ARCH.cache_head_size)
+MLA_BLOCK_BYTES = 4 * MLA_SHAPE[1] * MLA_SHAPE[2] * MLA_SHAPE[3] * MLA_SHAPE[4] * MLA_SHAPE[5]
+D_RID, P_RID = "decode-req-AAAA", "prefill-req-BBBB"  # seed 003's ids: D's and P's differ
+LATENT = torch.randn(MLA_SHAPE, generator=torch.Generator().manual_seed(3))  # the prompt's latent KV
+
+
+class MLAPrefillRanks:
+    """A prefill engine's KV side without its model: the real producer half of the worker
+    connector (side channel, control server, leases) and one RankAgent per rank, each rank
+    holding the same latent, as an MLA engine's ranks do."""
+
+    def __init__(self, fabric: FakeFabric, tp: int) -> None:
+        self.kv = KVTransferConfig(role=KVRole.PRODUCER, backend="fake", engine_id="p-mla", lease_seconds=30.0)
+        self.stats = KVTransferStats()
+        self.leases = LeaseTable(30.0)
+        self.stats.held_blocks = self.leases.held_blocks
+        self.side_channel = SideChannelServer({}, "127.0.0.1", 0).start()
+        self.conn = KVBridgeWorkerConnector(self.kv, "p-mla", None, MLA_COMPAT, self.leases,
+                                            FailureHandler(self.stats), self.stats, self.side_channel, True)
+        self.agents = [RankAgent(fabric.create_agent(f"p-mla-tp{r}"), serves_reads=True) for r in range(tp)]
+        self.caches = [LATENT.clone() for _ in range(tp)]  # replicated: every rank holds all of it
+        self.conn.register_ranks([a.register(c, BLOCK_SIZE, r, tp, range(0, 1))
+                                  for r, (a, c) in enumerate(zip(self.agents, self.caches))])
+        self.freed: list[str] = []  # request ids whose blocks P's engine would free, in order
+
+    def grant(self, request_id: str, block_ids: list[int], prompt: list[int]) -> dict:
+        """A finished prefill: hold `block_ids` for a reader; the kv_transfer_params P answers with."""
+        generation = self.leases.new_generation()
+        self.leases.grant(request_id, (block_ids,), generation, content_digest(prompt))
+        return {"remote_engine_id": "p-mla", "remote_host": "127.0.0.1", "remote_port": self.side_channel.port,
+                "remote_request_id": request_id, "lease_generation": generation, "remote_block_ids": block_ids}
+
+    def step(self) -> None:
+        for agent in self.agents:
+            agent.apply(None)
+            assert agent.poll().backend_error is None
+        self.freed += sorted(self.conn.get_finished().finished_sending)
+
+    def settle(self) -> None:
+        """Step until the lease of every granted request has ended (D's notice arrived)."""
+        deadline = time.monotonic() + WAIT_S
+        while len(self.leases):
+            assert time.monotonic() < deadline, "P's lease never ended"
+            self.step()
+        self.step()
+
+    def close(self) -> None:
+        self.conn.shutdown()
+        for agent in self.agents:
+            agent.shutdown()
+
+
+def mla_decode(fabric: FakeFabric, tp: int, faults: list[FaultConfig] | None = None) -> DecodeRanks:
+    return DecodeRanks(fabric, faults or [FaultConfig()] * tp, MLA_COMPAT,
+                       [torch.zeros(MLA_SHAPE) for _ in range(tp)], [range(0, 1)] * tp, engine_id=f"d-mla-tp{tp}")
+
+
+def mla_spec(params: dict, prompt: list[int], local_ids: list[int], request_id: str = D_RID) -> RecvSpec:
+    remote = RemoteEngine(params["remote_engine_id"], params["remote_host"], int(params["remote_port"]))
+    return RecvSpec(request_id, remote, params["remote_request_id"], params["lease_generation"], (local_ids,),
+                    (list(params["remote_block_ids"]),), content_digest(prompt))
+
+
+def chosen_p_ranks(d_tp: int, p_tp: int, p_request_id: str) -> list[int]:
+    """The P rank each D rank reads the latent from (one each), as the plan picks them."""
+    plan = plan_request_reads([RankKV(r, range(0, 1), MLA_BLOCK_BYTES) for r in range(d_tp)],
+                              [RankKV(r, range(0, 1), MLA_BLOCK_BYTES) for r in range(p_tp)],
+                              request_salt(p_request_id), p_request_id, 0)
+    return [rp.remote_ranks[0] for rp in plan.ranks]
+
+
+MLA_PROMPT = list(range(1, 3 * BLOCK_SIZE + 5))  # four blocks, the last one partial
+P_BLOCKS, D_BLOCKS = [7, 3, 12, 20], [30, 2, 9, 10]
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (2, 2), (4, 1), (1, 2)], ids=lambda v: str(v))
+def test_mla_each_d_rank_reads_one_copy_of_the_latent_and_one_read_done_frees_every_p_rank(p_tp, d_tp):
+    fabric = FakeFabric()
+    p, d = MLAPrefillRanks(fabric, p_tp), mla_decode(fabric, d_tp)
+    try:
+        params = p.grant(P_RID, P_BLOCKS, MLA_PROMPT)
+        out = run(p, d, mla_spec(params, MLA_PROMPT, D_BLOCKS))
+        assert out.finished_recving == {D_RID} and not out.failed_recving
+        # Each D rank read the latent once, from the one P rank the plan chose for it.
+        chosen = chosen_p_ranks(d_tp, p_tp, P_RID)
+        assert sorted(d.reads) == sorted((r, chosen[r], len(P_BLOCKS) * MLA_BLOCK_BYTES) for r in range(d_tp))
+        assert d.stats.bytes == d_tp * len(P_BLOCKS) * MLA_BLOCK_BYTES  # one copy per D rank, not P TP copies
+        for cache in d.caches:
+            assert torch.equal(cache[D_BLOCKS], LATENT[P_BLOCKS])
+            assert not cache[[b for b in range(NUM_BLOCKS) if b not in D_BLOCKS]].any()
+        # P: the read-done named P's request id, so the lease ended for every rank, read or not.
+        p.settle()
+        assert p.freed == [P_RID] and D_RID not in p.freed
+        assert p.stats.held_blocks() == 0 and p.stats.expired_leases == 0 and p.stats.early_releases == 0
+        assert all(a.num_live_reads == 0 for a in d.agents)
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("fault", [FaultConfig(error_state=True), FaultConfig(fail_read_setup=True)],
+                         ids=["error_state", "fail_read_setup"])
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (2, 2), (4, 1)], ids=lambda v: str(v))
+def test_mla_a_failed_read_from_the_chosen_p_rank_releases_every_p_rank_at_once(p_tp, d_tp, fault):
+    fabric = FakeFabric()
+    p = MLAPrefillRanks(fabric, p_tp)
+    # D rank 0's read, from the P rank the plan chose for it, fails; D rank 1's (if any) is slow.
+    d = mla_decode(fabric, d_tp, [fault] + [FaultConfig(delay_polls=4)] * (d_tp - 1))
+    try:
+        params = p.grant(P_RID, P_BLOCKS, MLA_PROMPT)
+        out = run(p, d, mla_spec(params, MLA_PROMPT, D_BLOCKS))
+        # D: the request failed (after every read settled) with all its blocks invalid: the
+        # scheduler's load-failure policy recomputes them or fails the request.
+        assert out.failed_recving == {D_RID} and out.invalid_block_ids == set(D_BLOCKS)
+        chosen = chosen_p_ranks(d_tp, p_tp, P_RID)
+        assert f"D rank 0 from P rank {chosen[0]}; 1 of {d_tp} reads failed" in out.failure_causes[D_RID]
+        kind = FailureKind.TRANSFER_STATE if fault.error_state else FailureKind.TRANSFER_SETUP
+        assert dict(d.stats.failed_transfers) == {kind.value: 1} and d.stats.transfers == 0
+        events = [e for _, e in d.log]
+        if d_tp == 2:  # seed 000: the failure waits for the other rank's read
+            assert events.index("rank 1 done") < events.index(f"failed {D_RID}")
+        # P: D's one release, keyed by P's request id, freed every rank's copy at once.
+        p.settle()
+        assert p.freed == [P_RID]
+        assert p.stats.early_releases == 1 and p.stats.expired_leases == 0 and p.stats.held_blocks() == 0
+        assert all(a.num_live_reads == 0 for a in d.agents)
+        # Both engines live on: with the fault gone the next request reads cleanly and frees P.
+        d.agents[0].backend.set_faults(FaultConfig())
+        params = p.grant("prefill-req-CCCC", P_BLOCKS, MLA_PROMPT)
+        out = run(p, d, mla_spec(params, MLA_PROMPT, D_BLOCKS, request_id="decode-req-DDDD"))
+        assert out.finished_recving == {"decode-req-DDDD"} and not out.failed_recving
+        assert all(torch.equal(c[D_BLOCKS], LATENT[P_BLOCKS]) for c in d.caches)
+        p.settle()
+        assert p.freed == [P_RID, "prefill-req-CCCC"] and p.stats.expired_leases == 0 and p.stats.early_releases == 1
+    finally:
+        d.close()
+        p.close()
