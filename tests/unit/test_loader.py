@@ -16,6 +16,8 @@ from tokenizers import pre_tokenizers
 from kvbridge.engine import loader
 from kvbridge.engine.loader import DEFAULT_MODEL, load_model, resolve_model
 from kvbridge.engine.loader.cache import cache_path, expected_weight_shapes, load_cached
+from kvbridge.engine.loader.gguf import GGUF_FAMILIES
+from kvbridge.engine.loader.safetensors import arch_from_config
 from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
 
 # llama.cpp's names for the HF parameters (gguf-py tensor_mapping), restated as the spec.
@@ -193,7 +195,7 @@ def random_weights(arch: ModelArchConfig) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(arch).items()}
 
 
-@pytest.mark.parametrize("family", list(ModelFamily))
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_tiny_gguf_of_each_family_round_trips_to_hf_weights(family, tmp_path):
     arch = tiny_arch(family)
     weights = random_weights(arch)
@@ -328,3 +330,68 @@ def test_hf_folder_problems_are_value_errors(smollm2, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="missing.*lm_head"):
         load_with()
+
+
+def _deepseek_config(version: str, **changes) -> dict:
+    base = dict(architectures=[f"Deepseek{version.upper()}ForCausalLM"], vocab_size=64, hidden_size=32,
+                intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=16,
+                first_k_dense_replace=1, max_position_embeddings=256)
+    return {**base, **changes}
+
+
+@pytest.mark.parametrize("version, changes, expected", [
+    ("v2", {}, dict(scoring="softmax", topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)),
+    ("v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, norm_topk_prob=True),
+     dict(topk_method="group_limited_greedy", num_groups=4, topk_group=2, norm_topk_prob=False)),  # as transformers
+    ("v3", dict(n_group=2, topk_group=1), dict(scoring="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+                                               routed_scaling_factor=2.5)),
+])
+def test_deepseek_config_gives_mla_and_moe(version, changes, expected):
+    arch = arch_from_config(_deepseek_config(version, **changes))
+    assert arch.family is ModelFamily(f"deepseek_{version}") and arch.use_mla
+    assert (arch.cache_kv_heads, arch.cache_head_size, arch.cache_entries) == (1, 16 + 4, 1)
+    assert arch.kv_bytes_per_token == 3 * 20 * 4  # one latent per token and layer, not 2 * heads * head_dim
+    assert arch.head_dim == 12 and arch.rope_dim == 4 and arch.rope_scaling is None
+    assert arch.moe is not None and arch.moe.num_shared_experts == 2 and not arch.moe.is_moe_layer(0)
+    for field, value in expected.items():
+        assert getattr(arch.moe, field) == value, field
+
+
+def test_deepseek_yarn_from_either_transformers_spelling():
+    yarn = dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+                mscale_all_dim=1.0)
+    old = arch_from_config(_deepseek_config("v2", rope_theta=10000.0, rope_scaling={"type": "yarn", **yarn}))
+    new = arch_from_config(_deepseek_config("v2", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                   **yarn}))
+    assert old.rope_scaling == new.rope_scaling and old.rope_scaling.factor == 40.0
+    assert old.rope_scaling.original_max_position_embeddings == 4096 and old.rope_scaling.mscale_all_dim == 1.0
+
+
+def test_deepseek_dense_only_and_refused_configs():
+    assert arch_from_config(_deepseek_config("v2", first_k_dense_replace=3)).moe is None
+    assert arch_from_config(_deepseek_config("v2", q_lora_rank=24)).mla.q_lora_rank == 24
+    with pytest.raises(ValueError, match="attention_bias"):
+        arch_from_config(_deepseek_config("v2", attention_bias=True))
+    with pytest.raises(ValueError, match="group_limited_greedy routing needs n_group"):
+        arch_from_config(_deepseek_config("v2", topk_method="group_limited_greedy", n_group=3, topk_group=1))
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported"):  # only DeepSeek's YaRN is tested
+        arch_from_config({**_deepseek_config("v2"), "architectures": ["LlamaForCausalLM"],
+                          "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}})
+
+
+@pytest.mark.parametrize("tp, error", [(1, None), (2, None), (4, None), (3, "MoE expert intermediate size 16"),
+                                       (8, "attention heads")])
+def test_deepseek_tp_split_checks_heads_and_experts(tp, error):
+    from kvbridge.engine.models import check_arch_tp_split
+    from kvbridge.engine.tp import TPSplitError
+    arch = arch_from_config(_deepseek_config("v2", num_attention_heads=12, moe_intermediate_size=16))
+    if error is None:
+        check_arch_tp_split(arch, tp)  # the latent is one head: replicated on every rank, any TP size
+    else:
+        with pytest.raises(TPSplitError, match=error):
+            check_arch_tp_split(arch, tp)
+    with pytest.raises(TPSplitError, match="MoE expert intermediate size 18"):
+        check_arch_tp_split(arch_from_config(_deepseek_config("v2", moe_intermediate_size=18,
+                                                              intermediate_size=48)), 4)

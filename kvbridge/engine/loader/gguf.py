@@ -97,14 +97,17 @@ def _float(reader: GGUFReader, key: str, default: float) -> float:
     return default if value is None else float(value)  # type: ignore[arg-type]
 
 
+# The families read from GGUF (DeepSeek models are served from Hugging Face folders).
+GGUF_FAMILIES = (ModelFamily.LLAMA, ModelFamily.QWEN2, ModelFamily.QWEN3)
+
+
 def read_arch(reader: GGUFReader) -> ModelArchConfig:
     """ModelArchConfig from `general.architecture` and its `<arch>.*` keys."""
     arch_name = _field_value(reader, "general.architecture")
-    try:
-        family = ModelFamily(arch_name)
-    except ValueError:
+    family = next((f for f in GGUF_FAMILIES if f.value == arch_name), None)
+    if family is None:
         raise ValueError(f"unsupported GGUF architecture {arch_name!r} "
-                         f"(supported: {', '.join(f.value for f in ModelFamily)})") from None
+                         f"(supported: {', '.join(f.value for f in GGUF_FAMILIES)})")
     p = family.value
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
