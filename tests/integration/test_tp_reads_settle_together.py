@@ -7,9 +7,10 @@ P engine and its real side channel.
 - Seed 000's race: a read that fails while another is still in flight fails the request only
   after that other read has settled; only then are the handles released; P is told to free.
 
-MLA (issue 9, seed 003): a prefill engine of TP 2 or 4 whose ranks each hold the whole latent
+MLA (issue 9, seed 003): a prefill engine of TP 1, 2 or 4 whose ranks each hold the whole latent
 (one replicated KV "head"), built from the real producer half of the worker connector (its
-side channel, control server and lease table) and in-process RankAgents; D of TP 1 or 2.
+side channel, control server and lease table) and in-process RankAgents (real NIXL or tcp
+agents, or the fake fabric's for injected faults); D of TP 1 or 2.
 - Each D rank reads one copy of the latent from one P rank (the plan's), D's request id is not
   P's, and the one read-done, keyed by P's request id, ends P's lease for every rank.
 - The read from the chosen P rank fails: the request fails after every read settled (the
@@ -20,6 +21,7 @@ side channel, control server and lease table) and in-process RankAgents; D of TP
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.models import kv_cache_shape
 from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, ModelFamily
 from kvbridge.engine.tp import rank_shard
+from kvbridge.kv_transfer.backends import create_backend
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.connector.factory import compatibility_of
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, RemoteEngine
@@ -57,13 +60,14 @@ class DecodeRanks:
     rank r registers `caches[r]`, holding KV heads `kv_heads[r]`."""
 
     def __init__(self, fabric: FakeFabric, faults: list[FaultConfig], compat: CompatibilityInfo,
-                 caches: list[torch.Tensor], kv_heads: list[range], engine_id: str = "d-tp3") -> None:
-        kv = KVTransferConfig(role=KVRole.CONSUMER, backend="fake", engine_id=engine_id, handshake_timeout_s=10.0)
+                 caches: list[torch.Tensor], kv_heads: list[range], engine_id: str = "d-tp3",
+                 backend: str = "fake") -> None:
+        kv = KVTransferConfig(role=KVRole.CONSUMER, backend=backend, engine_id=engine_id, handshake_timeout_s=10.0)
         self.tp = len(caches)
         self.stats = KVTransferStats()
         self.conn = KVBridgeWorkerConnector(kv, engine_id, None, compat, LeaseTable(30.0), FailureHandler(self.stats),
                                             self.stats, None, True)
-        self.agents = [RankAgent(fabric.create_agent(f"{engine_id}-tp{r}", faults[r]), serves_reads=False)
+        self.agents = [RankAgent(new_agent(backend, f"{engine_id}-tp{r}", fabric, faults[r]), serves_reads=False)
                        for r in range(self.tp)]
         self.caches = caches
         self.conn.register_ranks([a.register(c, BLOCK_SIZE, r, self.tp, h)
@@ -100,6 +104,16 @@ class DecodeRanks:
         self.conn.shutdown()
         for agent in self.agents:
             agent.shutdown()
+
+
+def new_agent(backend: str, name: str, fabric: FakeFabric, faults: FaultConfig | None = None):
+    """A rank's transfer agent: the fake one (fault knobs), or a real tcp / NIXL agent (UCX on lo)."""
+    if backend == "fake":
+        return fabric.create_agent(name, faults)
+    assert faults is None or faults == FaultConfig(), "faults are injected on the fake backend only"
+    if backend == "nixl":
+        pytest.importorskip("nixl._api")
+    return create_backend(backend, f"{name}-{uuid.uuid4().hex[:8]}")  # NIXL agents in one process: distinct names
 
 
 def recv_spec(p, prompt: list[int], params: dict, local_ids: list[int]) -> RecvSpec:
@@ -206,15 +220,15 @@ class MLAPrefillRanks:
     connector (side channel, control server, leases) and one RankAgent per rank, each rank
     holding the same latent, as an MLA engine's ranks do."""
 
-    def __init__(self, fabric: FakeFabric, tp: int) -> None:
-        self.kv = KVTransferConfig(role=KVRole.PRODUCER, backend="fake", engine_id="p-mla", lease_seconds=30.0)
+    def __init__(self, fabric: FakeFabric, tp: int, backend: str = "fake") -> None:
+        self.kv = KVTransferConfig(role=KVRole.PRODUCER, backend=backend, engine_id="p-mla", lease_seconds=30.0)
         self.stats = KVTransferStats()
         self.leases = LeaseTable(30.0)
         self.stats.held_blocks = self.leases.held_blocks
         self.side_channel = SideChannelServer({}, "127.0.0.1", 0).start()
         self.conn = KVBridgeWorkerConnector(self.kv, "p-mla", None, MLA_COMPAT, self.leases,
                                             FailureHandler(self.stats), self.stats, self.side_channel, True)
-        self.agents = [RankAgent(fabric.create_agent(f"p-mla-tp{r}"), serves_reads=True) for r in range(tp)]
+        self.agents = [RankAgent(new_agent(backend, f"p-mla-tp{r}", fabric), serves_reads=True) for r in range(tp)]
         self.caches = [LATENT.clone() for _ in range(tp)]  # replicated: every rank holds all of it
         self.conn.register_ranks([a.register(c, BLOCK_SIZE, r, tp, range(0, 1))
                                   for r, (a, c) in enumerate(zip(self.agents, self.caches))])
@@ -247,9 +261,10 @@ class MLAPrefillRanks:
             agent.shutdown()
 
 
-def mla_decode(fabric: FakeFabric, tp: int, faults: list[FaultConfig] | None = None) -> DecodeRanks:
-    return DecodeRanks(fabric, faults or [FaultConfig()] * tp, MLA_COMPAT,
-                       [torch.zeros(MLA_SHAPE) for _ in range(tp)], [range(0, 1)] * tp, engine_id=f"d-mla-tp{tp}")
+def mla_decode(fabric: FakeFabric, tp: int, faults: list[FaultConfig] | None = None,
+               backend: str = "fake") -> DecodeRanks:
+    return DecodeRanks(fabric, faults or [FaultConfig()] * tp, MLA_COMPAT, [torch.zeros(MLA_SHAPE) for _ in range(tp)],
+                       [range(0, 1)] * tp, engine_id=f"d-mla-tp{tp}", backend=backend)
 
 
 def mla_spec(params: dict, prompt: list[int], local_ids: list[int], request_id: str = D_RID) -> RecvSpec:
@@ -270,10 +285,11 @@ MLA_PROMPT = list(range(1, 3 * BLOCK_SIZE + 5))  # four blocks, the last one par
 P_BLOCKS, D_BLOCKS = [7, 3, 12, 20], [30, 2, 9, 10]
 
 
+@pytest.mark.parametrize("backend", ["fake", "tcp", "nixl"])
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (2, 2), (4, 1), (1, 2)], ids=lambda v: str(v))
-def test_mla_each_d_rank_reads_one_copy_of_the_latent_and_one_read_done_frees_every_p_rank(p_tp, d_tp):
+def test_mla_each_d_rank_reads_one_copy_of_the_latent_and_one_read_done_frees_every_p_rank(p_tp, d_tp, backend):
     fabric = FakeFabric()
-    p, d = MLAPrefillRanks(fabric, p_tp), mla_decode(fabric, d_tp)
+    p, d = MLAPrefillRanks(fabric, p_tp, backend), mla_decode(fabric, d_tp, backend=backend)
     try:
         params = p.grant(P_RID, P_BLOCKS, MLA_PROMPT)
         out = run(p, d, mla_spec(params, MLA_PROMPT, D_BLOCKS))
