@@ -22,7 +22,7 @@ from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.connector.factory import compatibility_of
-from kvbridge.kv_transfer.handshake import HandshakeMetadata, HandshakeRefused, RankLayout, encode_payload
+from kvbridge.kv_transfer.handshake import HandshakeMetadata, HandshakeRefused, encode_payload
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
