@@ -3,33 +3,45 @@
 One owner: the KV cache manager. A block is *free* when no request references it
 (ref_cnt == 0); a free block may still hold a cached prefix (it has a hash) and is
 then reused by a later request with the same prefix, or evicted — oldest first —
-when fresh blocks are needed.
+when fresh blocks are needed. Cache keys are whatever the manager hashes blocks by
+(a chained hash, per KV cache group).
+
+With `reserve_null`, block 0 is the *null block*: never handed out, never freed, never
+cached; it stands in a block table for a block the request no longer needs (a sliding
+window's blocks behind the window), so tables keep one entry per block of tokens.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set while the block is in the prefix cache
+    block_hash: Hashable | None = None  # set while the block is in the prefix cache
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False) -> None:
+        if num_blocks < 1 + reserve_null:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block: KVBlock | None = self.blocks[0] if reserve_null else None
         # Free blocks in eviction order: the first one is evicted first.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[int, KVBlock] = {}
+        self._free: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks if b is not self.null_block)
+        self._cached: dict[Hashable, KVBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold (all but the null block)."""
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,9 +50,9 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by requests (cached free blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+    def get_cached_block(self, block_hash: Hashable) -> KVBlock | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
     def can_allocate(self, n: int) -> bool:
@@ -78,9 +90,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVBlock, block_hash: Hashable) -> None:
         """Publish a full block under its chained hash (first writer wins)."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
         if block_hash in self._cached:
             return

@@ -13,7 +13,8 @@ from typing import Callable
 
 from kvbridge.config import EngineConfig
 from kvbridge.engine.block_pool import BlockPool
-from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheKind, KVCacheManager
+from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.models import check_arch_tp_split
 from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.model_runner import DTYPES, ModelRunner, configure_torch_threads, kv_bytes_per_block
@@ -76,10 +77,14 @@ class LLMEngine:
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
             loaded.arch, cache.block_size, DTYPES[config.dtype], tp))
         self.num_blocks = num_blocks
-        kind = KVCacheKind.MLA if loaded.arch.use_mla else KVCacheKind.FULL_ATTENTION
-        groups = [KVCacheGroupSpec(kind, cache.block_size,
-                                   tuple(range(loaded.arch.num_layers)))]
-        self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching), groups)
+        groups = [KVCacheGroupSpec(g.kind, cache.block_size, g.layer_ids, g.sliding_window)
+                  for g in layer_groups(loaded.arch)]
+        if len(groups) > 1 and connectors is not None:
+            raise ValueError("P/D KV transfer of models with several KV cache groups (full and sliding-window "
+                             "layers) is not supported yet; serve this model without --kv-role")
+        sliding = any(g.sliding_window is not None for g in groups)
+        self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching, reserve_null=sliding),
+                                               groups)
         sched_conn, worker_conn = connectors if connectors is not None else (None, None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, sched_conn)
         self.runner: ModelRunner | TPExecutor
@@ -220,7 +225,7 @@ class LLMEngine:
         s, kvm = self.scheduler, self.kv_cache_manager
         return EngineMetrics(
             num_running=len(s.running), num_waiting=s.num_waiting, num_held_for_remote=len(s.sending),
-            kv_cache_usage=kvm.usage, num_free_blocks=kvm.num_free_blocks, num_total_blocks=self.num_blocks,
+            kv_cache_usage=kvm.usage, num_free_blocks=kvm.num_free_blocks, num_total_blocks=kvm.pool.num_usable_blocks,
             prefix_cache_queries=kvm.prefix_queries, prefix_cache_hits=kvm.prefix_hits,
             num_preemptions=s.num_preemptions)
 

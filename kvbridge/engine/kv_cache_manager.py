@@ -25,6 +25,7 @@ BlockIds = tuple[list[int], ...]
 class KVCacheKind(enum.Enum):
     FULL_ATTENTION = "full_attention"
     MLA = "mla"  # multi-head latent attention: one compressed latent per token, all heads share it
+    SLIDING_WINDOW = "sliding_window"  # a token sees the last `sliding_window` tokens only
 
     @property
     def keeps_every_token(self) -> bool:
@@ -37,9 +38,22 @@ class KVCacheGroupSpec:
     kind: KVCacheKind
     block_size: int
     layer_ids: tuple[int, ...]
+    sliding_window: int | None = None  # SLIDING_WINDOW: keys a query sees, itself included
+
+    def __post_init__(self) -> None:
+        if (self.kind is KVCacheKind.SLIDING_WINDOW) != (self.sliding_window is not None):
+            raise ValueError("a sliding-window group needs a sliding_window, and only it")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def first_needed_block(self, position: int) -> int:
+        """The first block a query at `position` (and any later one) still reads."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -48,12 +62,20 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 class KVCacheManager:
+    """Block tables of every request, one per group, all of equal length (one entry per block
+    of tokens); a sliding-window group's entries behind the window are the pool's null block
+    (their blocks went back to the pool, and stay in the prefix cache until evicted)."""
+
     def __init__(self, pool: BlockPool, groups: Sequence[KVCacheGroupSpec]) -> None:
         if not groups:
             raise ValueError("at least one KV cache group is required")
+        if len({g.block_size for g in groups}) != 1:
+            raise ValueError("every KV cache group must have the same block size")
         for g in groups:
-            if not g.kind.keeps_every_token:
+            if not (g.kind.keeps_every_token or g.kind is KVCacheKind.SLIDING_WINDOW):
                 raise ValueError(f"unsupported KV cache group kind {g.kind}")
+        if any(g.sliding_window is not None for g in groups) and pool.null_block is None:
+            raise ValueError("sliding-window groups need a pool with a null block (reserve_null=True)")
         self.pool = pool
         self.groups = tuple(groups)
         self.block_size = groups[0].block_size
@@ -91,7 +113,9 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVBlock], ...], int]:
-        """Longest cached prefix of the request, in whole blocks; takes no reference.
+        """Longest cached prefix of the request, in whole blocks, that EVERY group can resume
+        from; takes no reference. A full-attention group needs every block of the prefix; a
+        sliding-window group only the blocks the next query still sees (the rest are null).
 
         At least one prompt token is always left to compute, so the step that ends
         the prompt has logits to sample from.
@@ -99,17 +123,32 @@ class KVCacheManager:
         empty: tuple[list[KVBlock], ...] = tuple([] for _ in self.groups)
         if not self.pool.enable_caching:
             return empty, 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for h in self.block_hashes(request)[:max_blocks]:
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                break
-            hits.append(block)
+        hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
+        hit = len(hashes)
+        for gi, group in enumerate(self.groups):
+            if group.sliding_window is None:
+                n = 0
+                while n < hit and self.pool.get_cached_block((gi, hashes[n])) is not None:
+                    n += 1
+                hit = n
+        while hit > 0 and not all(self._window_cached(gi, g, hashes, hit) for gi, g in enumerate(self.groups)
+                                  if g.sliding_window is not None):
+            hit -= 1
         self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
-        # One full-attention group per model today: every group shares the hit.
-        return tuple(list(hits) for _ in self.groups), len(hits) * self.block_size
+        self.prefix_hits += hit * self.block_size
+        if hit == 0:
+            return empty, 0
+        null = self.pool.null_block
+        tables = []
+        for gi, group in enumerate(self.groups):
+            first = group.first_needed_block(hit * self.block_size)
+            found = [self.pool.get_cached_block((gi, h)) for h in hashes[first:hit]]
+            tables.append([null] * first + found)  # type: ignore[list-item]
+        return tuple(tables), hit * self.block_size  # type: ignore[return-value]
+
+    def _window_cached(self, gi: int, group: KVCacheGroupSpec, hashes: list[int], hit: int) -> bool:
+        first = group.first_needed_block(hit * self.block_size)
+        return all(self.pool.get_cached_block((gi, h)) is not None for h in hashes[first:hit])
 
     def can_allocate(self, request: Request, num_new_tokens: int,
                      new_computed_blocks: tuple[list[KVBlock], ...] | None = None) -> bool:
@@ -123,25 +162,36 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the request's computed ones.
 
         `new_computed_blocks` are prefix-cache hits found by get_computed_blocks for a
-        request that has no blocks yet; they are referenced here. Returns the
-        request's full block ids, or None (and changes nothing) if blocks ran out.
+        request that has no blocks yet; they are referenced here. A sliding-window group's
+        blocks that no query from now on sees go back to the pool. Returns the request's
+        full block ids, or None (and changes nothing) if blocks ran out.
         """
         hits = new_computed_blocks or tuple([] for _ in self.groups)
         if self._free_blocks_needed(request, num_new_tokens, hits) > self.pool.num_free_blocks:
             return None
-        total_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
+        first_new = request.num_computed_tokens + len(hits[0]) * self.block_size
+        total_tokens = first_new + num_new_tokens
         table = self._tables.get(request.request_id)
         if table is None:
             table = tuple([] for _ in self.groups)
             self._tables[request.request_id] = table
         for gi, group in enumerate(self.groups):
             if hits[gi]:
-                self.pool.touch(hits[gi])
+                self.pool.touch(b for b in hits[gi] if b is not self.pool.null_block)
                 table[gi].extend(hits[gi])
             missing = group.blocks_needed(total_tokens) - len(table[gi])
             if missing > 0:
                 table[gi].extend(self.pool.allocate(missing))
+            if group.sliding_window is not None:
+                self._drop_behind_window(table[gi], group.first_needed_block(first_new))
         return self.get_block_ids(request.request_id)
+
+    def _drop_behind_window(self, blocks: list[KVBlock], first_needed: int) -> None:
+        null = self.pool.null_block
+        behind = [b for b in blocks[:first_needed] if b is not null]
+        if behind:
+            blocks[:first_needed] = [null] * first_needed  # type: ignore[list-item]
+            self.pool.free(list(reversed(behind)))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks up to num_computed_tokens in the prefix cache."""
@@ -150,9 +200,9 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request)
         n_full = min(num_computed_tokens // self.block_size, len(hashes))
-        for blocks in table:
+        for gi, blocks in enumerate(table):
             for i in range(n_full):
-                self.pool.cache_block(blocks[i], hashes[i])
+                self.pool.cache_block(blocks[i], (gi, hashes[i]))
 
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks; safe to call for a request with none."""
@@ -160,7 +210,7 @@ class KVCacheManager:
         if table is None:
             return
         for blocks in table:
-            self.pool.free(list(reversed(blocks)))
+            self.pool.free([b for b in reversed(blocks) if b is not self.pool.null_block])
 
     def invalidate_blocks(self, block_ids: set[int]) -> None:
         """Blocks whose content is wrong (a failed remote load) leave the prefix cache."""
@@ -173,9 +223,11 @@ class KVCacheManager:
                             hits: tuple[list[KVBlock], ...]) -> int:
         """Free blocks that allocate_slots would take: fresh ones, plus cached hits that are
         free right now (touching them takes them off the free list)."""
-        num_hit = len(hits[0])
-        total_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        total_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
         table = self._tables.get(request.request_id)
-        have = len(table[0]) if table else 0
-        fresh = sum(max(g.blocks_needed(total_tokens) - have - num_hit, 0) for g in self.groups)
-        return fresh + sum(1 for b in hits[0] if b.ref_cnt == 0) * len(self.groups)
+        needed = 0
+        for gi, group in enumerate(self.groups):
+            have = len(table[gi]) if table else 0
+            needed += max(group.blocks_needed(total_tokens) - have - len(hits[gi]), 0)
+            needed += sum(1 for b in hits[gi] if b.ref_cnt == 0 and b is not self.pool.null_block)
+        return needed

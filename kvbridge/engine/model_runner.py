@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvbridge.engine.kv_groups import layer_groups, slots_per_block
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.models import build_model, kv_cache_shape
 from kvbridge.engine.models.config import ModelArchConfig
@@ -65,7 +66,7 @@ def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtyp
     """One block, every layer, on one rank (the largest share any rank of `tp_size` holds)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     heads = rank_shard(arch.num_heads, arch.cache_kv_heads, tp_size, 0).num_kv_heads
-    return arch.num_layers * arch.cache_entries * block_size * heads * arch.cache_head_size * elem
+    return slots_per_block(arch) * arch.cache_entries * block_size * heads * arch.cache_head_size * elem
 
 
 class ModelRunner:
@@ -83,6 +84,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.samples = samples
         self.model = build_model(arch, self.dtype, self.device, shard, all_reduce)
+        self.windows = [g.sliding_window for g in layer_groups(arch)]  # per KV cache group
         self.model.load_weights(weights)
         heads = shard.num_kv_heads if shard is not None else arch.cache_kv_heads
         self.kv_cache = torch.empty(kv_cache_shape(arch, num_blocks, block_size, heads), dtype=self.dtype,
@@ -113,19 +115,22 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        query_lens, context_lens, tables, sample_rows = [], [], [], []
+        query_lens, context_lens, sample_rows = [], [], []
+        tables: list[list[list[int]]] = [[] for _ in self.windows]  # per group, per request
         for s in sched.scheduled:
-            table = s.block_ids[0]
             n = len(s.token_ids)
             input_ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + n))
             query_lens.append(n)
             context_lens.append(s.start_pos + n)
-            tables.append(table)
+            for group_tables, table in zip(tables, s.block_ids):
+                group_tables.append(table)
             if s.sample:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
-        attn = AttentionMetadata.build(query_lens, context_lens, tables, bs, dev)
+        metas = [AttentionMetadata.build(query_lens, context_lens, t, bs, dev, window)
+                 for t, window in zip(tables, self.windows)]
+        attn = metas[0] if len(metas) == 1 else metas
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), attn, self.kv_cache)
         if not sample_rows or not self.samples:

@@ -312,7 +312,7 @@ def test_hf_folder_problems_are_value_errors(smollm2, tmp_path):
         return load_model(str(tmp_path))
 
     with pytest.raises(ValueError, match="unsupported architectures"):
-        load_with(architectures=["MistralForCausalLM"])
+        load_with(architectures=["GPTNeoXForCausalLM"])
     with pytest.raises(ValueError, match="RoPE scaling 'llama3'"):
         load_with(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0})
     with pytest.raises(ValueError, match="attention_bias"):  # HF Llama would put a bias on o_proj too

@@ -45,9 +45,10 @@ class PrefillSeq:
     start: int
     end: int
     context_len: int
-    # None when the sequence starts at position 0: it attends causally over its new K/V only.
+    # None when the sequence starts at position 0: it attends over its new K/V only.
     block_index: torch.Tensor | None  # [ceil(context_len / block_size)]
-    mask: torch.Tensor | None  # [1, 1, query_len, context_len], True = attend
+    # [1, 1, query_len, context_len], True = attend; None: plain causal over the new K/V.
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -64,6 +65,9 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # per seq: the block ids holding its KV, in order (cover context_lens)
     slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset of each new token
     block_size: int
+    # Sliding-window layers: a query at position p sees keys (p - sliding_window, p] only; the
+    # block-table entries wholly behind every query's window may be any block (the null block).
+    sliding_window: int | None = None
     decode: DecodeGroup | None = field(init=False)
     prefills: list[PrefillSeq] = field(init=False)
     slot_blocks: torch.Tensor = field(init=False)  # [T] block of each new token's slot
@@ -71,7 +75,7 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device | str) -> AttentionMetadata:
+              block_size: int, device: torch.device | str, sliding_window: int | None = None) -> AttentionMetadata:
         """Metadata for sequences computing query_lens[i] new tokens that end at context_lens[i]."""
         if not (len(query_lens) == len(context_lens) == len(block_tables)):
             raise ValueError("query_lens, context_lens and block_tables must have one entry per sequence")
@@ -84,7 +88,8 @@ class AttentionMetadata:
             _check_sequence(q_len, ctx, table, block_size)
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx))
         slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device)
-        return cls(starts, list(context_lens), [list(t) for t in block_tables], slot_mapping, block_size)
+        return cls(starts, list(context_lens), [list(t) for t in block_tables], slot_mapping, block_size,
+                   sliding_window)
 
     @property
     def num_tokens(self) -> int:
@@ -129,14 +134,22 @@ class AttentionMetadata:
     def _prefill_seq(self, start: int, end: int, ctx: int, table: list[int],
                      device: torch.device) -> PrefillSeq:
         q_len = end - start
+        window = self.sliding_window
+        if ctx == q_len and (window is None or q_len <= window):
+            return PrefillSeq(start, end, ctx, None, None)  # plain causal over the new K/V
+        # Query i sits at absolute position (ctx - q_len + i) and sees every key up to it
+        # (and, in a sliding window, none `window` or more positions behind it).
+        query_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        keys = torch.arange(ctx)[None, :]
+        mask = keys <= query_pos
+        if window is not None:
+            mask &= keys > query_pos - window
+        mask = mask.view(1, 1, q_len, ctx).to(device)
         if ctx == q_len:
-            return PrefillSeq(start, end, ctx, None, None)
+            return PrefillSeq(start, end, ctx, None, mask)  # over the new K/V, window-masked
         num_blocks = -(-ctx // self.block_size)
         block_index = torch.tensor(table[:num_blocks], dtype=torch.int64)
-        # Query i sits at absolute position (ctx - q_len + i) and sees every key up to it.
-        query_pos = torch.arange(ctx - q_len, ctx)[:, None]
-        mask = (torch.arange(ctx)[None, :] <= query_pos).view(1, 1, q_len, ctx)
-        return PrefillSeq(start, end, ctx, block_index.to(device), mask.to(device))
+        return PrefillSeq(start, end, ctx, block_index.to(device), mask)
 
     def _decode_group(self, seqs: list[int], device: torch.device) -> DecodeGroup:
         ctxs = [self.context_lens[i] for i in seqs]
@@ -147,9 +160,14 @@ class AttentionMetadata:
             table = self.block_tables[i][:-(-ctx // self.block_size)]
             blocks.extend(table + [table[0]] * (max_blocks - len(table)))
         mask = None
-        if min(ctxs) != max_context:
+        window = self.sliding_window
+        if min(ctxs) != max_context or (window is not None and max_context > window):
             keys = torch.arange(max_context)[None, :]
-            mask = (keys < torch.tensor(ctxs)[:, None]).view(len(seqs), 1, 1, max_context).to(device)
+            ends = torch.tensor(ctxs)[:, None]
+            visible = keys < ends
+            if window is not None:
+                visible &= keys >= ends - window
+            mask = visible.view(len(seqs), 1, 1, max_context).to(device)
         token_index = None
         if len(seqs) != len(self.context_lens):
             token_index = torch.tensor([self.query_start_loc[i] for i in seqs], dtype=torch.int64).to(device)
@@ -223,7 +241,8 @@ class PagedAttention(nn.Module):
         if seq.block_index is None:
             ks = k[seq.start:seq.end].transpose(0, 1).unsqueeze(0)
             vs = v[seq.start:seq.end].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                                 enable_gqa=gqa)
         else:
             ks, vs = (kv_layer[:, i].index_select(0, seq.block_index)
                       .view(-1, self.num_kv_heads, self.head_dim)[:seq.context_len].transpose(0, 1).unsqueeze(0)

@@ -26,6 +26,7 @@ _FAMILIES = {
     "LlamaForCausalLM": ModelFamily.LLAMA,
     "Qwen2ForCausalLM": ModelFamily.QWEN2,
     "Qwen3ForCausalLM": ModelFamily.QWEN3,
+    "MistralForCausalLM": ModelFamily.MISTRAL,
     "DeepseekV2ForCausalLM": ModelFamily.DEEPSEEK_V2,
     "DeepseekV3ForCausalLM": ModelFamily.DEEPSEEK_V3,
 }
@@ -34,6 +35,7 @@ _DEFAULTS = {
     ModelFamily.LLAMA: {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     ModelFamily.QWEN2: {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
     ModelFamily.QWEN3: {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    ModelFamily.MISTRAL: {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
     ModelFamily.DEEPSEEK_V2: {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     ModelFamily.DEEPSEEK_V3: {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096},
 }
@@ -96,6 +98,27 @@ def _rope(config: dict, allow_yarn: bool) -> tuple[float, YarnScaling | None]:
         attention_factor=optional("attention_factor"), truncate=bool(scaling.get("truncate", True)))
 
 
+def _sliding_layers(config: dict, family: ModelFamily, num_layers: int) -> dict:
+    """layer_types and sliding_window as transformers applies them: Mistral slides every layer
+    when sliding_window is set; Qwen2/Qwen3 only with use_sliding_window, on the layers their
+    layer_types name (else those from max_window_layers on)."""
+    if family is ModelFamily.MISTRAL:
+        window = config.get("sliding_window", 4096)
+        types = ["sliding_attention"] * num_layers if window else None
+    elif family in (ModelFamily.QWEN2, ModelFamily.QWEN3) and config.get("use_sliding_window"):
+        window = config.get("sliding_window", 4096)
+        first = int(config.get("max_window_layers", 28))
+        types = config.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                              for i in range(num_layers)]
+    else:
+        if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or ()):
+            raise ValueError(f"sliding-window attention is not supported for {family.value} models")
+        return {}
+    if not window or not types or "sliding_attention" not in types:
+        return {}
+    return dict(layer_types=tuple(types), sliding_window=int(window))
+
+
 def _deepseek_parts(config: dict, family: ModelFamily) -> dict:
     """The MLA and MoE fields of a DeepSeek-V2/V3 config."""
     d = {**_DEEPSEEK_DEFAULTS[family], **{k: v for k, v in config.items() if k in _DEEPSEEK_DEFAULTS[family]}}
@@ -130,8 +153,6 @@ def arch_from_config(config: dict) -> ModelArchConfig:
     family = next((_FAMILIES[a] for a in architectures if a in _FAMILIES), None)
     if family is None:
         raise ValueError(f"unsupported architectures {architectures!r} (supported: {', '.join(_FAMILIES)})")
-    if config.get("use_sliding_window"):
-        raise ValueError("sliding-window attention is not supported")
     defaults = _DEFAULTS[family]
     deepseek = family in (ModelFamily.DEEPSEEK_V2, ModelFamily.DEEPSEEK_V3)
     if not deepseek and family is not ModelFamily.QWEN2 and config.get("attention_bias"):
@@ -140,7 +161,8 @@ def arch_from_config(config: dict) -> ModelArchConfig:
     try:
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
-        extra = _deepseek_parts(config, family) if deepseek else {}
+        extra = _deepseek_parts(config, family) if deepseek else _sliding_layers(
+            config, family, int(config["num_hidden_layers"]))
         theta, scaling = _rope(config, allow_yarn=deepseek)
         return ModelArchConfig(
             family=family,

@@ -7,7 +7,9 @@ Contract (the model runner codes against it):
   block_size, num_kv_heads)` = [num_blocks, num_kv_heads, num_layers, entries, block_size,
   head_size] (Llama family: entries 0 = K, 1 = V of head_dim each, num_kv_heads this rank's;
   MLA: one KV head, one entry = the latent of kv_lora_rank + qk_rope_head_dim values, the
-  same on every TP rank; see ModelArchConfig.cache_*). Block-major, so a block of every
+  same on every TP rank; see ModelArchConfig.cache_*). num_layers becomes the layers per KV
+  cache group when a model mixes full and sliding-window layers (kv_groups.py); then
+  `forward` gets one AttentionMetadata per group. Block-major, so a block of every
   layer is contiguous for KV transfers, and head-major within a block, so a run of heads
   of a block is contiguous too (a decode rank of another TP size reads its heads as one
   span: kv_transfer/tp_mapping.py). Layer i uses the view `kv_cache[:, :, i]`.
@@ -63,8 +65,10 @@ def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int,
                    num_kv_heads: int | None = None) -> tuple[int, ...]:
     """The shape of the single KV cache tensor the runner allocates for `arch` (for a TP rank:
     `num_kv_heads` = the heads it holds; default all)."""
+    from kvbridge.engine.kv_groups import slots_per_block
+
     heads = arch.cache_kv_heads if num_kv_heads is None else num_kv_heads
-    return (num_blocks, heads, arch.num_layers, arch.cache_entries, block_size, arch.cache_head_size)
+    return (num_blocks, heads, slots_per_block(arch), arch.cache_entries, block_size, arch.cache_head_size)
 
 
 def check_arch_tp_split(arch: ModelArchConfig, tp_size: int) -> None:
@@ -90,6 +94,7 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device 
         ModelFamily.LLAMA: LlamaForCausalLM,
         ModelFamily.QWEN2: LlamaForCausalLM,  # differs by arch.attention_bias
         ModelFamily.QWEN3: LlamaForCausalLM,  # differs by arch.qk_norm
+        ModelFamily.MISTRAL: LlamaForCausalLM,  # differs by arch.layer_types (sliding window)
         ModelFamily.DEEPSEEK_V2: DeepseekForCausalLM,
         ModelFamily.DEEPSEEK_V3: DeepseekForCausalLM,  # differs by arch.moe's routing
     }

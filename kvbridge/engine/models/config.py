@@ -17,8 +17,12 @@ class ModelFamily(str, Enum):
     LLAMA = "llama"
     QWEN2 = "qwen2"  # Llama + bias on the Q/K/V projections
     QWEN3 = "qwen3"  # Llama + RMSNorm on each head of Q and K (no QKV bias)
+    MISTRAL = "mistral"  # Llama with every layer in a sliding window
     DEEPSEEK_V2 = "deepseek_v2"  # MLA + (optionally) MoE, softmax routing
     DEEPSEEK_V3 = "deepseek_v3"  # MLA + (optionally) MoE, sigmoid routing with a score-correction bias
+
+
+LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
 @dataclass(frozen=True)
@@ -121,12 +125,23 @@ class ModelArchConfig:
     mla: MLAConfig | None = None  # DeepSeek: multi-head latent attention (head_dim = its qk_head_dim)
     moe: MoEConfig | None = None  # DeepSeek: mixture-of-experts MLP layers
     rope_scaling: YarnScaling | None = None
+    # Per layer "full_attention" or "sliding_attention" (transformers' layer_types); None: all full.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= LAYER_TYPES:
+                raise ValueError(f"layer_types must name {self.num_layers} layers, each one of {sorted(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and (self.sliding_window or 0) < 1:
+                raise ValueError("sliding_attention layers need a sliding_window >= 1")
+            if self.mla is not None and "sliding_attention" in self.layer_types:
+                raise ValueError("sliding-window MLA layers are not supported")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")

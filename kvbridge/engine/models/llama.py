@@ -15,7 +15,7 @@ whole Hugging Face tensors and copies each rank's slice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from torch import nn
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention
 from kvbridge.engine.layers.linear import Linear, packed_linear, prepack_weight
 from kvbridge.engine.layers.norm import RMSNorm, rms_norm
+from kvbridge.engine.kv_groups import layer_groups, layer_slots
 from kvbridge.engine.layers.rotary import RotaryEmbedding
 from kvbridge.engine.models import CausalLM
 from kvbridge.engine.models.config import ModelArchConfig
@@ -140,21 +141,29 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if arch.tie_word_embeddings else Linear(
             arch.hidden_size, arch.vocab_size, False, dtype, device)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position_embeddings, dtype, device)
+        groups = layer_groups(arch)
+        self.num_groups, self.slots = len(groups), len(groups[0].layer_ids)
+        self.layer_slots = layer_slots(groups, arch.num_layers)  # layer -> (KV cache group, slot in a block)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionMetadata | Sequence[AttentionMetadata], kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], for the step's T tokens.
 
-        Writes each token's K/V into kv_cache [blocks, kv_heads, layers, 2, block_size, head_dim]
-        (this rank's KV heads) at attn.slot_mapping. Positions must be < max_position_embeddings.
+        Writes each token's K/V into kv_cache [blocks, kv_heads, slots, 2, block_size, head_dim]
+        (this rank's KV heads; slots = layers per KV cache group) at the slot mapping of the
+        layer's group: `attn` is one AttentionMetadata per group (or the one of a one-group
+        model). Positions must be < max_position_embeddings.
         """
         self._check_kv_cache(kv_cache)
+        metas = (attn,) if isinstance(attn, AttentionMetadata) else tuple(attn)
+        if len(metas) != self.num_groups:
+            raise ValueError(f"{len(metas)} attention metadata for {self.num_groups} KV cache groups")
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
-        for i, layer in enumerate(self.model.layers):
-            # Layer i's strided view, as PagedAttention takes it: [blocks, 2, block_size, kv_heads, head_dim].
-            h = layer(h, cos, sin, kv_cache[:, :, i].permute(0, 2, 3, 1, 4), attn)
+        for layer, (group, slot) in zip(self.model.layers, self.layer_slots):
+            # The layer's strided view, as PagedAttention takes it: [blocks, 2, block_size, kv_heads, head_dim].
+            h = layer(h, cos, sin, kv_cache[:, :, slot].permute(0, 2, 3, 1, 4), metas[group])
         return self.model.norm(h)
 
     @torch.inference_mode()
@@ -217,7 +226,7 @@ class LlamaForCausalLM(CausalLM):
 
     def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
         arch, heads = self.arch, self.shard.num_kv_heads
-        if (kv_cache.dim() != 6 or tuple(kv_cache.shape[1:4]) != (heads, arch.num_layers, 2)
+        if (kv_cache.dim() != 6 or tuple(kv_cache.shape[1:4]) != (heads, self.slots, 2)
                 or kv_cache.shape[5] != arch.head_dim or not kv_cache.is_contiguous()):
-            raise ValueError(f"kv_cache must be one contiguous [blocks, {heads}, {arch.num_layers}, 2, block_size, "
+            raise ValueError(f"kv_cache must be one contiguous [blocks, {heads}, {self.slots}, 2, block_size, "
                              f"{arch.head_dim}] tensor, got {tuple(kv_cache.shape)}")

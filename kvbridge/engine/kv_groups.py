@@ -1,0 +1,70 @@
+"""Which layers share a KV cache group, and where a layer's KV lives in a block.
+
+A model's layers are grouped by the kind of KV they keep (full attention, MLA, sliding
+window). Every group has the SAME number of layers, `slots_per_block`, so one block of the
+shared pool has the same bytes whatever group it serves (vLLM's hybrid allocator does the
+same): a block is [kv_heads, slots_per_block, entries, block_size, head_size], and the
+layer in slot s of group g keeps its KV at slot s of the blocks in g's block table.
+
+- One kind of layer (every Llama, Qwen and DeepSeek model without sliding layers): one
+  group of all layers, slots_per_block = num_layers: the layout of a single-group model is
+  unchanged.
+- Full and sliding layers mixed (Qwen2/Qwen3 `layer_types`): each kind's layers, in order,
+  split into groups of g = gcd(#full, #sliding) layers; e.g. 2 full + 4 sliding layers give
+  groups [full 0, 1], [sliding 2, 3], [sliding 4, 5] of 2 slots.
+
+Pure functions over the architecture; unit-tested exhaustively in tests/unit/test_kv_groups.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+
+from kvbridge.engine.kv_cache_manager import KVCacheKind
+from kvbridge.engine.models.config import ModelArchConfig
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    kind: KVCacheKind
+    layer_ids: tuple[int, ...]
+    sliding_window: int | None = None  # SLIDING_WINDOW only
+
+
+def layer_kinds(arch: ModelArchConfig) -> list[KVCacheKind]:
+    if arch.mla is not None:
+        return [KVCacheKind.MLA] * arch.num_layers
+    types = arch.layer_types or ("full_attention",) * arch.num_layers
+    return [KVCacheKind.SLIDING_WINDOW if t == "sliding_attention" else KVCacheKind.FULL_ATTENTION for t in types]
+
+
+def layer_groups(arch: ModelArchConfig) -> tuple[LayerGroup, ...]:
+    """The model's KV cache groups, every one with the same number of layers (see module doc).
+    Groups are ordered by their first layer."""
+    kinds = layer_kinds(arch)
+    by_kind: dict[KVCacheKind, list[int]] = {}
+    for layer, kind in enumerate(kinds):
+        by_kind.setdefault(kind, []).append(layer)
+    size = 0
+    for layers in by_kind.values():
+        size = gcd(size, len(layers))
+    groups = [LayerGroup(kind, tuple(layers[i:i + size]),
+                         arch.sliding_window if kind is KVCacheKind.SLIDING_WINDOW else None)
+              for kind, layers in by_kind.items() for i in range(0, len(layers), size)]
+    return tuple(sorted(groups, key=lambda g: g.layer_ids[0]))
+
+
+def slots_per_block(arch: ModelArchConfig) -> int:
+    return len(layer_groups(arch)[0].layer_ids)
+
+
+def layer_slots(groups: tuple[LayerGroup, ...], num_layers: int) -> list[tuple[int, int]]:
+    """(group index, slot) of every layer."""
+    where: dict[int, tuple[int, int]] = {}
+    for gi, group in enumerate(groups):
+        for slot, layer in enumerate(group.layer_ids):
+            where[layer] = (gi, slot)
+    if sorted(where) != list(range(num_layers)):
+        raise ValueError("the groups do not cover every layer exactly once")
+    return [where[layer] for layer in range(num_layers)]
