@@ -239,3 +239,44 @@ def test_failed_release_notification_is_counted_and_the_lease_frees(loaded, prom
     finally:
         p.shutdown()
         d.shutdown()
+
+
+# ---- MLA: a real DeepSeek-V2 engine pair (tiny random weights, MoE) --------------------------
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory, loaded):
+    from kvbridge.engine.loader.synthetic import TINY_DEEPSEEK_V2_MOE, write_synthetic_folder
+    folder = write_synthetic_folder(tmp_path_factory.mktemp("models") / "tiny-deepseek-v2-moe", loaded.tokenizer,
+                                    architecture="deepseek_v2", **TINY_DEEPSEEK_V2_MOE)
+    model = load_model(str(folder))
+    ids = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}]))
+    colocated = make_engine(model, None)
+    try:
+        want = [t for o in colocated.generate([ids], GREEDY) for t in o]
+    finally:
+        colocated.shutdown()
+    return model, ids, want
+
+
+@pytest.mark.parametrize("policy", [LoadFailurePolicy.RECOMPUTE, LoadFailurePolicy.FAIL])
+def test_mla_read_failure_follows_the_policy_and_frees_p(mla, policy):
+    """The read of the latent from the (one) chosen P rank fails: the policy applies on the MLA
+    engine, D's release frees P's blocks at once (no lease expires), and D serves on."""
+    model, prompt, want = mla
+    assert model.arch.use_mla
+    fabric, p, d = engines(model, policy, FaultConfig(error_state=True), lease_s=LONG_LEASE_S)
+    try:
+        check_outcome(decode(d, p, prompt, prefill(p, prompt), GREEDY), policy, want)
+        assert dict(d.connectors[1].stats.failed_transfers) == {"transfer_state": 1}
+        settle(p, d)
+        stats = p.connectors[1].stats
+        assert p.metrics().num_held_for_remote == 0 and stats.expired_leases == 0 and stats.early_releases == 1
+        d.connectors[1].backend.set_faults(FaultConfig())
+        assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
+        settle(p, d)
+        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
+        for e in (p, d):
+            assert e.metrics().num_free_blocks == e.metrics().num_total_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()

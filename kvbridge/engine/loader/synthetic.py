@@ -40,14 +40,24 @@ TINY_DEEPSEEK_V2_MOE = dict(hidden_size=128, intermediate_size=256, moe_intermed
                                               beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
                             initializer_range=0.2)
 
+# A small Qwen2 mixing full-attention and sliding-window layers (window 24 tokens): two KV
+# cache groups of 2 layers each; 4 KV heads, so TP 1, 2 and 4 split it.
+TINY_QWEN2_SLIDING = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                          num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0,
+                          rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=True, sliding_window=24,
+                          layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                          initializer_range=0.2)
+
 _ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                  "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                  "mistral": ("MistralConfig", "MistralForCausalLM"),
                   "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
                   "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 
 
 def write_synthetic_folder(folder: Path | str, tokenizer: Tokenizer, seed: int = 0, architecture: str = "llama",
                            **geometry) -> Path:
-    """A folder of `architecture` (llama | deepseek_v2 | deepseek_v3) with `geometry` (its
+    """A folder of `architecture` (llama | qwen2 | mistral | deepseek_v2 | deepseek_v3) with `geometry` (its
     transformers config keys; vocab_size defaults to the tokenizer's) and random weights drawn
     from `seed`. Returns the folder."""
     import transformers  # only here: it is heavy, and serving never needs it
