@@ -38,8 +38,8 @@ LEAK_WAIT_S = float(os.environ.get("KVBRIDGE_LEAK_WAIT_S", "10"))
 
 
 def leaked_pools() -> list[str]:
-    return [f"pool of {p.num_blocks} blocks has {p.num_blocks - p.num_free_blocks} allocated"
-            for p in list(_live_pools) if p.num_free_blocks != p.num_blocks]
+    return [f"pool of {p.num_usable_blocks} blocks has {p.num_usable_blocks - p.num_free_blocks} allocated"
+            for p in list(_live_pools) if p.num_free_blocks != p.num_usable_blocks]
 
 
 def wait_all_blocks_free(timeout_s: float = LEAK_WAIT_S) -> list[str]:
