@@ -79,9 +79,6 @@ class LLMEngine:
         self.num_blocks = num_blocks
         groups = [KVCacheGroupSpec(g.kind, cache.block_size, g.layer_ids, g.sliding_window)
                   for g in layer_groups(loaded.arch)]
-        if len(groups) > 1 and connectors is not None:
-            raise ValueError("P/D KV transfer of models with several KV cache groups (full and sliding-window "
-                             "layers) is not supported yet; serve this model without --kv-role")
         sliding = any(g.sliding_window is not None for g in groups)
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching, reserve_null=sliding),
                                                groups)

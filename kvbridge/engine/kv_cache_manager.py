@@ -115,7 +115,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVBlock], ...], int]:
         """Longest cached prefix of the request, in whole blocks, that EVERY group can resume
         from; takes no reference. A full-attention group needs every block of the prefix; a
-        sliding-window group only the blocks the next query still sees (the rest are null).
+        sliding-window group only the blocks the next query still sees (the rest are null),
+        except for a request whose whole KV a decode instance will read (every block).
 
         At least one prompt token is always left to compute, so the step that ends
         the prompt has logits to sample from.
@@ -124,15 +125,16 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return empty, 0
         hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
+        whole = request.keeps_whole_context  # a decode instance will read every block: all must be there
         hit = len(hashes)
         for gi, group in enumerate(self.groups):
-            if group.sliding_window is None:
+            if group.sliding_window is None or whole:
                 n = 0
                 while n < hit and self.pool.get_cached_block((gi, hashes[n])) is not None:
                     n += 1
                 hit = n
-        while hit > 0 and not all(self._window_cached(gi, g, hashes, hit) for gi, g in enumerate(self.groups)
-                                  if g.sliding_window is not None):
+        while hit > 0 and not whole and not all(self._window_cached(gi, g, hashes, hit)
+                                                for gi, g in enumerate(self.groups) if g.sliding_window is not None):
             hit -= 1
         self.prefix_queries += request.num_tokens
         self.prefix_hits += hit * self.block_size
@@ -141,7 +143,7 @@ class KVCacheManager:
         null = self.pool.null_block
         tables = []
         for gi, group in enumerate(self.groups):
-            first = group.first_needed_block(hit * self.block_size)
+            first = 0 if whole else group.first_needed_block(hit * self.block_size)
             found = [self.pool.get_cached_block((gi, h)) for h in hashes[first:hit]]
             tables.append([null] * first + found)  # type: ignore[list-item]
         return tuple(tables), hit * self.block_size  # type: ignore[return-value]
@@ -163,7 +165,8 @@ class KVCacheManager:
 
         `new_computed_blocks` are prefix-cache hits found by get_computed_blocks for a
         request that has no blocks yet; they are referenced here. A sliding-window group's
-        blocks that no query from now on sees go back to the pool. Returns the request's
+        blocks that no query from now on sees go back to the pool (unless a decode instance
+        will read the request's KV: `Request.keeps_whole_context`). Returns the request's
         full block ids, or None (and changes nothing) if blocks ran out.
         """
         hits = new_computed_blocks or tuple([] for _ in self.groups)
@@ -182,7 +185,7 @@ class KVCacheManager:
             missing = group.blocks_needed(total_tokens) - len(table[gi])
             if missing > 0:
                 table[gi].extend(self.pool.allocate(missing))
-            if group.sliding_window is not None:
+            if group.sliding_window is not None and not request.keeps_whole_context:
                 self._drop_behind_window(table[gi], group.first_needed_block(first_new))
         return self.get_block_ids(request.request_id)
 

@@ -62,6 +62,12 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def keeps_whole_context(self) -> bool:
+        """A P request whose KV a decode instance will read: every block of every KV cache group
+        stays until the read (a sliding window drops none), so D receives the whole prompt's KV."""
+        return self.kv_transfer_params is not None and self.kv_transfer_params.wants_remote_decode
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

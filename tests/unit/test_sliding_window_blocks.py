@@ -123,3 +123,24 @@ def test_sliding_groups_need_a_null_block_and_same_block_sizes():
                        groups + [KVCacheGroupSpec(KVCacheKind.FULL_ATTENTION, 2 * BS, (1,))])
     with pytest.raises(ValueError, match="sliding_window"):
         KVCacheGroupSpec(KVCacheKind.SLIDING_WINDOW, BS, (0,))
+
+
+def test_a_request_a_decode_instance_will_read_keeps_and_needs_its_whole_context():
+    from kvbridge.kv_transfer.params import parse_kv_transfer_params
+    kvm = manager()
+    null = kvm.pool.null_block.block_id
+    a = request("a", 20)
+    a.kv_transfer_params = parse_kv_transfer_params({"do_remote_decode": True})
+    assert a.keeps_whole_context
+    for _ in range(5):
+        _, sliding = compute(kvm, a, 4)  # chunks well past the window: nothing dropped
+    assert null not in sliding and len(sliding) == 5
+    kvm.free("a")
+    plain = request("b", 20)
+    plain_hit = kvm.get_computed_blocks(plain)[1]
+    kvm.invalidate_blocks({sliding[0]})  # behind any window: only a whole-context hit needs it
+    assert kvm.get_computed_blocks(request("c", 20))[1] == plain_hit == 16
+    whole = request("d", 20)
+    whole.kv_transfer_params = parse_kv_transfer_params({"do_remote_decode": True})
+    hits, n = kvm.get_computed_blocks(whole)
+    assert n == 0  # its first sliding block is gone: no block of a whole-context hit may be null

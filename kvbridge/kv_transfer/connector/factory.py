@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from kvbridge.config import EngineConfig, KVRole
+from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.connector.scheduler_side import KVBridgeSchedulerConnector
@@ -19,12 +20,14 @@ from kvbridge.kv_transfer.stats import KVTransferStats
 def compatibility_of(config: EngineConfig, arch: ModelArchConfig, model_identity: str) -> CompatibilityInfo:
     """What a peer must share with this engine to exchange KV: described by what the KV cache
     holds (MLA: one latent "head" of kv_lora_rank + qk_rope_head_dim values, in one "mla" group;
-    otherwise the model's K/V heads, in one "full_attention" group). A non-MLA model's info, and
-    so its hash, is the same as before MLA existed."""
+    otherwise the model's K/V heads) and its KV cache groups in order, a sliding window's
+    size included ("sliding_window:24"). A one-group non-MLA model's info, and so its hash,
+    is the same as before MLA and sliding windows existed."""
+    groups = tuple(g.kind.value if g.sliding_window is None else f"{g.kind.value}:{g.sliding_window}"
+                   for g in layer_groups(arch))
     return CompatibilityInfo(model=model_identity, dtype=config.dtype, num_kv_heads=arch.cache_kv_heads,
                              head_size=arch.cache_head_size, num_layers=arch.num_layers, cache_dtype=config.dtype,
-                             use_mla=arch.use_mla,
-                             kv_cache_groups=("mla",) if arch.use_mla else ("full_attention",))
+                             use_mla=arch.use_mla, kv_cache_groups=groups)
 
 
 def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity: str,
@@ -53,5 +56,6 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
         kv, engine_id, backend, compatibility_of(config, arch, model_identity), leases, FailureHandler(stats),
         stats, side_channel, config.cache.enable_prefix_caching)
     sc_addr = (lambda: (side_channel.host, side_channel.port)) if side_channel else (lambda: ("", 0))
-    scheduler = KVBridgeSchedulerConnector(kv, engine_id, config.cache.block_size, leases, stats, sc_addr)
+    scheduler = KVBridgeSchedulerConnector(kv, engine_id, config.cache.block_size, leases, stats, sc_addr,
+                                           num_groups=len(layer_groups(arch)))
     return scheduler, worker

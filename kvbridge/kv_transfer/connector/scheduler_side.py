@@ -33,10 +33,11 @@ HEARTBEATS_PER_LEASE = 6  # D renews waiting requests' leases this often per lea
 class KVBridgeSchedulerConnector(SchedulerConnector):
     def __init__(self, config: KVTransferConfig, engine_id: str, block_size: int, leases: LeaseTable,
                  stats: KVTransferStats, side_channel_addr: Callable[[], tuple[str, int]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, num_groups: int = 1) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
+        self.num_groups = num_groups  # KV cache groups of the model: P lists block ids per group
         self.leases = leases
         self.stats = stats
         self._side_channel_addr = side_channel_addr
@@ -58,10 +59,11 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
                 f"kv_transfer_params.remote_host {params.remote_host!r} is not a trusted prefill host")
         blocks = params.remote_block_ids or ()
         want = -(-num_prompt_tokens // self.block_size)
-        if len(blocks) != 1 or len(blocks[0]) != want:
+        if len(blocks) != self.num_groups or any(len(g) != want for g in blocks):
+            groups = "one KV cache group" if self.num_groups == 1 else f"each of {self.num_groups} KV cache groups"
             raise KVTransferParamsError(
                 f"kv_transfer_params.remote_block_ids must list {want} block ids for a "
-                f"{num_prompt_tokens}-token prompt in one KV cache group")
+                f"{num_prompt_tokens}-token prompt in {groups}")
 
     def notify_rejected(self, request_id: str, params: KVTransferParams | None) -> None:
         """Thread-safe: D rejected a request before admission; P may free its blocks now."""
