@@ -36,6 +36,16 @@ Figures are medians; ratio = median P/D GB/s / median raw GB/s.
 Hetero-TP (a random-weight SmolLM2-shaped model with 4 KV heads, which TP 2 splits):
 
     python benchmarks/pd_transfer.py --synthetic --pairings 1:1 2:1 1:2 --backends nixl --reps 5 --kv-cache-gb 1
+
+MLA (a random-weight DeepSeek-V2-shaped model, SYNTHETIC_MLA: DeepSeek-V2's 576-value latent per
+token and layer, replicated on every TP rank; each D rank reads one whole copy from one P rank, so
+a request moves D TP x one copy, which the table's "copies" column checks):
+
+    python benchmarks/pd_transfer.py --synthetic-mla --pairings 1:1 2:1 1:2 --backends nixl --reps 5
+
+KV bytes per token of published configs (MLA vs the Llama family), arithmetic only:
+
+    python benchmarks/pd_transfer.py --kv-bytes-table
 """
 
 from __future__ import annotations
@@ -74,6 +84,66 @@ REQUEST_TIMEOUT_S = 600.0  # an 8k-token prefill on a busy 2-core machine
 RAW_READS = 3  # timed raw reads per repetition (their median), after RawPair.read_gbps's warm-up read
 METRICS = {"kvbridge_kv_transfer_duration_seconds": "sum", "kvbridge_kv_transfer_bytes": "total",
            "kvbridge_kv_transfer_descriptors": "total", "kvbridge_kv_transfers": "total"}
+
+# --synthetic-mla: a DeepSeek-V2 (MLA + MoE) with DeepSeek-V2's real latent, kv_lora_rank 512 +
+# qk_rope_head_dim 64 = 576 values per token and layer (V2, V2-Lite and V3 all cache this), on
+# 16 layers: 36 MiB of fp32 latent per 1k tokens, 281 MiB for 8k. Everything the cache does not
+# see is small, so that an 8k-token prefill takes about a minute on 2 cores (attention over the
+# 576-wide latent dominates it, hence only 2 heads, which TP 2 splits): hidden 256, 4 routed
+# experts of 128 + 1 shared, no q LoRA. Vocabulary: the tokenizer's (SmolLM2's).
+SYNTHETIC_MLA = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=16,
+                     num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=512, q_lora_rank=None,
+                     qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=4,
+                     n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, topk_method="greedy",
+                     max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True)
+
+# --kv-bytes-table: the architecture fields of published config.json files (no weights), read
+# by kvbridge's own arch_from_config. (label, total / active parameters, config).
+PUBLISHED_CONFIGS = [
+    ("DeepSeek-V2-Lite", "15.7B / 2.4B", {  # deepseek-ai/DeepSeek-V2-Lite
+        "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
+        "intermediate_size": 10944, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+        "moe_intermediate_size": 1408, "first_k_dense_replace": 1, "topk_method": "greedy",
+        "max_position_embeddings": 163840, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}}),
+    ("Llama-2-7B (MHA)", "6.7B", {  # meta-llama/Llama-2-7b-hf: 32 KV heads (no GQA)
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "max_position_embeddings": 4096}),
+    # Llama-3.1's rope_scaling ("llama3") is left out: kvbridge's loader refuses it, and it does not
+    # change the cache's size.
+    ("Llama-3.1-8B", "8.0B", {  # meta-llama/Llama-3.1-8B
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0}),
+    ("Qwen2.5-7B", "7.6B", {  # Qwen/Qwen2.5-7B
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 131072, "rope_theta": 1000000.0, "use_sliding_window": False}),
+    ("Qwen2.5-14B", "14.7B", {  # Qwen/Qwen2.5-14B: about V2-Lite's total size
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
+        "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rope_theta": 1000000.0, "use_sliding_window": False}),
+    ("DeepSeek-V2", "236B / 21B", {  # deepseek-ai/DeepSeek-V2
+        "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 5120,
+        "intermediate_size": 12288, "num_hidden_layers": 60, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 160, "n_shared_experts": 2, "num_experts_per_tok": 6,
+        "moe_intermediate_size": 1536, "first_k_dense_replace": 1, "topk_method": "group_limited_greedy",
+        "n_group": 8, "topk_group": 3, "routed_scaling_factor": 16.0, "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}}),
+    ("Llama-3.1-70B", "70.6B", {  # meta-llama/Llama-3.1-70B
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0}),
+]
+BF16_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -185,15 +255,25 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def summarize(samples: list[Sample], raws: list[RawSample]) -> list[dict]:
+def summarize(samples: list[Sample], raws: list[RawSample],
+              expect: dict[tuple[str, int], tuple[int, int]] | None = None) -> list[dict]:
+    """Medians per (label, tokens). `expect`: (label, tokens) -> (bytes of one KV copy, copies a
+    request should move); `copies` is then the bytes per request over one copy, `bytes_ok` whether
+    every repetition moved exactly the expected copies."""
     rows = []
     for backend, tokens in dict.fromkeys((s.backend, s.tokens) for s in samples):
         group = [s for s in samples if (s.backend, s.tokens) == (backend, tokens)]
         raw_group = [r for r in raws if (r.backend, r.tokens) == (backend, tokens)]
         pd, raw = median([s.pd_gbps for s in group]), median([r.raw_gbps for r in raw_group])
         at_descs = [r.raw_descs_gbps for r in raw_group if r.raw_descs_gbps is not None]
+        check = {}
+        if expect is not None and (backend, tokens) in expect:
+            one, copies = expect[backend, tokens]
+            check = {"copy_bytes": one, "expected_copies": copies, "copies": group[0].nbytes / one,
+                     "bytes_ok": all(s.nbytes == one * copies for s in group)}
         rows.append({"backend": backend, "tokens": tokens, "reps": len(group), "raw_samples": len(raw_group),
-                     "MiB": group[0].nbytes / 2**20,
+                     "bytes": group[0].nbytes, "bytes_min": min(s.nbytes for s in group),
+                     "bytes_max": max(s.nbytes for s in group), **check, "MiB": group[0].nbytes / 2**20,
                      "descs": median([s.descs for s in group]), "descs_min": min(s.descs for s in group),
                      "descs_max": max(s.descs for s in group), "pd_ms": median([s.pd_s * 1e3 for s in group]),
                      "pd_gbps": pd, "raw_gbps": raw, "raw_descs_gbps": median(at_descs) if at_descs else None,
@@ -202,25 +282,79 @@ def summarize(samples: list[Sample], raws: list[RawSample]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'backend':<7} {'tokens':>6} {'MiB':>6} {'descs (min-max)':>16} {'P/D ms':>7} {'P/D GB/s':>9} "
-            f"{'raw GB/s':>9} {'raw@descs':>9} {'ratio':>6}")
+    """`copies`: bytes per request / one copy of the prompt's KV, and "ok" when every repetition
+    moved exactly the expected copies (D TP for MLA, 1 otherwise)."""
+    head = (f"{'backend':<11} {'tokens':>6} {'MiB':>6} {'copies':>9} {'descs (min-max)':>16} {'P/D ms':>7} "
+            f"{'P/D GB/s':>9} {'raw GB/s':>9} {'raw@descs':>9} {'ratio':>6}")
     print(head)
     for r in rows:
         descs = f"{r['descs']:.0f} ({r['descs_min']}-{r['descs_max']})"
         at = f"{r['raw_descs_gbps']:.2f}" if r["raw_descs_gbps"] is not None else "-"
-        print(f"{r['backend']:<7} {r['tokens']:>6} {r['MiB']:>6.1f} {descs:>16} {r['pd_ms']:>7.2f} "
+        copies = f"{r['copies']:.2f} {'ok' if r['bytes_ok'] else 'NO'}" if "copies" in r else "-"
+        print(f"{r['backend']:<11} {r['tokens']:>6} {r['MiB']:>6.1f} {copies:>9} {descs:>16} {r['pd_ms']:>7.2f} "
               f"{r['pd_gbps']:>9.2f} {r['raw_gbps']:>9.2f} {at:>9} {r['ratio']:>6.2f}")
 
 
-def read_capacity(model: str, tokens: list[int], block_size: int = BLOCK_SIZE) -> int:
-    """Bytes of the largest request's KV read: every block of the longest prompt (fp32)."""
+def copy_bytes(arch, tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """One copy of a prompt's KV cache (fp32, every block the prompt touches): the whole KV of a
+    Llama-family model (its TP ranks hold disjoint heads), one rank's latent of an MLA model."""
     import torch
 
-    from kvbridge.engine.loader import load_model
     from kvbridge.engine.model_runner import kv_bytes_per_block
 
-    arch = load_model(model).arch
-    return kv_bytes_per_block(arch, block_size, torch.float32) * -(-max(tokens) // block_size)
+    return kv_bytes_per_block(arch, block_size, torch.float32) * -(-tokens // block_size)
+
+
+def copies_read(arch, decode_tp: int) -> int:
+    """Copies of the KV a request moves: every D rank reads the whole replicated MLA latent (from one
+    P rank); a Llama-family model's D ranks read disjoint heads, one copy in all."""
+    return decode_tp if arch.use_mla else 1
+
+
+def kv_bytes_table() -> list[dict]:
+    """KV bytes per token (bf16) of PUBLISHED_CONFIGS, each architecture as kvbridge's loader reads it;
+    `vs_mla` is the ratio to the MLA model listed above it."""
+    from kvbridge.engine.loader.safetensors import arch_from_config
+
+    rows, mla_row = [], None
+    for label, params, config in PUBLISHED_CONFIGS:
+        arch = arch_from_config(config)
+        values = arch.cache_entries * arch.cache_kv_heads * arch.cache_head_size  # per token and layer
+        per_token = values * arch.num_layers * BF16_BYTES
+        assert per_token * 4 == arch.kv_bytes_per_token * BF16_BYTES  # ModelArchConfig's own figure, in fp32
+        if arch.use_mla:
+            what = f"MLA latent {arch.mla.kv_lora_rank}+{arch.mla.qk_rope_head_dim}"
+        else:
+            what = (f"{'MHA' if arch.num_kv_heads == arch.num_heads else 'GQA'} "
+                    f"{arch.num_kv_heads} KV heads x {arch.head_dim}, K+V")
+        row = {"model": label, "params": params, "cache": what, "layers": arch.num_layers,
+               "values_per_layer": values, "bytes_per_token": per_token,
+               "mib_per_8k_tokens": per_token * 8192 / 2**20}
+        if arch.use_mla:
+            mla_row = row
+            # what the same heads would cache as per-head K (nope + rope) and V, without the latent
+            row["mha_equivalent_bytes_per_token"] = (arch.num_heads * (arch.mla.qk_head_dim + arch.mla.v_head_dim)
+                                                     * arch.num_layers * BF16_BYTES)
+        row["vs_mla"] = per_token / mla_row["bytes_per_token"] if mla_row else None
+        row["vs_model"] = mla_row["model"] if mla_row else None
+        rows.append(row)
+    return rows
+
+
+def print_kv_bytes_table(rows: list[dict]) -> None:
+    print("KV cache bytes per token, bf16, from published config.json architecture fields (arch_from_config)")
+    print(f"{'model':<17} {'params (active)':>15} {'cached per token and layer':<30} {'layers':>6} "
+          f"{'values':>6} {'B/token':>8} {'KiB/token':>9} {'MiB/8k tok':>10} {'x MLA above':>11}")
+    for r in rows:
+        ratio = f"{r['vs_mla']:.2f}" if r["vs_mla"] is not None else "-"
+        print(f"{r['model']:<17} {r['params']:>15} {r['cache']:<30} {r['layers']:>6} {r['values_per_layer']:>6} "
+              f"{r['bytes_per_token']:>8} {r['bytes_per_token'] / 1024:>9.1f} {r['mib_per_8k_tokens']:>10.1f} "
+              f"{ratio:>11}")
+    for r in rows:
+        if "mha_equivalent_bytes_per_token" in r:
+            eq = r["mha_equivalent_bytes_per_token"]
+            print(f"({r['model']}'s heads caching per-head K and V instead of the latent: {eq} B/token, "
+                  f"{eq / r['bytes_per_token']:.1f}x its latent)")
 
 
 def raw_sample(raw_pair: RawPair, backend: str, tokens: int, when: str, nbytes: int, descs: int,
@@ -278,6 +412,12 @@ def main() -> int:
     ap.add_argument("--synthetic", action="store_true",
                     help="serve a random-weight SmolLM2-shaped model with 8 heads and 4 KV heads instead of "
                          "--model (SmolLM2's 3 KV heads do not split over TP 2)")
+    ap.add_argument("--synthetic-mla", action="store_true",
+                    help="serve a random-weight DeepSeek-V2-shaped MLA model (SYNTHETIC_MLA: DeepSeek-V2's "
+                         "576-value latent, 16 layers) instead of --model")
+    ap.add_argument("--kv-bytes-table", action="store_true",
+                    help="print KV bytes per token of published MLA and Llama-family configs (arithmetic, "
+                         "no servers) and exit")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8000], help="prompt lengths")
     ap.add_argument("--backends", nargs="+", default=["nixl", "tcp"], choices=["nixl", "tcp"])
     ap.add_argument("--reps", type=int, default=7)
@@ -290,22 +430,33 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="write samples and summary here")
     ap.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temp dir)")
     args = ap.parse_args()
+    if args.kv_bytes_table:
+        print_kv_bytes_table(kv_bytes_table())
+        return 0
+    if args.synthetic and args.synthetic_mla:
+        ap.error("--synthetic and --synthetic-mla exclude each other")
     if args.quick:
         args.tokens, args.reps = [1024], min(args.reps, 3)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvbridge-pd-transfer-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    from kvbridge.engine.loader import load_model
+    from kvbridge.engine.loader.synthetic import SMOLLM2_SHAPED_4_KV_HEADS, write_synthetic_folder
     if args.synthetic:
-        from kvbridge.engine.loader import load_model
-        from kvbridge.engine.loader.synthetic import SMOLLM2_SHAPED_4_KV_HEADS, write_synthetic_folder
         args.model = str(write_synthetic_folder(log_dir / "synthetic-4-kv-heads", load_model(args.model).tokenizer,
                                                 **SMOLLM2_SHAPED_4_KV_HEADS))
+    if args.synthetic_mla:
+        args.model = str(write_synthetic_folder(log_dir / "synthetic-mla", load_model(args.model).tokenizer,
+                                                architecture="deepseek_v2", **SYNTHETIC_MLA))
     tp_pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairings]
+    arch = load_model(args.model).arch
+    expect: dict[tuple[str, int], tuple[int, int]] = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
     with contextlib.ExitStack() as raw_stack:
         # The raw pairs (one per backend, kept for the whole run) allocate their buffers
         # before the servers start: allocated after them, P/D reads ran ~40% slower from
         # then on (RawPair in raw_transfer.py; figures in benchmarks/README.md).
-        capacity = read_capacity(args.model, args.tokens)
+        # The largest request's read: an MLA request moves one latent copy per D rank.
+        capacity = copy_bytes(arch, max(args.tokens)) * max(copies_read(arch, d) for _, d in tp_pairs)
         raw_pairs = {b: raw_stack.enter_context(RawPair(b, capacity)) for b in args.backends}
         samples, raws = [], []
         for backend in args.backends:
@@ -313,6 +464,7 @@ def main() -> int:
                 # One pair of servers at a time: idle TP engines' processes still take a share of
                 # the two cores (a TP 1 pair measured 0.54 beside two TP 2 pairs, 1.03 alone).
                 pair = PDPair(backend, args.model, log_dir, args.threads, args.kv_cache_gb, p_tp, d_tp)
+                expect.update({(pair.label, n): (copy_bytes(arch, n), copies_read(arch, d_tp)) for n in args.tokens})
                 try:
                     pair.wait_healthy(time.monotonic() + READY_TIMEOUT_S)
                     got, got_raw = run(args, {pair.label: pair}, raw_pairs)
@@ -320,16 +472,29 @@ def main() -> int:
                     pair.stop()
                 samples += got
                 raws += got_raw
-    rows = summarize(samples, raws)
+    rows = summarize(samples, raws, expect)
     raw_when = "after each P/D request" if args.interleaved else "before and after the P/D repetitions"
     print(f"\nKV transfer efficiency, medians of {args.reps} P/D repetitions, raw reads {raw_when} "
           f"(P/D: connector READ on D; raw: one descriptor; raw@descs: the request's descriptor count)")
+    cache = (f"MLA latent {arch.mla.kv_lora_rank}+{arch.mla.qk_rope_head_dim} on every rank" if arch.use_mla
+             else f"{arch.num_kv_heads} KV heads x {arch.head_dim}, K+V")
+    print(f"model {Path(args.model).name}: {arch.num_layers} layers, {cache}, "
+          f"{copy_bytes(arch, BLOCK_SIZE) // BLOCK_SIZE} B/token fp32 (one copy); copies = bytes per request / "
+          f"one copy, ok = {'D TP' if arch.use_mla else '1'} every repetition")
     print_table(rows)
+    kv_table = None
+    if arch.use_mla:
+        kv_table = kv_bytes_table()
+        print()
+        print_kv_bytes_table(kv_table)
+    if not all(r.get("bytes_ok", True) for r in rows):
+        print("WARNING: some requests moved other than the expected copies of the KV (see copies)")
     if args.json is not None:
         args.json.write_text(json.dumps({"config": {k: str(v) if isinstance(v, Path) else v
                                                     for k, v in vars(args).items()},
                                          "summary": rows, "samples": [asdict(s) for s in samples],
-                                         "raw_samples": [asdict(r) for r in raws]}, indent=2))
+                                         "raw_samples": [asdict(r) for r in raws],
+                                         "kv_bytes_table": kv_table}, indent=2))
         print(f"wrote {args.json}")
     print(f"server logs: {log_dir}")
     return 0
