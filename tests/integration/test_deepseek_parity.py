@@ -6,7 +6,7 @@ the test's temporary directory and read back through kvbridge's loader (config.j
 ModelArchConfig, safetensors -> weights), so the loader's DeepSeek path is under test too.
 Variants: V2 with MoE (group-limited routing) and q LoRA; V2 dense without q LoRA; V3 with
 MoE (sigmoid routing with a non-zero correction bias) with and without q LoRA, one of them
-without interleaved rotary dims. The scenario (tests/integration/test_tp_parity.py) mixes a
+without interleaved rotary dims; V3 dense with q LoRA. The scenario (tests/integration/test_tp_parity.py) mixes a
 whole prefill, a chunked prefill and batched decodes over shuffled blocks of 4 tokens, so
 every prompt spans several blocks.
 """
@@ -44,6 +44,7 @@ VARIANTS = {
         **_SHAPE, q_lora_rank=24, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5),
     "v3_moe_plain_rope": lambda: transformers.DeepseekV3Config(
         **_SHAPE, q_lora_rank=None, first_k_dense_replace=2, n_group=2, topk_group=1, rope_interleave=False),
+    "v3_dense_qlora": lambda: transformers.DeepseekV3Config(**_SHAPE, q_lora_rank=24, first_k_dense_replace=3),
 }
 
 
