@@ -51,6 +51,19 @@ def wait_all_blocks_free(timeout_s: float = LEAK_WAIT_S) -> list[str]:
         time.sleep(0.02)
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2_from_gguf():
+    """transformers' own model of the default GGUF (fp32, eval): the reference the loader and the
+    engine are checked against. Loaded once per session: parsing the GGUF takes about 20 s."""
+    import torch
+    import transformers
+
+    from kvbridge.engine.loader import DEFAULT_MODEL, resolve_model
+    path = resolve_model(DEFAULT_MODEL)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def collect_garbage_after_each_module():
     """Engines (weights, KV cache: about a GB each) that tests drop are freed by the end of their

@@ -6,7 +6,7 @@ import torch
 
 from kvbridge.config import CacheConfig, EngineConfig
 from kvbridge.engine.engine import LLMEngine
-from kvbridge.engine.loader import load_model, resolve_model
+from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -14,12 +14,8 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    import transformers
-    path = resolve_model("SmolLM2-135M-Instruct")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    return model.eval()
+def hf_model(hf_smollm2_from_gguf):
+    return hf_smollm2_from_gguf
 
 
 def test_greedy_continuations_match_transformers(hf_model):

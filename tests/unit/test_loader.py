@@ -52,13 +52,9 @@ def smollm2(cache_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_reference_state():
-    transformers = pytest.importorskip("transformers")
-    path = resolve_model(DEFAULT_MODEL)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
-    state = model.state_dict()
-    return {name: state[name].clone() for name in SMOLLM2_COMPARED}  # frees the rest with the model
+def hf_reference_state(hf_smollm2_from_gguf):
+    state = hf_smollm2_from_gguf.state_dict()
+    return {name: state[name] for name in SMOLLM2_COMPARED}
 
 
 # ---- the default model ------------------------------------------------------------------------
