@@ -3,8 +3,9 @@
 Attention (`MLAAttention`): q from one projection or a low-rank pair (q_a_proj, RMSNorm,
 q_b_proj); a shared compressed KV latent from kv_a_proj_with_mqa (RMSNorm on its first
 kv_lora_rank values, rotary on the last qk_rope_head_dim: the decoupled rotary key). The KV
-cache stores that latent, one entry per token (`layers/mla_attention.py`), and kv_b_proj's
-per-head key and value up-projections are absorbed into the query and the output.
+cache stores that latent, one entry per token (`layers/mla_attention.py`); kv_b_proj's
+per-head key and value up-projections are absorbed into the query and the output for
+decode, and expand the context's latents for prefill.
 
 Rotary: DeepSeek checkpoints lay the rotary dims out as interleaved pairs (x0, x1), (x2, x3)...
 `load_weights` permutes the rows that produce them (in q_proj / q_b_proj and
@@ -94,7 +95,8 @@ class MLAAttention(nn.Module):
                                                  device=device), persistent=False)
         self.register_buffer("w_uv", torch.empty(heads, mla.v_head_dim, mla.kv_lora_rank, dtype=dtype,
                                                  device=device), persistent=False)
-        self.attn = MLAPagedAttention(heads, mla.kv_lora_rank, mla.qk_rope_head_dim, softmax_scale(arch))
+        self.attn = MLAPagedAttention(heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
+                                      mla.v_head_dim, softmax_scale(arch))
 
     def refresh_derived(self) -> None:
         mla = self.mla
@@ -115,10 +117,8 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(ckv[:, :mla.kv_lora_rank])
         k_pe = RotaryEmbedding.apply(ckv[:, None, mla.kv_lora_rank:], cos, sin)[:, 0]
         entry = torch.cat((latent, k_pe), dim=-1)  # [T, latent_dim]: what the cache keeps
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, heads, lora]
-        q_abs = torch.cat((q_latent, RotaryEmbedding.apply(q_pe, cos, sin)), dim=-1)
-        out_latent = self.attn(q_abs, entry, kv_layer, attn)  # [T, heads, lora]
-        out = torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
+        out = self.attn(q_nope, RotaryEmbedding.apply(q_pe, cos, sin), entry, kv_layer, attn, self.kv_b_proj,
+                        self.w_uk, self.w_uv)  # [T, heads, v]
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
         return out if self.all_reduce is None else self.all_reduce(out)
 
