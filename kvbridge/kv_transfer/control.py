@@ -29,7 +29,8 @@ import queue
 from typing import Any, Callable
 
 from kvbridge.kv_transfer.lease import LeaseTable, Refusal
-from kvbridge.kv_transfer.side_channel import HandlerRefusal, HandshakeClient, SideChannelServer
+from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
+from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.stats import KVTransferStats
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from functools import lru_cache
 from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
                                             HandshakeLayoutMismatch, HandshakeMetadata,
                                             HandshakeRefused, RankLayout, decode_payload)
-from kvbridge.kv_transfer.side_channel import HandshakeClient
+from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 
 logger = logging.getLogger(__name__)
 

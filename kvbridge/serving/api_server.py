@@ -1,408 +1,43 @@
-"""The OpenAI-compatible HTTP server of one kvbridge instance.
+"""The OpenAI-compatible HTTP server of one kvbridge instance: the app, its routes, its lifecycle.
 
-Endpoints: POST /v1/completions and /v1/chat/completions (streaming or not),
-GET /v1/models, /health (200 healthy, 503 shutting down or dead) and /metrics.
+Endpoints: POST /v1/completions and /v1/chat/completions (streaming or not, served by
+completions.py), GET /v1/models, /health (200 healthy, 503 shutting down or dead) and
+/metrics. `build_app` makes the FastAPI app of an engine; `run_server` loads the model,
+serves it with uvicorn until SIGINT/SIGTERM (or until the engine fails) and shuts down.
 
 Every error is OpenAI's body {"error": {...}}: 400 for anything wrong with the request
 (never FastAPI's 422, never a 500), 401 for a bad API key, 404 for an unknown model,
 503 when overloaded or shutting down, 500 when the engine fails a request (e.g. a KV
 transfer failed under policy "fail"). A stream that fails midway ends with an error
 event and [DONE].
-
-Pre-admission rejection (seed 002): a request carrying kv_transfer_params with
-do_remote_prefill names blocks a prefill instance holds for it. Every path that
-refuses such a request before the engine owns it runs through the one guard in
-`_Handlers.serve`, which tells the prefill instance to free them before the error is
-answered. Once admitted, the engine's own abort/finish path does it. A 401 does not
-notify: unauthenticated input must cause no side effects; the lease frees those blocks.
-
-A client that disconnects aborts its request, streaming or not, so its blocks are freed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import logging
-import re
 import socket
-import time
-import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbridge.config import EngineConfig
-from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedError, EngineRequestError
-from kvbridge.engine.outputs import RequestOutput
-from kvbridge.engine.request import FinishReason
-from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params
+from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.serving import protocol as p
-from kvbridge.serving.async_engine import AsyncEngine, EngineState, EngineUnavailableError, RequestStream
-from kvbridge.serving.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from kvbridge.serving.async_engine import AsyncEngine, EngineState
+from kvbridge.serving.completions import (REQUEST_ID_HEADER, ApiError, CompletionHandlers, as_api_error,
+                                          json_response, read_json)
+from kvbridge.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "X-Request-Id"
-_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII without spaces
-MAX_BODY_BYTES = 32 << 20  # a full-context prompt as token ids is well under 1 MiB
 _METRICS_TIMEOUT_S = 10.0  # a scrape waits at most this long for the current step
-
-
-class ApiError(Exception):
-    """An error answer; `type` defaults from the status like OpenAI's."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.info = p.ErrorInfo(message=message, param=param, code=code,
-                                type=type or ("server_error" if status >= 500
-                                              else "invalid_request_error"))
-        self.headers = headers or {}
-
-    def response(self, headers: dict[str, str] | None = None) -> Response:
-        return _json(p.ErrorResponse(error=self.info), self.status, {**self.headers, **(headers or {})})
-
-
-def _json(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    # pydantic writes non-finite floats (a -inf logprob) as null: always valid JSON
-    return Response(model.model_dump_json(), status, headers, media_type="application/json")
-
-
-def _sse(model: BaseModel, exclude: set[str] | None = None) -> str:
-    return f"data: {model.model_dump_json(exclude=exclude)}\n\n"
-
-
-@dataclass
-class _Job:
-    """One validated request, ready for the engine."""
-
-    chat: bool
-    request: p.CompletionRequest | p.ChatCompletionRequest
-    prompt_ids: list[int]
-    params: SamplingParams
-    response_id: str
-    created: int
-
-
-class _Handlers:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.created = int(time.time())
-        # A prompt text longer than this has more tokens than the context holds, whatever
-        # its content: it is refused without being tokenised (a 10 MB prompt took 9 s).
-        self.max_prompt_bytes = engine.max_model_len * engine.tokenizer.max_bytes_per_token
-
-    async def serve(self, raw: Request, chat: bool) -> Response:
-        timer = self.metrics.request_timer()  # latencies count from arrival
-        request_id = _request_id(raw)
-        headers = {REQUEST_ID_HEADER: request_id}
-        kv_params: KVTransferParams | None = None
-        try:
-            body = await _read_json(raw)
-            kv_params = _parse_kv_params(body)
-            # Tokenising holds a thread for up to a second or two (a prompt near the byte
-            # bound): never the event loop, which must keep answering /health and streams.
-            job = await asyncio.to_thread(self._prepare, body, chat, request_id)
-            stream = await self._admit(request_id, job, kv_params)
-        except Exception as exc:  # the one guard around every pre-admission rejection
-            error = _as_api_error(exc, request_id)
-            self.metrics.record_rejected()
-            if kv_params is not None and kv_params.do_remote_prefill and self.engine.has_kv_connector:
-                await self.engine.notify_kv_transfer_rejected(request_id, kv_params)
-            return error.response(headers)
-        watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
-        if job.request.stream:
-            return StreamingResponse(self._stream(job, stream, timer, watcher),
-                                     media_type="text/event-stream", headers=headers)
-        try:
-            return _json(await self._collect(job, stream, timer), headers=headers)
-        except ApiError as error:
-            return error.response(headers)
-        finally:
-            watcher.cancel()
-            stream.abort()
-            timer.on_abandoned()
-
-    # ---------------------------------------------------------------- admission
-
-    def _prepare(self, body: dict[str, Any], chat: bool, request_id: str) -> _Job:
-        """Validates and tokenises; runs on a worker thread."""
-        model_cls = p.ChatCompletionRequest if chat else p.CompletionRequest
-        try:
-            request = model_cls.model_validate(body)
-        except ValidationError as exc:
-            raise _validation_error(exc) from None
-        if request.model is not None and request.model != self.engine.model_name:
-            raise ApiError(404, f"The model `{request.model}` does not exist.",
-                           param="model", code="model_not_found")
-        tokenizer = self.engine.tokenizer
-        if isinstance(request, p.ChatCompletionRequest):
-            try:
-                text = tokenizer.apply_chat_template(
-                    [m.as_template_message() for m in request.messages], add_generation_prompt=True)
-            except ValueError as exc:
-                raise ApiError(400, f"invalid messages: {exc}", param="messages") from None
-            self._check_prompt_bytes(text, "messages")
-            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-        elif isinstance(request.prompt, str):
-            self._check_prompt_bytes(request.prompt, "prompt")
-            prompt_ids = tokenizer.encode(request.prompt, add_special_tokens=True)
-        else:
-            prompt_ids = list(request.prompt)
-        max_tokens = self._check_length(request, len(prompt_ids))
-        try:
-            params = (request.to_sampling_params(max_tokens) if chat
-                      else request.to_sampling_params())
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        if not params.ignore_eos:  # end-of-turn tokens besides eos (e.g. <|endoftext|>)
-            stops = set(params.stop_token_ids) | set(tokenizer.stop_token_ids)
-            params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stops)))
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        return _Job(chat, request, prompt_ids, params, prefix + request_id, int(time.time()))
-
-    def _check_prompt_bytes(self, text: str, param: str) -> None:
-        size = len(text.encode("utf-8"))
-        if size > self.max_prompt_bytes:
-            limit = self.engine.max_model_len
-            raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the "
-                           f"prompt has {size} bytes, more than {limit} tokens can hold. "
-                           "Please shorten the prompt.", param=param, code="context_length_exceeded")
-
-    def _check_length(self, request: p.CompletionRequest | p.ChatCompletionRequest,
-                      num_prompt: int) -> int:
-        """The request's max_tokens (chat without one: what the context leaves), or 400."""
-        limit = self.engine.max_model_len
-        param = "messages" if isinstance(request, p.ChatCompletionRequest) else "prompt"
-        if num_prompt >= limit:
-            raise ApiError(400, f"This model's maximum context length is {limit} tokens, but "
-                           f"the prompt has {num_prompt} tokens and at least one token must be "
-                           "generated. Please shorten the prompt.",
-                           param=param, code="context_length_exceeded")
-        if isinstance(request, p.ChatCompletionRequest):
-            max_tokens = request.requested_max_tokens or limit - num_prompt
-        else:
-            max_tokens = request.max_tokens
-        if num_prompt + max_tokens > limit:
-            raise ApiError(400, f"This model's maximum context length is {limit} tokens. "
-                           f"However, you requested {num_prompt + max_tokens} tokens "
-                           f"({num_prompt} in the prompt, {max_tokens} for the completion). "
-                           "Please reduce the prompt or max_tokens.",
-                           param="max_tokens", code="context_length_exceeded")
-        return max_tokens
-
-    async def _admit(self, request_id: str, job: _Job,
-                     kv_params: KVTransferParams | None) -> RequestStream:
-        try:
-            try:
-                return await self.engine.add_request(request_id, job.prompt_ids, job.params, kv_params)
-            except DuplicateRequestIdError:
-                # A client (or a proxy passing client ids through) reused an X-Request-Id while
-                # the engine still holds state for it, e.g. blocks leased to a remote reader.
-                # Like vLLM, serve it under a unique internal id; the answer keeps the header.
-                unique = f"{request_id}-{uuid.uuid4().hex[:12]}"
-                logger.info("request id %s is in use; serving this request as %s", request_id, unique)
-                return await self.engine.add_request(unique, job.prompt_ids, job.params, kv_params)
-        except EngineRequestError as exc:
-            raise ApiError(400, str(exc)) from None
-        except EngineOverloadedError as exc:
-            raise ApiError(503, str(exc) or "the server is overloaded; retry later",
-                           code="overloaded", headers={"Retry-After": "1"}) from None
-        except EngineUnavailableError as exc:
-            raise ApiError(503, str(exc), code="unavailable") from None
-
-    # ---------------------------------------------------------------- answers
-
-    async def _collect(self, job: _Job, stream: RequestStream,
-                       timer: RequestTimer) -> p.CompletionResponse | p.ChatCompletionResponse:
-        text: list[str] = []
-        logprobs = []
-        last: RequestOutput | None = None
-        async for last in stream:
-            timer.on_output(last)
-            text.append(last.new_text)
-            logprobs.extend(last.logprobs or ())
-        assert last is not None and last.finished  # a stream always ends with its finished output
-        _raise_if_failed(last)
-        usage = p.UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-        reason = last.finish_reason.value if last.finish_reason else None
-        token_text = self.engine.tokenizer.token_text
-        if job.chat:
-            lp = p.chat_logprobs(logprobs, token_text) if job.params.logprobs is not None else None
-            choice = p.ChatChoice(message=p.ChatMessageOut(content="".join(text)), logprobs=lp,
-                                  finish_reason=reason)
-            return p.ChatCompletionResponse(id=job.response_id, created=job.created,
-                                            model=self.engine.model_name, choices=[choice],
-                                            usage=usage, kv_transfer_params=last.kv_transfer_params)
-        lp = p.completion_logprobs(logprobs, token_text, 0) if job.params.logprobs is not None else None
-        choice = p.CompletionChoice(text="".join(text), logprobs=lp, finish_reason=reason)
-        return p.CompletionResponse(id=job.response_id, created=job.created,
-                                    model=self.engine.model_name, choices=[choice], usage=usage,
-                                    kv_transfer_params=last.kv_transfer_params)
-
-    async def _stream(self, job: _Job, stream: RequestStream, timer: RequestTimer,
-                      watcher: asyncio.Task[None]) -> AsyncIterator[str]:
-        chunks = _ChunkMaker(job, self.engine)
-        try:
-            if job.chat:
-                yield chunks.delta(p.DeltaMessage(role="assistant", content=""))
-            async for output in stream:
-                timer.on_output(output)
-                if output.finished:
-                    _raise_if_failed(output)
-                if output.new_text or output.logprobs:
-                    yield chunks.content(output)
-                if output.finished:
-                    yield chunks.finish(output)
-                    if job.request.include_usage_chunk:
-                        yield chunks.usage(output)
-            yield "data: [DONE]\n\n"
-        except Exception as exc:
-            error = exc if isinstance(exc, ApiError) else _as_api_error(exc, job.response_id)
-            yield _sse(p.ErrorResponse(error=error.info))
-            yield "data: [DONE]\n\n"
-        finally:
-            watcher.cancel()
-            stream.abort()
-            timer.on_abandoned()
-
-
-class _ChunkMaker:
-    """Builds one request's stream chunks as JSON-able dicts. Like OpenAI, `usage` is on
-    every chunk (null but on the last) only when the client asked for usage;
-    `kv_transfer_params` only on the finishing chunk, when the engine returned some."""
-
-    def __init__(self, job: _Job, engine: AsyncEngine) -> None:
-        self.job = job
-        self.model = engine.model_name
-        self.token_text = engine.tokenizer.token_text
-        self.text_offset = 0
-
-    def _chunk(self, choices: list[Any], **extra: Any) -> str:
-        cls = p.ChatCompletionChunk if self.job.chat else p.CompletionChunk
-        chunk = cls(id=self.job.response_id, created=self.job.created, model=self.model,
-                    choices=choices, **extra)
-        exclude = set() if self.job.request.include_usage_chunk else {"usage"}
-        if chunk.kv_transfer_params is None:
-            exclude.add("kv_transfer_params")
-        return _sse(chunk, exclude)
-
-    def delta(self, delta: p.DeltaMessage, reason: str | None = None, **extra: Any) -> str:
-        return self._chunk([p.ChatStreamChoice(delta=delta, logprobs=None, finish_reason=reason)],
-                           **extra)
-
-    def content(self, output: RequestOutput) -> str:
-        want = self.job.params.logprobs is not None and output.logprobs
-        if self.job.chat:
-            lp = p.chat_logprobs(output.logprobs, self.token_text) if want else None
-            return self._chunk([p.ChatStreamChoice(delta=p.DeltaMessage(content=output.new_text),
-                                                   logprobs=lp, finish_reason=None)])
-        lp = p.completion_logprobs(output.logprobs, self.token_text, self.text_offset) if want else None
-        self.text_offset += len(output.new_text)
-        return self._chunk([p.CompletionChoice(text=output.new_text, logprobs=lp,
-                                               finish_reason=None)])
-
-    def finish(self, output: RequestOutput) -> str:
-        reason = output.finish_reason.value if output.finish_reason else None
-        extra = {"kv_transfer_params": output.kv_transfer_params} if output.kv_transfer_params else {}
-        if self.job.chat:
-            return self.delta(p.DeltaMessage(), reason, **extra)
-        return self._chunk([p.CompletionChoice(text="", logprobs=None, finish_reason=reason)],
-                           **extra)
-
-    def usage(self, output: RequestOutput) -> str:
-        return self._chunk([], usage=p.UsageInfo.of(
-            output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens))
-
-
-# -------------------------------------------------------------------- helpers
-
-
-def _request_id(raw: Request) -> str:
-    """The caller's X-Request-Id when it is sane (the P/D proxy sends one id to P and D),
-    else a fresh one."""
-    given = raw.headers.get(REQUEST_ID_HEADER)
-    if given and _REQUEST_ID_RE.fullmatch(given):
-        return given
-    return uuid.uuid4().hex
-
-
-async def _read_json(raw: Request) -> dict[str, Any]:
-    data = bytearray()
-    async for chunk in raw.stream():
-        data += chunk
-        if len(data) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    try:
-        return p.parse_json_object(bytes(data))
-    except ValueError as exc:
-        raise ApiError(400, str(exc), code="invalid_json") from None
-
-
-def _parse_kv_params(body: dict[str, Any]) -> KVTransferParams | None:
-    try:
-        return parse_kv_transfer_params(body.get("kv_transfer_params"))
-    except KVTransferParamsError as exc:
-        raise ApiError(400, str(exc), param="kv_transfer_params") from None
-
-
-def _validation_error(exc: ValidationError) -> ApiError:
-    """One 400 from pydantic's errors; the deepest one is the most specific (in a union,
-    the member that got furthest)."""
-    errors = exc.errors(include_url=False)
-    worst = max(errors, key=lambda e: len(e["loc"]))
-    # Union members show up in the location as type names ("str", "list[int]"): drop them.
-    path = [str(x) for x in worst["loc"]
-            if not (isinstance(x, str) and (x in ("str", "int", "float", "bool") or "[" in x))]
-    message = worst["msg"].removeprefix("Value error, ")
-    where = ".".join(path)
-    return ApiError(400, f"{where}: {message}" if where else message,
-                    param=path[0] if path else None)
-
-
-def _as_api_error(exc: BaseException, request_id: str) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, RequestValidationError):
-        return ApiError(400, str(exc))
-    logger.error("request %s: unexpected error", request_id, exc_info=exc)
-    return ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error")
-
-
-def _raise_if_failed(output: RequestOutput) -> None:
-    if output.finish_reason is FinishReason.ERROR:
-        raise ApiError(500, output.error or "the engine failed to serve this request",
-                       code="engine_error")
-    if output.finish_reason is FinishReason.ABORT:
-        raise ApiError(503, "the request was aborted before it completed", code="aborted")
-
-
-async def _abort_on_disconnect(raw: Request, stream: RequestStream) -> None:
-    """Abort the request when the client goes away. The body has been read, so the next
-    ASGI message is the disconnect."""
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            logger.info("request %s: client disconnected, aborting", stream.request_id)
-            stream.abort()
-            return
-
-
-# -------------------------------------------------------------------- the app
 
 
 # The routes are module-level functions that find their instance's state in
@@ -414,7 +49,7 @@ async def _abort_on_disconnect(raw: Request, stream: RequestStream) -> None:
 @dataclass(frozen=True)
 class _Instance:
     engine: AsyncEngine
-    handlers: _Handlers
+    handlers: CompletionHandlers
     metrics: ServerMetrics
     api_key: str | None
 
@@ -454,7 +89,7 @@ def _model_card(instance: _Instance) -> p.ModelCard:
 
 @_v1.get("/models")
 async def _models(raw: Request) -> Response:
-    return _json(p.ModelList(data=[_model_card(_instance(raw))]))
+    return json_response(p.ModelList(data=[_model_card(_instance(raw))]))
 
 
 @_v1.get("/models/{model_id:path}")
@@ -463,13 +98,13 @@ async def _model(raw: Request, model_id: str) -> Response:
     if model_id != instance.engine.model_name:
         raise ApiError(404, f"The model `{model_id}` does not exist.", param="model",
                        code="model_not_found")
-    return _json(_model_card(instance))
+    return json_response(_model_card(instance))
 
 
 async def _release_kv(raw: Request) -> Response:
     """P: free the blocks held for a request no decode instance will read (the proxy
     calls it when it could reach no D). Idempotent: unknown ids answer released=false."""
-    body = await _read_json(raw)
+    body = await read_json(raw)
     try:
         params = parse_kv_transfer_params(body.get("kv_transfer_params"))
     except ValueError as exc:
@@ -515,7 +150,7 @@ async def _on_http_error(_: Request, exc: Exception) -> Response:
 
 
 async def _on_unexpected(raw: Request, exc: Exception) -> Response:
-    return _as_api_error(exc, raw.headers.get(REQUEST_ID_HEADER, "-")).response()
+    return as_api_error(exc, raw.headers.get(REQUEST_ID_HEADER, "-")).response()
 
 
 def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
@@ -524,7 +159,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     may register their collectors on it."""
     app = FastAPI(title="kvbridge", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics()
-    app.state.instance = _Instance(engine, _Handlers(engine, metrics), metrics, api_key)
+    app.state.instance = _Instance(engine, CompletionHandlers(engine, metrics), metrics, api_key)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.registry = metrics.registry

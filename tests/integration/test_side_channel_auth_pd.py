@@ -16,7 +16,7 @@ from kvbridge.kv_transfer.backends.fake import FakeFabric
 from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.control import ControlClient
 from kvbridge.kv_transfer.handshake import HandshakePeerError
-from kvbridge.kv_transfer.side_channel import HandshakeClient
+from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from tests.integration.pd_harness import decode, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)

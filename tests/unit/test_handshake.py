@@ -42,15 +42,9 @@ from kvbridge.kv_transfer.handshake import (
     encode_payload,
 )
 from kvbridge.kv_transfer.handshake_manager import HandshakeManager, is_trusted_host
-from kvbridge.kv_transfer.side_channel import (
-    FRAME_MAGIC,
-    FrameError,
-    HandlerRefusal,
-    HandshakeClient,
-    SideChannelServer,
-    decode_frame,
-    encode_frame,
-)
+from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
+from kvbridge.kv_transfer.side_channel_client import HandshakeClient
+from kvbridge.kv_transfer.side_channel_frames import FRAME_MAGIC, FrameError, decode_frame, encode_frame
 
 pytestmark = pytest.mark.timeout(120)
 

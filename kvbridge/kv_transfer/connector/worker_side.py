@@ -53,7 +53,8 @@ from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, H
                                             encode_payload)
 from kvbridge.kv_transfer.handshake_manager import HandshakeManager
 from kvbridge.kv_transfer.lease import CONTENT_MISMATCH, LeaseTable
-from kvbridge.kv_transfer.side_channel import HandshakeClient, SideChannelServer
+from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.kv_transfer.tp_mapping import (RankBlocks, RankKV, ReadPlan, ReleaseNotice, TPMappingError,
                                              check_pairing, plan_request_reads, request_salt)
