@@ -1,6 +1,6 @@
 """D's handshakes: deduplicated, backed-off fetches of P's payload, and which hosts D may contact.
 
-HandshakeManager fetches a payload over the side channel (side_channel.py), checks it
+HandshakeManager fetches a payload over the side channel (side_channel_client.py), checks it
 with decode_payload (handshake.py) and caches the result; it never raises into its
 callers, every failure comes back as a failed future carrying a HandshakeError.
 is_trusted_host guards the addresses that reach D in client-supplied kv_transfer_params.

@@ -53,7 +53,7 @@ T = TypeVar("T")
 RELEASE_PATH = "/kvbridge/release_kv"
 UPSTREAM_KEEPALIVE_S = 2.0
 REQUEST_ID_HEADER = "X-Request-Id"
-# The same rule as api_server.py: printable ASCII without spaces, else the server makes its own id.
+# The same rule as completions.py: printable ASCII without spaces, else the server makes its own id.
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")
 BAD_KEY_MESSAGE = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
 
