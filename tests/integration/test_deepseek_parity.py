@@ -13,7 +13,6 @@ every prompt spans several blocks.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -22,11 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
-from kvbridge.engine.loader.safetensors import arch_from_config, read_weights
-from kvbridge.engine.models import build_model
 from kvbridge.engine.models.deepseek import deinterleave_rows
-from kvbridge.engine.tp import rank_shard
 from tests.integration.test_tp_parity import scenario
+from tests.tp_ranks import join_gloo, load_folder
 from tests.unit.test_model_parity import ATOL, VOCAB, PagedSteps, prompt
 
 _YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
@@ -62,14 +59,6 @@ def make_folder(variant: str, folder: Path) -> Path:
     return folder
 
 
-def load(folder: Path, tp: int = 1, rank: int = 0, all_reduce=None):
-    arch = arch_from_config(json.loads((folder / "config.json").read_text()))
-    shard = rank_shard(arch.num_heads, arch.cache_kv_heads, tp, rank) if tp > 1 else None
-    model = build_model(arch, torch.float32, "cpu", shard, all_reduce)
-    model.load_weights(read_weights(folder, arch))
-    return arch, model
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek")
@@ -84,7 +73,7 @@ def reference(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_prefill_then_decode_over_blocks_matches_transformers(folders, variant: str) -> None:
-    arch, model = load(folders[variant])
+    arch, model, _ = load_folder(folders[variant])
     assert arch.use_mla and (arch.moe is not None) == ("moe" in variant)
     assert (arch.mla.q_lora_rank is not None) == ("qlora" in variant)
     got = scenario(PagedSteps(model, arch))
@@ -93,7 +82,7 @@ def test_prefill_then_decode_over_blocks_matches_transformers(folders, variant: 
 
 
 def test_cache_holds_one_latent_per_token_the_size_the_config_says(folders) -> None:
-    arch, model = load(folders["v2_moe_qlora"])
+    arch, model, _ = load_folder(folders["v2_moe_qlora"])
     steps = PagedSteps(model, arch)
     steps.step({"a": prompt(9, seed=4)})
     # [blocks, 1 latent head, layers, 1 entry, block_size, kv_lora_rank + qk_rope_head_dim]
@@ -105,15 +94,10 @@ def test_cache_holds_one_latent_per_token_the_size_the_config_says(folders) -> N
 
 
 def _rank(rank: int, world: int, store: str, folders: dict[str, str], out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-
-    def all_reduce(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
+    all_reduce = join_gloo(rank, world, store)
     results = {}
     for variant, folder in folders.items():
-        arch, model = load(Path(folder), world, rank, all_reduce)
+        arch, model, _ = load_folder(Path(folder), world, rank, all_reduce)
         # Every rank caches the whole latent: one replicated "KV head".
         results[variant] = scenario(PagedSteps(model, arch, num_kv_heads=1))
     if rank == 0:
@@ -127,7 +111,7 @@ def test_tp2_split_heads_and_experts_compute_the_unsplit_logits(folders, tmp_pat
              nprocs=2, join=True)
     got = torch.load(out)
     for variant, folder in folders.items():
-        arch, model = load(folder)
+        arch, model, _ = load_folder(folder)
         whole = scenario(PagedSteps(model, arch))
         for seq in ("a", "b"):
             assert torch.equal(got[variant][f"{seq}_tokens"], whole[f"{seq}_tokens"])  # same greedy path

@@ -12,7 +12,6 @@ group gets its own shuffled block table, as the KV cache manager hands them out.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,9 @@ import transformers
 
 from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.layers.attention import AttentionMetadata
-from kvbridge.engine.loader.safetensors import arch_from_config, read_weights
-from kvbridge.engine.models import build_model, kv_cache_shape
-from kvbridge.engine.tp import rank_shard
+from kvbridge.engine.models import kv_cache_shape
 from tests.integration.test_tp_parity import scenario
+from tests.tp_ranks import join_gloo, load_folder
 from tests.unit.test_model_parity import ATOL, BLOCK_SIZE, VOCAB
 
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
@@ -84,14 +82,6 @@ def make_folder(variant: str, folder: Path) -> Path:
     return folder
 
 
-def load(folder: Path, tp: int = 1, rank: int = 0, all_reduce=None):
-    arch = arch_from_config(json.loads((folder / "config.json").read_text()))
-    shard = rank_shard(arch.num_heads, arch.cache_kv_heads, tp, rank) if tp > 1 else None
-    model = build_model(arch, torch.float32, "cpu", shard, all_reduce)
-    model.load_weights(read_weights(folder, arch))
-    return arch, model, shard
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sliding")
@@ -111,7 +101,7 @@ def reference(folder: Path, tokens: torch.Tensor, sliding: bool = True) -> torch
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_sliding_layers_match_transformers_past_the_window(folders, variant: str) -> None:
-    arch, model, _ = load(folders[variant])
+    arch, model, _ = load_folder(folders[variant])
     assert len(layer_groups(arch)) == GROUPS[variant] and "sliding_attention" in arch.layer_types
     got = scenario(GroupedSteps(model, arch))
     for seq in ("a", "b"):
@@ -123,15 +113,10 @@ def test_sliding_layers_match_transformers_past_the_window(folders, variant: str
 
 
 def _rank(rank: int, world: int, store: str, folders: dict[str, str], out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-
-    def all_reduce(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
+    all_reduce = join_gloo(rank, world, store)
     results = {}
     for variant, folder in folders.items():
-        arch, model, shard = load(Path(folder), world, rank, all_reduce)
+        arch, model, shard = load_folder(Path(folder), world, rank, all_reduce)
         results[variant] = scenario(GroupedSteps(model, arch, num_kv_heads=shard.num_kv_heads))
     if rank == 0:
         torch.save(results, out)
@@ -144,7 +129,7 @@ def test_tp2_sliding_models_compute_the_unsplit_logits(folders, tmp_path: Path) 
              nprocs=2, join=True)
     got = torch.load(out)
     for variant, folder in folders.items():
-        arch, model, _ = load(folder)
+        arch, model, _ = load_folder(folder)
         whole = scenario(GroupedSteps(model, arch))
         for seq in ("a", "b"):
             assert torch.equal(got[variant][f"{seq}_tokens"], whole[f"{seq}_tokens"])

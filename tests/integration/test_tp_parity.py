@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from kvbridge.engine.models import build_model
 from kvbridge.engine.tp import rank_shard
+from tests.tp_ranks import join_gloo
 from tests.unit.test_model_parity import ATOL, HF_CONFIGS, PagedSteps, arch_from_hf, make_hf, prompt
 
 
@@ -39,12 +40,7 @@ def scenario(steps: PagedSteps) -> dict[str, torch.Tensor]:
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-
-    def all_reduce(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
+    all_reduce = join_gloo(rank, world, store)
     results = {}
     for family in HF_CONFIGS:
         hf = make_hf(family)  # seeded: the same weights on every rank and in the test

@@ -31,6 +31,7 @@ from kvbridge.engine.layers.mamba2 import (Mamba2Config, Mamba2Metadata, Mamba2M
                                            mamba2_weight_slots)
 from kvbridge.engine.models.weights import load_slots  # noqa: E402
 from kvbridge.engine.tp import TPSplitError  # noqa: E402
+from tests.tp_ranks import join_gloo  # noqa: E402
 
 ATOL = 1e-4
 PREFIX = "model.layers.0.mamba."
@@ -234,12 +235,7 @@ def test_tp4_thread_ranks_compute_the_unsplit_outputs(cases, name) -> None:
 
 
 def _gloo_rank(rank: int, world: int, store: str, weights_file: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-
-    def all_reduce(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
+    all_reduce = join_gloo(rank, world, store)
     results = {}
     for name, (config, weights) in torch.load(weights_file, weights_only=False).items():
         mixer = engine_mixer(config, weights, world, rank, all_reduce)

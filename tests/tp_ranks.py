@@ -1,0 +1,41 @@
+"""What the tensor-parallel parity tests share: joining a real gloo group from a spawned rank
+process, and loading a Hugging Face folder's model (a rank's shard of it) through kvbridge's
+own loader."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kvbridge.engine.loader.safetensors import arch_from_config, read_weights
+from kvbridge.engine.models import CausalLM, build_model
+from kvbridge.engine.models.config import ModelArchConfig
+from kvbridge.engine.tp import RankShard, rank_shard
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def join_gloo(rank: int, world: int, store: str) -> AllReduce:
+    """Join the gloo group of `world` ranks rendezvousing at the file `store` (one thread per
+    rank); returns the in-place sum over the ranks the model layers take."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+    return all_reduce
+
+
+def load_folder(folder: Path, tp: int = 1, rank: int = 0,
+                all_reduce: AllReduce | None = None) -> tuple[ModelArchConfig, CausalLM, RankShard | None]:
+    """The folder's architecture and model (rank `rank` of `tp`'s shard), weights loaded."""
+    arch = arch_from_config(json.loads((folder / "config.json").read_text()))
+    shard = rank_shard(arch.num_heads, arch.cache_kv_heads, tp, rank) if tp > 1 else None
+    model = build_model(arch, torch.float32, "cpu", shard, all_reduce)
+    model.load_weights(read_weights(folder, arch))
+    return arch, model, shard
