@@ -13,10 +13,11 @@ from typing import Callable
 
 from kvbridge.config import EngineConfig
 from kvbridge.engine.block_pool import BlockPool
-from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheKind, KVCacheManager
 from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.models import check_arch_tp_split
 from kvbridge.engine.loader import LoadedModel, load_model
+from kvbridge.engine.kv_cache_layout import logical_block_size
 from kvbridge.engine.model_runner import DTYPES, ModelRunner, configure_torch_threads, kv_bytes_per_block
 from kvbridge.engine.output_processor import OutputProcessor
 from kvbridge.engine.outputs import RequestOutput
@@ -77,8 +78,12 @@ class LLMEngine:
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
             loaded.arch, cache.block_size, DTYPES[config.dtype], tp))
         self.num_blocks = num_blocks
-        groups = [KVCacheGroupSpec(g.kind, cache.block_size, g.layer_ids, g.sliding_window)
+        # Tokens per scheduler block: the configured size, or a multiple of it for a hybrid Mamba
+        # model (kv_cache_layout.py); the attention kernel keeps the configured size.
+        self.block_size = logical_block_size(loaded.arch, cache.block_size, tp)
+        groups = [KVCacheGroupSpec(g.kind, self.block_size, g.layer_ids, g.sliding_window)
                   for g in layer_groups(loaded.arch)]
+        self._mamba_groups = sum(g.kind is KVCacheKind.MAMBA for g in groups)
         sliding = any(g.sliding_window is not None for g in groups)
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching, reserve_null=sliding),
                                                groups)
@@ -128,7 +133,7 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens} for the completion). "
                 f"Please reduce the length of the prompt or max_tokens.")
-        needed = -(-total // self.config.cache.block_size)
+        needed = -(-total // self.block_size) + self._mamba_groups
         if needed > self.num_blocks:
             raise EngineRequestError(
                 f"the request needs {needed} KV blocks but the cache has only {self.num_blocks}")

@@ -6,8 +6,11 @@ for block tables and prefix caching it behaves exactly like full attention: ever
 of the context stays); sliding window and Mamba state are further specs. Each group
 has one block table per request, and block ids cross every boundary as a tuple
 of lists, one list per group, so hybrid models need no interface change.
-All groups share one block pool. Prefix caching works on full-attention groups
-by chained hashes of full blocks' token ids.
+All groups share one block pool (kv_cache_layout.py: one block is one page whatever
+the group). Prefix caching works on token-indexed groups by chained hashes of full
+blocks' token ids; a model with a Mamba group gets no prefix hits (a Mamba state is one
+request's whole context, not a run of tokens), and a request holds one block per Mamba
+group from its first token on.
 """
 
 from __future__ import annotations
@@ -26,11 +29,17 @@ class KVCacheKind(enum.Enum):
     FULL_ATTENTION = "full_attention"
     MLA = "mla"  # multi-head latent attention: one compressed latent per token, all heads share it
     SLIDING_WINDOW = "sliding_window"  # a token sees the last `sliding_window` tokens only
+    MAMBA = "mamba"  # one recurrent state (conv + SSM) per request: its one block, whatever its length
 
     @property
     def keeps_every_token(self) -> bool:
         """A request's blocks cover its whole context, block i holding tokens [i*bs, (i+1)*bs)."""
         return self in (KVCacheKind.FULL_ATTENTION, KVCacheKind.MLA)
+
+    @property
+    def token_indexed(self) -> bool:
+        """Block i holds tokens [i*bs, (i+1)*bs) (every kind but a Mamba state)."""
+        return self is not KVCacheKind.MAMBA
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,8 @@ class KVCacheGroupSpec:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
     def blocks_needed(self, num_tokens: int) -> int:
+        if self.kind is KVCacheKind.MAMBA:  # the request's one state, from its first token on
+            return 1 if num_tokens > 0 else 0
         return -(-num_tokens // self.block_size)
 
     def first_needed_block(self, position: int) -> int:
@@ -72,13 +83,16 @@ class KVCacheManager:
         if len({g.block_size for g in groups}) != 1:
             raise ValueError("every KV cache group must have the same block size")
         for g in groups:
-            if not (g.kind.keeps_every_token or g.kind is KVCacheKind.SLIDING_WINDOW):
+            if g.kind not in KVCacheKind:
                 raise ValueError(f"unsupported KV cache group kind {g.kind}")
         if any(g.sliding_window is not None for g in groups) and pool.null_block is None:
             raise ValueError("sliding-window groups need a pool with a null block (reserve_null=True)")
         self.pool = pool
         self.groups = tuple(groups)
         self.block_size = groups[0].block_size
+        # Mamba states are not cached by prefix: a state holds exactly one request's whole context.
+        self.has_mamba = any(g.kind is KVCacheKind.MAMBA for g in groups)
+        self._tokens_group = next((i for i, g in enumerate(groups) if g.kind.token_indexed), None)
         self._tables: dict[str, tuple[list[KVBlock], ...]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
@@ -100,7 +114,9 @@ class KVCacheManager:
 
     def num_allocated_tokens(self, request_id: str) -> int:
         table = self._tables.get(request_id)
-        return len(table[0]) * self.block_size if table else 0
+        if not table or self._tokens_group is None:
+            return 0
+        return len(table[self._tokens_group]) * self.block_size
 
     def block_hashes(self, request: Request) -> list[int]:
         """Chained hashes of the request's full blocks (prompt and output), computed incrementally."""
@@ -122,7 +138,7 @@ class KVCacheManager:
         the prompt has logits to sample from.
         """
         empty: tuple[list[KVBlock], ...] = tuple([] for _ in self.groups)
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or self.has_mamba:
             return empty, 0
         hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
         whole = request.keeps_whole_context  # a decode instance will read every block: all must be there
@@ -172,7 +188,7 @@ class KVCacheManager:
         hits = new_computed_blocks or tuple([] for _ in self.groups)
         if self._free_blocks_needed(request, num_new_tokens, hits) > self.pool.num_free_blocks:
             return None
-        first_new = request.num_computed_tokens + len(hits[0]) * self.block_size
+        first_new = request.num_computed_tokens + self._hit_tokens(hits)
         total_tokens = first_new + num_new_tokens
         table = self._tables.get(request.request_id)
         if table is None:
@@ -204,6 +220,8 @@ class KVCacheManager:
         hashes = self.block_hashes(request)
         n_full = min(num_computed_tokens // self.block_size, len(hashes))
         for gi, blocks in enumerate(table):
+            if not self.groups[gi].kind.token_indexed:
+                continue
             for i in range(n_full):
                 self.pool.cache_block(blocks[i], (gi, hashes[i]))
 
@@ -222,11 +240,14 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
+    def _hit_tokens(self, hits: tuple[list[KVBlock], ...]) -> int:
+        return len(hits[self._tokens_group]) * self.block_size if self._tokens_group is not None else 0
+
     def _free_blocks_needed(self, request: Request, num_new_tokens: int,
                             hits: tuple[list[KVBlock], ...]) -> int:
         """Free blocks that allocate_slots would take: fresh ones, plus cached hits that are
         free right now (touching them takes them off the free list)."""
-        total_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
+        total_tokens = request.num_computed_tokens + self._hit_tokens(hits) + num_new_tokens
         table = self._tables.get(request.request_id)
         needed = 0
         for gi, group in enumerate(self.groups):

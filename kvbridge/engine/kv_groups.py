@@ -12,6 +12,9 @@ layer in slot s of group g keeps its KV at slot s of the blocks in g's block tab
 - Full and sliding layers mixed (Qwen2/Qwen3 `layer_types`): each kind's layers, in order,
   split into groups of g = gcd(#full, #sliding) layers; e.g. 2 full + 4 sliding layers give
   groups [full 0, 1], [sliding 2, 3], [sliding 4, 5] of 2 slots.
+- Mamba and attention layers mixed (Bamba): the same rule; a Mamba group's block holds the
+  recurrent state of its layers for one request (kv_cache_layout.py says how the bytes of a
+  block are shared out, and how big a block is).
 
 Pure functions over the architecture; unit-tested exhaustively in tests/unit/test_kv_groups.py.
 """
@@ -36,7 +39,8 @@ def layer_kinds(arch: ModelArchConfig) -> list[KVCacheKind]:
     if arch.mla is not None:
         return [KVCacheKind.MLA] * arch.num_layers
     types = arch.layer_types or ("full_attention",) * arch.num_layers
-    return [KVCacheKind.SLIDING_WINDOW if t == "sliding_attention" else KVCacheKind.FULL_ATTENTION for t in types]
+    kinds = {"sliding_attention": KVCacheKind.SLIDING_WINDOW, "mamba": KVCacheKind.MAMBA}
+    return [kinds.get(t, KVCacheKind.FULL_ATTENTION) for t in types]
 
 
 def layer_groups(arch: ModelArchConfig) -> tuple[LayerGroup, ...]:

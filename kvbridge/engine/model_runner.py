@@ -12,13 +12,16 @@ from collections.abc import Callable
 
 import torch
 
-from kvbridge.engine.kv_groups import layer_groups, slots_per_block
+from kvbridge.engine.kv_cache_layout import rank_kv_cache_layout
+from kvbridge.engine.kv_cache_manager import KVCacheKind
+from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.layers.attention import AttentionMetadata
-from kvbridge.engine.models import build_model, kv_cache_shape
+from kvbridge.engine.layers.mamba2 import Mamba2Metadata
+from kvbridge.engine.models import build_model
 from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvbridge.engine.tp import RankShard, rank_shard
+from kvbridge.engine.tp import RankShard
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 
 logger = logging.getLogger(__name__)
@@ -63,15 +66,18 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 
 def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """One block, every layer, on one rank (the largest share any rank of `tp_size` holds)."""
+    """One logical block (a page: kv_cache_layout.py), every layer, on one rank (every rank of
+    `tp_size` holds as much). `block_size`: the configured (kernel) block size."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    heads = rank_shard(arch.num_heads, arch.cache_kv_heads, tp_size, 0).num_kv_heads
-    return slots_per_block(arch) * arch.cache_entries * block_size * heads * arch.cache_head_size * elem
+    return rank_kv_cache_layout(arch, block_size, 1, tp_size).page_elems * elem
 
 
 class ModelRunner:
     """One rank's model and KV cache. With tensor parallelism (`shard`, `all_reduce`) each rank
-    process has one; only the rank that `samples` (rank 0) computes logits and samples."""
+    process has one; only the rank that `samples` (rank 0) computes logits and samples.
+    `block_size` is the configured (attention kernel) block size and `num_blocks` counts
+    logical blocks; the scheduler's block tables are in logical blocks of
+    `self.layout.logical_block_size` tokens (kv_cache_layout.py)."""
 
     def __init__(self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: str, device: str,
                  block_size: int, num_blocks: int, seed: int = 0,
@@ -80,24 +86,30 @@ class ModelRunner:
         self.arch = arch
         self.device = resolve_device(device)
         self.dtype = DTYPES[dtype]
-        self.block_size = block_size
         self.num_blocks = num_blocks
         self.samples = samples
         self.model = build_model(arch, self.dtype, self.device, shard, all_reduce)
-        self.windows = [g.sliding_window for g in layer_groups(arch)]  # per KV cache group
+        groups = layer_groups(arch)
+        self.windows = [g.sliding_window for g in groups]  # per KV cache group
+        self.mamba_groups = [g.kind is KVCacheKind.MAMBA for g in groups]
         self.model.load_weights(weights)
-        heads = shard.num_kv_heads if shard is not None else arch.cache_kv_heads
-        self.kv_cache = torch.empty(kv_cache_shape(arch, num_blocks, block_size, heads), dtype=self.dtype,
-                                    device=self.device)
+        tp_size = shard.tp_size if shard is not None else 1
+        self.tp_rank = shard.rank if shard is not None else 0
+        self.layout = rank_kv_cache_layout(arch, block_size, num_blocks, tp_size, self.tp_rank)
+        self.kernel_block_size = block_size
+        self.block_size = self.layout.logical_block_size
+        self.kv_cache = self.layout.allocate(self.dtype, self.device)
         if self.device.type == "cpu":
             advise_huge_pages(self.kv_cache)
         self.kv_cache.zero_()
+        if hasattr(self.model, "bind_kv_cache_layout"):
+            self.model.bind_kv_cache_layout(self.layout)
         self.sampler = Sampler(seed)
         self.agent = agent
-        self.tp_rank = shard.rank if shard is not None else 0
         if agent is not None:
             kv_heads = shard.kv_heads if shard is not None else range(arch.cache_kv_heads)
-            agent.register(self.kv_cache, block_size, self.tp_rank, shard.tp_size if shard else 1, kv_heads)
+            agent.register(self.kv_cache, block_size, self.tp_rank, tp_size, kv_heads,
+                           blocks_per_logical=self.layout.blocks_per_logical)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -112,7 +124,6 @@ class ModelRunner:
         return out
 
     def _forward_and_sample(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, sample_rows = [], [], []
@@ -128,8 +139,14 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
-        metas = [AttentionMetadata.build(query_lens, context_lens, t, bs, dev, window)
-                 for t, window in zip(tables, self.windows)]
+        metas: list[AttentionMetadata | Mamba2Metadata] = []
+        for t, window, mamba in zip(tables, self.windows, self.mamba_groups):
+            if mamba:  # each request's one state: its block of this group
+                metas.append(Mamba2Metadata.from_context(query_lens, context_lens, [ids[0] for ids in t], dev))
+            else:
+                kernel = [self.layout.kernel_block_ids(ids) for ids in t]
+                metas.append(AttentionMetadata.build(query_lens, context_lens, kernel, self.kernel_block_size, dev,
+                                                     window))
         attn = metas[0] if len(metas) == 1 else metas
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), attn, self.kv_cache)

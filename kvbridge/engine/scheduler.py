@@ -276,12 +276,17 @@ class Scheduler:
         assert self.connector is not None
         cause = out.failure_causes.get(req.request_id, "KV transfer from the prefill instance failed")
         if self.connector.recompute_on_load_failure(req):
-            block_ids = self.kvm.get_block_ids(req.request_id)[0]
-            bs = self.kvm.block_size
-            first_bad = next((i for i, b in enumerate(block_ids) if b in out.invalid_block_ids),
-                             req.num_computed_tokens // bs)
-            # Blocks before the first invalid one were loaded intact and are kept.
-            req.num_computed_tokens = min(first_bad * bs, req.num_prompt_tokens - 1)
+            if self.kvm.has_mamba:
+                # A Mamba state holds the whole context or nothing: recompute from the start
+                # (the first chunk ignores whatever its state block holds).
+                req.num_computed_tokens = 0
+            else:
+                block_ids = self.kvm.get_block_ids(req.request_id)[0]
+                bs = self.kvm.block_size
+                first_bad = next((i for i, b in enumerate(block_ids) if b in out.invalid_block_ids),
+                                 req.num_computed_tokens // bs)
+                # Blocks before the first invalid one were loaded intact and are kept.
+                req.num_computed_tokens = min(first_bad * bs, req.num_prompt_tokens - 1)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
             logger.warning("request %s: %s; recomputing locally from token %d",

@@ -17,7 +17,11 @@ router that speaks it can front kvbridge:
     tp_size            int   P's tensor-parallel size (vLLM treats a missing one as 1).
     remote_num_tokens  int   optional: how many prompt tokens P computed.
 
-kvbridge adds one field of its own:
+kvbridge adds two fields of its own:
+
+    remote_block_size  int   tokens per P logical block. Hybrid Mamba models choose the
+                             logical block size per TP size (engine/kv_cache_layout.py), so
+                             D counts P's block ids with P's size. Absent: D's own size.
 
     lease_generation   int   identifies the lease P granted on these blocks. P bumps it
                              whenever a lease is created; a read or heartbeat naming a
@@ -61,6 +65,7 @@ _INT_FIELDS = {  # name -> (minimum, maximum)
     "remote_port": (1, MAX_PORT),
     "tp_size": (1, MAX_TP_SIZE),
     "remote_num_tokens": (0, MAX_NUM_TOKENS),
+    "remote_block_size": (1, MAX_NUM_TOKENS),
     "lease_generation": (0, MAX_LEASE_GENERATION),
 }
 _REQUIRED_FOR_REMOTE_PREFILL = (
@@ -91,6 +96,7 @@ class KVTransferParams:
     remote_port: int | None = None
     tp_size: int | None = None
     remote_num_tokens: int | None = None
+    remote_block_size: int | None = None
     lease_generation: int | None = None
     # Opaque pass-through of keys this version does not know; excluded from hashing
     # because the values may be lists or objects.

@@ -59,76 +59,19 @@ Weights load by Hugging Face names (`mamba2_weight_slots`): in_proj.weight (+ bi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvbridge.engine.layers.linear import Linear
+from kvbridge.engine.models.config import Mamba2Config
 from kvbridge.engine.models.weights import WeightSlot, whole
 from kvbridge.engine.tp import TPSplitError
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Mamba2Config:
-    """One Mamba2 mixer's geometry (the whole layer, before any TP split)."""
-
-    hidden_size: int
-    num_heads: int  # H
-    head_dim: int  # P
-    state_size: int  # N (d_state)
-    n_groups: int  # G: heads h read B and C of group h // (H / G)
-    conv_kernel: int  # K (d_conv)
-    chunk_size: int = 256  # Q of the chunked scan
-    conv_bias: bool = True
-    proj_bias: bool = False  # in_proj and out_proj biases
-    norm_eps: float = 1e-6
-    time_step_limit: tuple[float, float] = (0.0, math.inf)
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_heads % self.n_groups:
-            raise ValueError(f"n_groups {self.n_groups} must divide the {self.num_heads} Mamba heads")
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any] | Any) -> Mamba2Config:
-        """From a Bamba-style Hugging Face config (a `config.json` dict or a config object): its
-        mamba_n_heads, mamba_d_head ("auto" = mamba_expand * hidden_size // heads), mamba_d_state,
-        mamba_n_groups, mamba_d_conv, mamba_chunk_size, mamba_conv_bias, mamba_proj_bias,
-        rms_norm_eps, time_step_limit. Raises ValueError for what the mixer cannot compute."""
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-        hidden, heads = int(get("hidden_size")), int(get("mamba_n_heads", 128))
-        expand = int(get("mamba_expand", 2))
-        head_dim = get("mamba_d_head", "auto")
-        head_dim = expand * hidden // heads if head_dim in (None, "auto") else int(head_dim)
-        if head_dim * heads != expand * hidden:
-            raise ValueError(f"mamba_d_head {head_dim} x mamba_n_heads {heads} != mamba_expand {expand} x "
-                             f"hidden_size {hidden}")
-        act = get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"the Mamba2 mixer computes SiLU after its conv, not {act!r}")
-        limit = get("time_step_limit", None)
-        limit = (0.0, math.inf) if limit is None else (float(limit[0]), float(limit[1]))
-        return cls(hidden_size=hidden, num_heads=heads, head_dim=head_dim, state_size=int(get("mamba_d_state", 256)),
-                   n_groups=int(get("mamba_n_groups", 1)), conv_kernel=int(get("mamba_d_conv", 4)),
-                   chunk_size=int(get("mamba_chunk_size", 256)), conv_bias=bool(get("mamba_conv_bias", True)),
-                   proj_bias=bool(get("mamba_proj_bias", False)), norm_eps=float(get("rms_norm_eps", 1e-6)),
-                   time_step_limit=limit)
 
 
 @dataclass(frozen=True)

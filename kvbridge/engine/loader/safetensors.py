@@ -17,7 +17,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvbridge.engine.loader.cache import ModelParts
-from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, ModelFamily, MoEConfig, YarnScaling
+from kvbridge.engine.models.config import (Mamba2Config, MLAConfig, ModelArchConfig, ModelFamily, MoEConfig,
+                                           YarnScaling)
 from kvbridge.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ _FAMILIES = {
     "MistralForCausalLM": ModelFamily.MISTRAL,
     "DeepseekV2ForCausalLM": ModelFamily.DEEPSEEK_V2,
     "DeepseekV3ForCausalLM": ModelFamily.DEEPSEEK_V3,
+    "BambaForCausalLM": ModelFamily.BAMBA,
 }
 # transformers' LlamaConfig / Qwen2Config / Qwen3Config defaults for the keys read here.
 _DEFAULTS = {
@@ -38,6 +40,7 @@ _DEFAULTS = {
     ModelFamily.MISTRAL: {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
     ModelFamily.DEEPSEEK_V2: {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     ModelFamily.DEEPSEEK_V3: {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096},
+    ModelFamily.BAMBA: {"rms_norm_eps": 1e-5, "max_position_embeddings": 262144},
 }
 # transformers' DeepseekV2Config / DeepseekV3Config defaults for the MLA and MoE keys.
 _DEEPSEEK_DEFAULTS = {
@@ -147,6 +150,22 @@ def _deepseek_parts(config: dict, family: ModelFamily) -> dict:
     return dict(mla=mla, moe=moe, head_dim=mla.qk_head_dim)
 
 
+def _bamba_parts(config: dict) -> dict:
+    """The Mamba2 mixer and the layer types of a Bamba config: attention at attn_layer_indices,
+    Mamba2 everywhere else; rotary on half of each attention head (transformers hard-codes 0.5)."""
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError("Bamba configs with attention_bias or mlp_bias are not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.get('hidden_act')!r} is not supported (silu only)")
+    layers = int(config["num_hidden_layers"])
+    attention = set(config.get("attn_layer_indices") or ())
+    if not attention <= set(range(layers)):
+        raise ValueError(f"attn_layer_indices {sorted(attention)} name layers outside 0..{layers - 1}")
+    types = tuple("full_attention" if i in attention else "mamba" for i in range(layers))
+    factor = (config.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
+    return dict(layer_types=types, mamba=Mamba2Config.from_hf(config), partial_rotary_factor=float(factor))
+
+
 def arch_from_config(config: dict) -> ModelArchConfig:
     """ModelArchConfig from a parsed config.json; ValueError for unsupported models."""
     architectures = config.get("architectures") or []
@@ -161,8 +180,12 @@ def arch_from_config(config: dict) -> ModelArchConfig:
     try:
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
-        extra = _deepseek_parts(config, family) if deepseek else _sliding_layers(
-            config, family, int(config["num_hidden_layers"]))
+        if deepseek:
+            extra = _deepseek_parts(config, family)
+        elif family is ModelFamily.BAMBA:
+            extra = _bamba_parts(config)
+        else:
+            extra = _sliding_layers(config, family, int(config["num_hidden_layers"]))
         theta, scaling = _rope(config, allow_yarn=deepseek)
         return ModelArchConfig(
             family=family,

@@ -9,7 +9,10 @@ Contract (the model runner codes against it):
   MLA: one KV head, one entry = the latent of kv_lora_rank + qk_rope_head_dim values, the
   same on every TP rank; see ModelArchConfig.cache_*). num_layers becomes the layers per KV
   cache group when a model mixes full and sliding-window layers (kv_groups.py); then
-  `forward` gets one AttentionMetadata per group. Block-major, so a block of every
+  `forward` gets one AttentionMetadata per group. With kernel blocks smaller than the
+  scheduler's blocks (hybrid Mamba models) the first dimension counts kernel blocks, and a
+  Bamba model also keeps its Mamba states in the same memory (kv_cache_layout.py: the runner
+  allocates the tensor from a `KVCacheLayout` and binds the layout to the model). Block-major, so a block of every
   layer is contiguous for KV transfers, and head-major within a block, so a run of heads
   of a block is contiguous too (a decode rank of another TP size reads its heads as one
   span: kv_transfer/tp_mapping.py). Layer i uses the view `kv_cache[:, :, i]`.
@@ -74,6 +77,9 @@ def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int,
 def check_arch_tp_split(arch: ModelArchConfig, tp_size: int) -> None:
     """Raises TPSplitError when `tp_size` ranks cannot split this model (heads, MLP, experts)."""
     check_tp_split(arch.num_heads, arch.cache_kv_heads, tp_size, arch.intermediate_size)
+    if arch.mamba is not None:
+        from kvbridge.engine.layers.mamba2 import mamba2_shard
+        mamba2_shard(arch.mamba, tp_size, 0)  # raises TPSplitError naming the Mamba heads or groups
     if arch.moe is not None:
         moe = arch.moe
         for what, size in (("MoE expert intermediate size", moe.moe_intermediate_size),
@@ -87,6 +93,7 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device 
     """An eval-mode model for arch on device, weights allocated in dtype but not yet loaded.
     With a TP `shard`, only that rank's part, summing partial outputs with `all_reduce`."""
     # Imported here because the family modules import CausalLM from this package.
+    from kvbridge.engine.models.bamba import BambaForCausalLM
     from kvbridge.engine.models.deepseek import DeepseekForCausalLM
     from kvbridge.engine.models.llama import LlamaForCausalLM
 
@@ -97,6 +104,7 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device 
         ModelFamily.MISTRAL: LlamaForCausalLM,  # differs by arch.layer_types (sliding window)
         ModelFamily.DEEPSEEK_V2: DeepseekForCausalLM,
         ModelFamily.DEEPSEEK_V3: DeepseekForCausalLM,  # differs by arch.moe's routing
+        ModelFamily.BAMBA: BambaForCausalLM,  # Mamba2 + attention: its KV cache is a hybrid layout
     }
     model_cls = families.get(arch.family)
     if model_cls is None:

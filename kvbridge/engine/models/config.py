@@ -9,8 +9,11 @@ per token shared by every head. `cache_kv_heads`, `cache_head_size` and
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class ModelFamily(str, Enum):
@@ -20,9 +23,10 @@ class ModelFamily(str, Enum):
     MISTRAL = "mistral"  # Llama with every layer in a sliding window
     DEEPSEEK_V2 = "deepseek_v2"  # MLA + (optionally) MoE, softmax routing
     DEEPSEEK_V3 = "deepseek_v3"  # MLA + (optionally) MoE, sigmoid routing with a score-correction bias
+    BAMBA = "bamba"  # Mamba2 mixers + Llama-style attention layers (partial rotary), Llama MLP
 
 
-LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "mamba"})
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,70 @@ class YarnScaling:
     truncate: bool = True
 
 
+def _json_float(value: Any) -> float:
+    """A float from config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(value, Mapping) and set(value) == {"__float__"}:
+        value = value["__float__"]
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """One Mamba2 mixer's geometry (the whole layer, before any TP split)."""
+
+    hidden_size: int
+    num_heads: int  # H
+    head_dim: int  # P
+    state_size: int  # N (d_state)
+    n_groups: int  # G: heads h read B and C of group h // (H / G)
+    conv_kernel: int  # K (d_conv)
+    chunk_size: int = 256  # Q of the chunked scan
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj and out_proj biases
+    norm_eps: float = 1e-6
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"n_groups {self.n_groups} must divide the {self.num_heads} Mamba heads")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any] | Any) -> Mamba2Config:
+        """From a Bamba-style Hugging Face config (a `config.json` dict or a config object): its
+        mamba_n_heads, mamba_d_head ("auto" = mamba_expand * hidden_size // heads), mamba_d_state,
+        mamba_n_groups, mamba_d_conv, mamba_chunk_size, mamba_conv_bias, mamba_proj_bias,
+        rms_norm_eps, time_step_limit. Raises ValueError for what the mixer cannot compute."""
+        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+        hidden, heads = int(get("hidden_size")), int(get("mamba_n_heads", 128))
+        expand = int(get("mamba_expand", 2))
+        head_dim = get("mamba_d_head", "auto")
+        head_dim = expand * hidden // heads if head_dim in (None, "auto") else int(head_dim)
+        if head_dim * heads != expand * hidden:
+            raise ValueError(f"mamba_d_head {head_dim} x mamba_n_heads {heads} != mamba_expand {expand} x "
+                             f"hidden_size {hidden}")
+        act = get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"the Mamba2 mixer computes SiLU after its conv, not {act!r}")
+        limit = get("time_step_limit", None)
+        limit = (0.0, math.inf) if limit is None else (_json_float(limit[0]), _json_float(limit[1]))
+        return cls(hidden_size=hidden, num_heads=heads, head_dim=head_dim, state_size=int(get("mamba_d_state", 256)),
+                   n_groups=int(get("mamba_n_groups", 1)), conv_kernel=int(get("mamba_d_conv", 4)),
+                   chunk_size=int(get("mamba_chunk_size", 256)), conv_bias=bool(get("mamba_conv_bias", True)),
+                   proj_bias=bool(get("mamba_proj_bias", False)), norm_eps=float(get("rms_norm_eps", 1e-6)),
+                   time_step_limit=limit)
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     family: ModelFamily
@@ -128,6 +196,8 @@ class ModelArchConfig:
     # Per layer "full_attention" or "sliding_attention" (transformers' layer_types); None: all full.
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    mamba: Mamba2Config | None = None  # the Mamba2 mixer of every "mamba" layer (Bamba)
+    partial_rotary_factor: float = 1.0  # rotate the first head_dim * factor dims of each head (Bamba: 0.5)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -142,6 +212,10 @@ class ModelArchConfig:
                 raise ValueError("sliding_attention layers need a sliding_window >= 1")
             if self.mla is not None and "sliding_attention" in self.layer_types:
                 raise ValueError("sliding-window MLA layers are not supported")
+            if ("mamba" in self.layer_types) != (self.mamba is not None):
+                raise ValueError("mamba layers need a Mamba2Config (`mamba`), and a Mamba2Config needs mamba layers")
+        elif self.mamba is not None:
+            raise ValueError("a Mamba2Config needs layer_types naming the mamba layers")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -152,8 +226,9 @@ class ModelArchConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions rotated per head: all of head_dim, or MLA's decoupled rotary part."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        """Dimensions rotated per head: all of head_dim (or its first `partial_rotary_factor`), or
+        MLA's decoupled rotary part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def cache_kv_heads(self) -> int:

@@ -39,6 +39,7 @@ class LlamaAttention(nn.Module):
                  fold_gqa_decode: bool, shard: RankShard, all_reduce: AllReduce | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_q_heads, shard.num_kv_heads, arch.head_dim
+        self.rope_dim = arch.rope_dim  # < head_dim: partial rotary (Bamba), the rest passes unrotated
         self.eps = arch.rms_norm_eps
         self.all_reduce = all_reduce
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * arch.head_dim
@@ -67,7 +68,10 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, :qk_width].view(num_tokens, -1, self.head_dim)  # Q and K heads side by side
         if self.q_norm is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.eps)
-        qk = RotaryEmbedding.apply(qk, cos, sin)
+        if self.rope_dim == self.head_dim:
+            qk = RotaryEmbedding.apply(qk, cos, sin)
+        else:
+            qk = torch.cat((RotaryEmbedding.apply(qk[..., :self.rope_dim], cos, sin), qk[..., self.rope_dim:]), -1)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.o_proj(self.attn(q, k, v, kv_layer, attn))
@@ -140,7 +144,7 @@ class LlamaForCausalLM(CausalLM):
         self._packed_head: torch.Tensor | None = None  # tied embeddings, prepacked by load_weights
         self.lm_head = None if arch.tie_word_embeddings else Linear(
             arch.hidden_size, arch.vocab_size, False, dtype, device)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.max_position_embeddings, dtype, device)
+        self.rotary = RotaryEmbedding(arch.rope_dim, arch.rope_theta, arch.max_position_embeddings, dtype, device)
         groups = layer_groups(arch)
         self.num_groups, self.slots = len(groups), len(groups[0].layer_ids)
         self.layer_slots = layer_slots(groups, arch.num_layers)  # layer -> (KV cache group, slot in a block)
@@ -192,34 +196,14 @@ class LlamaForCausalLM(CausalLM):
         self._packed_head = prepack_weight(self.model.embed_tokens.weight) if self.lm_head is None else None
 
     def _weight_slots(self) -> dict[str, WeightSlot]:
-        arch, shard, hd = self.arch, self.shard, self.arch.head_dim
-        q_rows, kv_rows = shard.num_q_heads * hd, shard.num_kv_heads * hd
-        q_src = (0, shard.q_heads.start * hd, q_rows, arch.num_heads * hd)  # column-parallel: the rank's rows
-        kv_src = (0, shard.kv_heads.start * hd, kv_rows, arch.num_kv_heads * hd)
-        o_src = (1, shard.q_heads.start * hd, q_rows, arch.num_heads * hd)  # row-parallel: matching columns
-        inter = even_split(arch.intermediate_size, shard.tp_size, shard.rank)
-        size = len(inter)
-        i_src = (0, inter.start, size, arch.intermediate_size)
-        i_cols = (1, inter.start, size, arch.intermediate_size)
         slots = {"model.embed_tokens.weight": whole(self.model.embed_tokens.weight),
                  "model.norm.weight": whole(self.model.norm.weight)}
         if self.lm_head is not None:
             slots["lm_head.weight"] = whole(self.lm_head.weight)
         for i, layer in enumerate(self.model.layers):
-            p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
-            kinds = ["weight"] + (["bias"] if arch.attention_bias else [])
-            for kind in kinds:
-                fused = getattr(attn.qkv_proj, kind)
-                slots[f"{p}self_attn.q_proj.{kind}"] = WeightSlot(fused, 0, q_rows, q_src)
-                slots[f"{p}self_attn.k_proj.{kind}"] = WeightSlot(fused, q_rows, kv_rows, kv_src)
-                slots[f"{p}self_attn.v_proj.{kind}"] = WeightSlot(fused, q_rows + kv_rows, kv_rows, kv_src)
-            slots[f"{p}self_attn.o_proj.weight"] = WeightSlot(attn.o_proj.weight, 0, arch.hidden_size, o_src)
-            if attn.q_norm is not None and attn.k_norm is not None:
-                slots[f"{p}self_attn.q_norm.weight"] = whole(attn.q_norm.weight)
-                slots[f"{p}self_attn.k_norm.weight"] = whole(attn.k_norm.weight)
-            slots[f"{p}mlp.gate_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, 0, size, i_src)
-            slots[f"{p}mlp.up_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, size, size, i_src)
-            slots[f"{p}mlp.down_proj.weight"] = WeightSlot(mlp.down_proj.weight, 0, arch.hidden_size, i_cols)
+            p = f"model.layers.{i}."
+            slots.update(attention_weight_slots(layer.self_attn, self.arch, self.shard, f"{p}self_attn."))
+            slots.update(mlp_weight_slots(layer.mlp, self.arch, self.shard, f"{p}mlp."))
             slots[f"{p}input_layernorm.weight"] = whole(layer.input_layernorm.weight)
             slots[f"{p}post_attention_layernorm.weight"] = whole(layer.post_attention_layernorm.weight)
         return slots
@@ -230,3 +214,36 @@ class LlamaForCausalLM(CausalLM):
                 or kv_cache.shape[5] != arch.head_dim or not kv_cache.is_contiguous()):
             raise ValueError(f"kv_cache must be one contiguous [blocks, {heads}, {self.slots}, 2, block_size, "
                              f"{arch.head_dim}] tensor, got {tuple(kv_cache.shape)}")
+
+
+def attention_weight_slots(attn: LlamaAttention, arch: ModelArchConfig, shard: RankShard,
+                           prefix: str) -> dict[str, WeightSlot]:
+    """Where `{prefix}q_proj.weight` etc. go in a rank's fused Q/K/V and o_proj (column- and
+    row-parallel: the rank's heads)."""
+    hd = arch.head_dim
+    q_rows, kv_rows = shard.num_q_heads * hd, shard.num_kv_heads * hd
+    q_src = (0, shard.q_heads.start * hd, q_rows, arch.num_heads * hd)  # column-parallel: the rank's rows
+    kv_src = (0, shard.kv_heads.start * hd, kv_rows, arch.num_kv_heads * hd)
+    o_src = (1, shard.q_heads.start * hd, q_rows, arch.num_heads * hd)  # row-parallel: matching columns
+    slots = {}
+    for kind in ["weight"] + (["bias"] if arch.attention_bias else []):
+        fused = getattr(attn.qkv_proj, kind)
+        slots[f"{prefix}q_proj.{kind}"] = WeightSlot(fused, 0, q_rows, q_src)
+        slots[f"{prefix}k_proj.{kind}"] = WeightSlot(fused, q_rows, kv_rows, kv_src)
+        slots[f"{prefix}v_proj.{kind}"] = WeightSlot(fused, q_rows + kv_rows, kv_rows, kv_src)
+    slots[f"{prefix}o_proj.weight"] = WeightSlot(attn.o_proj.weight, 0, arch.hidden_size, o_src)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        slots[f"{prefix}q_norm.weight"] = whole(attn.q_norm.weight)
+        slots[f"{prefix}k_norm.weight"] = whole(attn.k_norm.weight)
+    return slots
+
+
+def mlp_weight_slots(mlp: LlamaMLP, arch: ModelArchConfig, shard: RankShard, prefix: str) -> dict[str, WeightSlot]:
+    """gate/up (column-parallel, fused) and down (row-parallel) of a rank's slice of the MLP."""
+    inter = even_split(arch.intermediate_size, shard.tp_size, shard.rank)
+    size = len(inter)
+    i_src = (0, inter.start, size, arch.intermediate_size)
+    i_cols = (1, inter.start, size, arch.intermediate_size)
+    return {f"{prefix}gate_proj.weight": WeightSlot(mlp.gate_up_proj.weight, 0, size, i_src),
+            f"{prefix}up_proj.weight": WeightSlot(mlp.gate_up_proj.weight, size, size, i_src),
+            f"{prefix}down_proj.weight": WeightSlot(mlp.down_proj.weight, 0, arch.hidden_size, i_cols)}

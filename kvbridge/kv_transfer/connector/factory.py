@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from kvbridge.config import EngineConfig, KVRole
+from kvbridge.engine.kv_cache_layout import logical_block_size
 from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.kv_transfer.backends.base import TransferBackend
@@ -56,6 +57,7 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
         kv, engine_id, backend, compatibility_of(config, arch, model_identity), leases, FailureHandler(stats),
         stats, side_channel, config.cache.enable_prefix_caching)
     sc_addr = (lambda: (side_channel.host, side_channel.port)) if side_channel else (lambda: ("", 0))
-    scheduler = KVBridgeSchedulerConnector(kv, engine_id, config.cache.block_size, leases, stats, sc_addr,
-                                           num_groups=len(layer_groups(arch)))
+    block_size = logical_block_size(arch, config.cache.block_size, config.tensor_parallel_size)
+    scheduler = KVBridgeSchedulerConnector(kv, engine_id, block_size, leases, stats, sc_addr,
+                                           group_kinds=[g.kind.value for g in layer_groups(arch)])
     return scheduler, worker

@@ -99,8 +99,10 @@ class RankAgent:
         self._reported: set[str] = set()  # live xfer ids already settled (polled no more)
         self._closed = False
 
-    def register(self, kv_cache, block_size: int, tp_rank: int, tp_size: int, kv_heads: range) -> RankRegistration:
-        """Register this rank's KV cache ([blocks, its kv heads, ...], contiguous) with the agent."""
+    def register(self, kv_cache, block_size: int, tp_rank: int, tp_size: int, kv_heads: range,
+                 blocks_per_logical: int = 1) -> RankRegistration:
+        """Register this rank's KV cache ([kernel blocks, its kv heads, ...], contiguous; a logical
+        block is `blocks_per_logical` consecutive kernel blocks of `block_size` tokens) with the agent."""
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be contiguous")
         self._device = "cuda" if kv_cache.is_cuda else "cpu"
@@ -110,7 +112,8 @@ class RankAgent:
         layout = RankLayout(
             tp_size=tp_size, tp_rank=tp_rank, region_base_addrs=(kv_cache.data_ptr(),),
             block_len_bytes=(nbytes // kv_cache.shape[0],), num_blocks=kv_cache.shape[0], block_size=block_size,
-            kv_layout=KV_LAYOUT, kv_head_start=kv_heads.start, num_kv_heads=len(kv_heads))
+            kv_layout=KV_LAYOUT, kv_head_start=kv_heads.start, num_kv_heads=len(kv_heads),
+            physical_blocks_per_logical=blocks_per_logical)
         self.registration = RankRegistration(self.backend.agent_metadata(), layout)
         return self.registration
 

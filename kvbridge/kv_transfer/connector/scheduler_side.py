@@ -6,6 +6,13 @@ P (producer): a request with do_remote_decode that finishes normally keeps its b
 D (consumer): a request with do_remote_prefill waits in WAITING_FOR_REMOTE_KVS while
 the worker half reads the blocks D lacks (those not already in D's prefix cache);
 if it ends without reading (abort, rejection), P is told to release at once.
+
+Models with a Mamba KV cache group (N-1 prefill, as vLLM): D recomputes the prompt's last
+token to get its logits, which for attention rewrites one token's KV but for a Mamba layer
+would advance a state that already holds that token. So P computes the prompt but its last
+token (`on_new_request` drops it from a do_remote_decode request: P's own one sampled token is
+never used) and D loads the KV and states of those N-1 tokens, then computes token N from them.
+A one-token prompt leaves P nothing to send: D computes it and P only hears it may free.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.engine.request import FinishReason, Request
@@ -33,11 +40,14 @@ HEARTBEATS_PER_LEASE = 6  # D renews waiting requests' leases this often per lea
 class KVBridgeSchedulerConnector(SchedulerConnector):
     def __init__(self, config: KVTransferConfig, engine_id: str, block_size: int, leases: LeaseTable,
                  stats: KVTransferStats, side_channel_addr: Callable[[], tuple[str, int]],
-                 clock: Callable[[], float] = time.monotonic, num_groups: int = 1) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 group_kinds: Sequence[str] = ("full_attention",)) -> None:
         self.config = config
         self.engine_id = engine_id
-        self.block_size = block_size
-        self.num_groups = num_groups  # KV cache groups of the model: P lists block ids per group
+        self.block_size = block_size  # tokens per logical block, this engine's
+        self.group_kinds = tuple(group_kinds)  # KVCacheKind values: P lists block ids per group
+        self.num_groups = len(self.group_kinds)
+        self.has_mamba = "mamba" in self.group_kinds
         self.leases = leases
         self.stats = stats
         self._side_channel_addr = side_channel_addr
@@ -54,24 +64,39 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         """Raises KVTransferParamsError (HTTP 400) for a remote prefill D must not or cannot do."""
         if params is None or not params.wants_remote_prefill:
             return
+        self._check_peer(params)
+        blocks = params.remote_block_ids or ()
+        tokens = self.remote_tokens(num_prompt_tokens)
+        if tokens == 0:  # nothing to read (a one-token prompt of a Mamba model): P only frees
+            return
+        bs = params.remote_block_size or self.block_size
+        want = [1 if kind == "mamba" else -(-tokens // bs) for kind in self.group_kinds]
+        if len(blocks) != self.num_groups or [len(g) for g in blocks] != want:
+            groups = "one KV cache group" if self.num_groups == 1 else f"the {self.num_groups} KV cache groups"
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_block_ids must list {'/'.join(map(str, want))} block ids in {groups} "
+                f"for the {tokens} prompt tokens a prefill engine computes of {num_prompt_tokens} "
+                f"(blocks of {bs} tokens)")
+
+    def _check_peer(self, params: KVTransferParams) -> None:
         if not is_trusted_host(params.remote_host or "", self.config.trusted_hosts):
             raise KVTransferParamsError(
                 f"kv_transfer_params.remote_host {params.remote_host!r} is not a trusted prefill host")
-        blocks = params.remote_block_ids or ()
-        want = -(-num_prompt_tokens // self.block_size)
-        if len(blocks) != self.num_groups or any(len(g) != want for g in blocks):
-            groups = "one KV cache group" if self.num_groups == 1 else f"each of {self.num_groups} KV cache groups"
+        if params.num_kv_groups != self.num_groups:
             raise KVTransferParamsError(
-                f"kv_transfer_params.remote_block_ids must list {want} block ids for a "
-                f"{num_prompt_tokens}-token prompt in {groups}")
+                f"kv_transfer_params.remote_block_ids must list block ids for {self.num_groups} KV cache groups")
+
+    def remote_tokens(self, num_prompt_tokens: int) -> int:
+        """The prompt tokens whose KV P computes and D reads: all, or all but the last (Mamba)."""
+        return num_prompt_tokens - 1 if self.has_mamba else num_prompt_tokens
 
     def notify_rejected(self, request_id: str, params: KVTransferParams | None) -> None:
         """Thread-safe: D rejected a request before admission; P may free its blocks now."""
         if params is None or not params.wants_remote_prefill:
             return
         try:
-            self.validate_request(len(params.remote_block_ids[0]) * self.block_size, params)
-        except (KVTransferParamsError, TypeError, IndexError):
+            self._check_peer(params)
+        except KVTransferParamsError:
             return  # never contact an untrusted or malformed peer
         spec = ReleaseSpec(request_id, remote_of(params), params.remote_request_id or "",
                            params.lease_generation or 0)
@@ -87,6 +112,8 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
     # ---- SchedulerConnector -----------------------------------------------
     def on_new_request(self, request: Request) -> None:
         p = request.kv_transfer_params
+        if p is not None and p.wants_remote_decode and self.has_mamba and request.num_prompt_tokens > 1:
+            del request.prompt_token_ids[-1]  # N-1 prefill: D computes the last token (module doc)
         if p is not None and p.wants_remote_prefill:
             self._waiting[request.request_id] = (remote_of(p), p.remote_request_id or "", p.lease_generation or 0)
 
@@ -99,7 +126,10 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             # D already holds every full block it can cache: it computes the short tail itself
             # and P only hears that it may free (update_state_after_alloc sends the release).
             return 0, False
-        return request.num_prompt_tokens - num_local_computed, True
+        tokens = self.remote_tokens(request.num_prompt_tokens)
+        if tokens <= num_local_computed:
+            return 0, False
+        return tokens - num_local_computed, True
 
     def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_local_computed: int,
                                  num_external_tokens: int) -> None:
@@ -111,12 +141,15 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             self._release(request.request_id, p)
             return
         first_new = num_local_computed // self.block_size
-        local = tuple(list(g[first_new:]) for g in block_ids)
-        # D reads only what it lacks: the tail of P's blocks matching D's new blocks.
-        remote = tuple(list(r[len(r) - len(loc):]) if loc else [] for loc, r in zip(local, p.remote_block_ids))
+        # D reads only what it lacks: its new blocks, filled from the matching tail of P's
+        # (the worker pairs them in kernel blocks once the handshake gave P's ratio:
+        # block_mapping.apply_prefix_caching). A Mamba group's one state is always new.
+        local = tuple(list(g if kind == "mamba" else g[first_new:]) for g, kind in zip(block_ids, self.group_kinds))
+        remote = tuple(list(r) if loc else [] for loc, r in zip(local, p.remote_block_ids))
+        tokens = self.remote_tokens(request.num_prompt_tokens)
         self._meta.reqs_to_recv.append(RecvSpec(
             request.request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0, local, remote,
-            content_digest(request.prompt_token_ids)))
+            content_digest(request.prompt_token_ids[:tokens])))
 
     def build_connector_meta(self) -> ConnectorMetadata:
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -159,7 +192,8 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             "remote_block_ids": list(block_ids[0]) if len(block_ids) == 1 else [list(g) for g in block_ids],
             "remote_engine_id": self.engine_id, "remote_request_id": rid,
             "remote_host": host, "remote_port": port, "tp_size": 1,
-            "remote_num_tokens": request.num_prompt_tokens, "lease_generation": generation,
+            "remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
+            "lease_generation": generation,
         }
 
     def recompute_on_load_failure(self, request: Request) -> bool:
