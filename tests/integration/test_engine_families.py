@@ -1,7 +1,8 @@
 """The engine serving model families beyond the default Llama (random weights, SmolLM2's
 tokenizer): a DeepSeek-V2 folder (MLA + MoE: one latent per token, KV cache group "mla") and a
 Qwen2 folder mixing full-attention and sliding-window layers (window 24 tokens: two KV cache
-groups). For each, a request's greedy output does not depend on the batch, on chunked
+groups), and a Bamba folder (Mamba2 + attention: Mamba-state groups, logical blocks of several
+kernel blocks). For each, a request's greedy output does not depend on the batch, on chunked
 prefill, on preemption or on prefix-cache hits, TP 2 gives TP 1's text, and every block is
 free afterwards. For the sliding model also: the sliding group holds only the blocks its
 window sees while a request decodes, and a prefix hit resumes past the window."""
@@ -14,7 +15,8 @@ from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.kv_cache_manager import KVCacheKind
 from kvbridge.engine.loader import load_model
-from kvbridge.engine.loader.synthetic import TINY_DEEPSEEK_V2_MOE, TINY_QWEN2_SLIDING, write_synthetic_folder
+from kvbridge.engine.loader.synthetic import (TINY_BAMBA, TINY_DEEPSEEK_V2_MOE, TINY_QWEN2_SLIDING,
+                                              write_synthetic_folder)
 from kvbridge.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
@@ -23,6 +25,9 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Wr
 FAMILIES = {  # name: (architecture, geometry, KV cache group kinds, blocks of 4 that force preemption)
     "deepseek_v2_moe": ("deepseek_v2", TINY_DEEPSEEK_V2_MOE, [KVCacheKind.MLA], 24),
     "qwen2_sliding": ("qwen2", TINY_QWEN2_SLIDING, [KVCacheKind.FULL_ATTENTION, KVCacheKind.SLIDING_WINDOW], 36),
+    # 3 Mamba layers + 1 attention layer: 4 groups of 1; logical blocks of 6 kernel blocks of 4.
+    "bamba": ("bamba", TINY_BAMBA, [KVCacheKind.MAMBA, KVCacheKind.FULL_ATTENTION, KVCacheKind.MAMBA,
+                                    KVCacheKind.MAMBA], 10),
 }
 
 
@@ -87,6 +92,10 @@ def test_prefix_cache_hit_matches(family):
     hits = e.metrics().prefix_cache_hits
     assert e.generate([prompts[1]], GREEDY)[0] == first == alone[1]
     hit_tokens = e.metrics().prefix_cache_hits - hits
+    if loaded.arch.mamba is not None:  # a Mamba state is no run of tokens: no prefix hits, same text
+        assert hit_tokens == 0
+        assert all_free(e)
+        return
     assert hit_tokens > 0
     if loaded.arch.sliding_window is not None:
         assert hit_tokens > loaded.arch.sliding_window  # resumed past the window
