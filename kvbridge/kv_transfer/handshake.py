@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
+from kvbridge.kv_transfer.block_mapping import check_block_ratios
+
 KVBRIDGE_CONNECTOR_VERSION = 1
 PAYLOAD_MAGIC = b"KVBH"
 
@@ -339,11 +341,10 @@ def validate_layout(remote: RankLayout, local: RankLayout, *, prefix_caching: bo
         raise HandshakeLayoutMismatch(
             f"peer registers {len(remote.region_base_addrs)} KV regions, "
             f"local {len(local.region_base_addrs)}")
-    if prefix_caching and remote.physical_blocks_per_logical != local.physical_blocks_per_logical:
-        raise HandshakeLayoutMismatch(
-            f"peer has {remote.physical_blocks_per_logical} kernel blocks per logical block, "
-            f"local {local.physical_blocks_per_logical}: with prefix caching on they must "
-            "match (disable prefix caching on the decode instance or align block sizes)")
+    refusal = check_block_ratios(local.physical_blocks_per_logical, remote.physical_blocks_per_logical,
+                                 prefix_caching)
+    if refusal is not None:  # seed 004: D's prefix-cache hits cannot be paired with P's blocks
+        raise HandshakeLayoutMismatch(refusal)
 
 
 def _peer_compat(body: bytes, body_len: int, compat_hash: bytes) -> CompatibilityInfo | None:

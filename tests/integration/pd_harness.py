@@ -21,7 +21,8 @@ def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBacke
                 num_blocks: int = 96, block_size: int = 16, lease_s: float = 30.0,
                 policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE, backend_name: str = "fake",
                 handshake_timeout_s: float = 5.0, engine_id: str | None = None,
-                max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> LLMEngine:
+                max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, tp: int = 1,
+                prefix_caching: bool = True) -> LLMEngine:
     kv = None
     if role is not None:
         kv = KVTransferConfig(role=role, backend=backend_name, engine_id=engine_id or f"{role.value}-{next(_ids)}",
@@ -30,8 +31,9 @@ def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBacke
     scheduler = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs),
                                                      ("max_num_batched_tokens", max_num_batched_tokens))
                                    if v is not None})
-    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), kv_transfer=kv,
-                          num_threads=2, scheduler=scheduler)
+    config = EngineConfig(model=loaded.source, tensor_parallel_size=tp, kv_transfer=kv, num_threads=2,
+                          cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                            enable_prefix_caching=prefix_caching), scheduler=scheduler)
     connectors = build_connectors(config, loaded.arch, loaded.name, backend) if kv is not None else None
     return LLMEngine(config, loaded, connectors)
 

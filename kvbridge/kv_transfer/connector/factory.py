@@ -6,7 +6,7 @@ import uuid
 
 from kvbridge.config import EngineConfig, KVRole
 from kvbridge.engine.kv_cache_layout import logical_block_size
-from kvbridge.engine.kv_groups import layer_groups
+from kvbridge.engine.kv_groups import layer_groups, slots_per_block
 from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.connector.scheduler_side import KVBridgeSchedulerConnector
@@ -14,6 +14,7 @@ from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
 from kvbridge.kv_transfer.failure import FailureHandler
 from kvbridge.kv_transfer.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.request_reads import KVGroups
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 
@@ -29,6 +30,16 @@ def compatibility_of(config: EngineConfig, arch: ModelArchConfig, model_identity
     return CompatibilityInfo(model=model_identity, dtype=config.dtype, num_kv_heads=arch.cache_kv_heads,
                              head_size=arch.cache_head_size, num_layers=arch.num_layers, cache_dtype=config.dtype,
                              use_mla=arch.use_mla, kv_cache_groups=groups)
+
+
+def kv_groups_of(config: EngineConfig, arch: ModelArchConfig) -> KVGroups:
+    """The model's KV cache groups as D pairs blocks by them (request_reads.py)."""
+    import torch
+
+    from kvbridge.engine.model_runner import DTYPES
+
+    return KVGroups(tuple(g.kind.value for g in layer_groups(arch)), arch.mamba, slots_per_block(arch),
+                    torch.tensor([], dtype=DTYPES[config.dtype]).element_size())
 
 
 def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity: str,
@@ -55,7 +66,7 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
         backend = create_backend(kv.backend, agent_name=engine_id)
     worker = KVBridgeWorkerConnector(
         kv, engine_id, backend, compatibility_of(config, arch, model_identity), leases, FailureHandler(stats),
-        stats, side_channel, config.cache.enable_prefix_caching)
+        stats, side_channel, config.cache.enable_prefix_caching, kv_groups_of(config, arch))
     sc_addr = (lambda: (side_channel.host, side_channel.port)) if side_channel else (lambda: ("", 0))
     block_size = logical_block_size(arch, config.cache.block_size, config.tensor_parallel_size)
     scheduler = KVBridgeSchedulerConnector(kv, engine_id, block_size, leases, stats, sc_addr,

@@ -52,7 +52,9 @@ from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, H
                                             HandshakeLayoutMismatch, HandshakeMetadata, RankLayout,
                                             encode_payload)
 from kvbridge.kv_transfer.handshake_manager import HandshakeManager
+from kvbridge.kv_transfer.block_mapping import BlockMappingError
 from kvbridge.kv_transfer.lease import CONTENT_MISMATCH, LeaseTable
+from kvbridge.kv_transfer.request_reads import KVGroups, request_descs
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.stats import KVTransferStats
@@ -92,6 +94,7 @@ class _Peer:
     ranks: tuple[RankBlocks, ...]
     agent_metadata: tuple[bytes, ...]
     incarnation: str
+    blocks_per_logical: int = 1  # P's kernel blocks per logical block (its block ids are logical)
 
     def rank_key(self, tp_rank: int) -> str:
         return f"{self.key}/tp{tp_rank}"
@@ -130,8 +133,10 @@ class KVBridgeWorkerConnector(WorkerConnector):
 
     def __init__(self, config: KVTransferConfig, engine_id: str, backend: TransferBackend | None,
                  compat: CompatibilityInfo, leases: LeaseTable, failures: FailureHandler, stats: KVTransferStats,
-                 side_channel: SideChannelServer | None, prefix_caching: bool) -> None:
+                 side_channel: SideChannelServer | None, prefix_caching: bool,
+                 groups: KVGroups = KVGroups(("full_attention",))) -> None:
         self.config = config
+        self.groups = groups  # the model's KV cache groups: how D pairs P's blocks with its own
         self.engine_id = engine_id
         self.local_agent = RankAgent(backend, side_channel is not None) if backend is not None else None
         self.compat = compat
@@ -281,7 +286,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
             if exc is not None:
                 kind = exc.kind.value if isinstance(exc, HandshakeError) else "error"
                 self.stats.record_handshake(0.0, kind)
-                self._fail(rid, recv, FailureKind.HANDSHAKE, f"{kind}: {exc}")
+                self._fail(rid, recv, FailureKind.HANDSHAKE, f"{kind}: {exc}",
+                           p_answered=isinstance(exc, HandshakeLayoutMismatch))
                 return
         metas: list[HandshakeMetadata] = [f.result() for f in recv.futures]
         s = recv.spec
@@ -299,7 +305,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
             peer = self._peer(s.remote, metas)
         except (HandshakeLayoutMismatch, TPMappingError) as exc:
             self.stats.record_handshake(0.0, HandshakeFailureKind.LAYOUT_MISMATCH.value)
-            self._fail(rid, recv, FailureKind.HANDSHAKE, f"{HandshakeFailureKind.LAYOUT_MISMATCH.value}: {exc}")
+            self._fail(rid, recv, FailureKind.HANDSHAKE, f"{HandshakeFailureKind.LAYOUT_MISMATCH.value}: {exc}",
+                       p_answered=True)
             return
         recv.peer = peer
         recv.phase = _Phase.CHECK
@@ -322,8 +329,12 @@ class KVBridgeWorkerConnector(WorkerConnector):
         ranks = tuple(rank_blocks(m.layout) for m in metas)
         check_pairing([r.kv for r in self._local], [r.kv for r in ranks])
         incarnation = incarnation_of(blobs[0])
+        ratios = {m.layout.physical_blocks_per_logical for m in metas}
+        if len(ratios) != 1:
+            raise HandshakeLayoutMismatch(f"the prefill engine's ranks disagree on kernel blocks per logical block "
+                                          f"({sorted(ratios)})")
         peer = self._peers[remote] = _Peer(f"{metas[0].engine_id}@{remote.host}:{remote.port}#{incarnation[:12]}",
-                                           ranks, blobs, incarnation)
+                                           ranks, blobs, incarnation, ratios.pop())
         self.stats.record_handshake(0.0, None)
         logger.info("connected to prefill engine %s at %s:%s (TP %d -> TP %d here)", remote.engine_id,
                     remote.host, remote.port, len(ranks), len(self._local))
@@ -365,7 +376,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
             return
         try:
             plan, descs = self._plan_reads(s, peer)
-        except TPMappingError as exc:
+        except (TPMappingError, BlockMappingError) as exc:
             self._fail(rid, recv, FailureKind.TRANSFER_SETUP, str(exc))
             return
         recv.phase = _Phase.READ
@@ -381,15 +392,14 @@ class KVBridgeWorkerConnector(WorkerConnector):
 
     def _plan_reads(self, s: RecvSpec, peer: _Peer) -> tuple[ReadPlan, dict[tuple[int, int], tuple[list, list]]]:
         """The request's plan, and {(D rank, P rank): (local descs, remote descs)} of its
-        reads over every group's blocks, as the plan says (the only place reads come from)."""
-        plan = plan_request_reads([r.kv for r in self._local], [r.kv for r in peer.ranks],
-                                  request_salt(s.remote_request_id), s.remote_request_id, s.lease_generation)
-        descs: dict[tuple[int, int], tuple[list, list]] = {}
-        for l_ids, r_ids in zip(s.local_block_ids, s.remote_block_ids):
-            for pair, (ld, rd) in plan.block_descs(self._local, peer.ranks, l_ids, r_ids).items():
-                l_all, r_all = descs.setdefault(pair, ([], []))
-                l_all += ld
-                r_all += rd
+        reads over every group's blocks (request_reads.py: the only place reads come from)."""
+        salt = request_salt(s.remote_request_id)
+        plan = plan_request_reads([r.kv for r in self._local], [r.kv for r in peer.ranks], salt,
+                                  s.remote_request_id, s.lease_generation)
+        descs = request_descs(self.groups, plan, self._local, peer.ranks,
+                              local_ratio=self.ranks[0].layout.physical_blocks_per_logical,
+                              remote_ratio=peer.blocks_per_logical, local_ids=s.local_block_ids,
+                              remote_ids=s.remote_block_ids, salt=salt)
         return plan, descs
 
     def _settle_reads(self, rid: str, recv: _Recv) -> None:
@@ -432,11 +442,13 @@ class KVBridgeWorkerConnector(WorkerConnector):
                     return  # the ranks' reports settle it; _settle_reads fails it then
         self._fail(rid, recv, kind, cause)
 
-    def _fail(self, rid: str, recv: _Recv, kind: FailureKind, cause: str) -> None:
+    def _fail(self, rid: str, recv: _Recv, kind: FailureKind, cause: str, p_answered: bool = False) -> None:
+        """`p_answered`: P's side channel answered and named itself (a handshake D refused for its
+        layout): P may free now too."""
         self._release_handles(recv)
         self._recvs.pop(rid, None)
         self.failures.handle(rid, kind, cause, recv.spec.local_block_ids, recv.spec.remote.engine_id)
-        if kind in _RELEASE_AFTER or recv.phase is _Phase.READ:
+        if kind in _RELEASE_AFTER or recv.phase is _Phase.READ or p_answered:
             # P granted the read on its side channel: let every P rank free now, not at lease expiry.
             self._notify(recv, "release", self.control.release)
 
