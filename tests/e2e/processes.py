@@ -10,10 +10,12 @@ from pathlib import Path
 import httpx
 
 
-def metric(url: str, name: str) -> float:
-    """The value of the unlabelled sample `name` on `url`/metrics."""
-    m = re.search(rf"^{name} ([0-9.e+]+)$", httpx.get(url + "/metrics", timeout=10, trust_env=False).text, re.M)
-    assert m, f"{name} missing from {url}/metrics"
+def metric(url: str, name: str, **labels: str) -> float:
+    """The value of the sample `name` on `url`/metrics: unlabelled, or with exactly `labels`."""
+    sample = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    m = re.search(rf"^{re.escape(sample)} ([0-9.e+]+)$",
+                  httpx.get(url + "/metrics", timeout=10, trust_env=False).text, re.M)
+    assert m, f"{sample} missing from {url}/metrics"
     return float(m.group(1))
 
 

@@ -40,19 +40,20 @@ START_S = 300.0
 
 
 class Fleet:
-    """Serve instances of one model (name -> role, TP size) and proxies between pairs of them."""
+    """Serve instances of one model (name -> role, TP size[, extra `kvbridge serve` arguments])
+    and proxies between pairs of them."""
 
-    def __init__(self, model: str, backend: str, instances: dict[str, tuple[KVRole, int]], log_dir: Path) -> None:
+    def __init__(self, model: str, backend: str, instances: dict[str, tuple], log_dir: Path) -> None:
         self.model, self.log_dir = model, log_dir
         self.env = child_env(os.environ, loopback_only=True, num_threads=1)
         self.children: list[ChildProcess] = []
         self.urls: dict[str, str] = {}
         ports = free_ports(2 * len(instances))
         try:
-            for k, (name, (role, tp)) in enumerate(instances.items()):
+            for k, (name, (role, tp, *extra)) in enumerate(instances.items()):
                 spec = InstanceSpec(name, role, ports[2 * k], ports[2 * k + 1], f"{name}-{os.getpid()}", tp)
                 argv = serve_command(DEFAULT_CLI, model, spec, host="127.0.0.1", kv_backend=backend, num_threads=1,
-                                     extra_args=["--num-blocks", "64", "--max-model-len", "512"])
+                                     extra_args=["--num-blocks", "64", "--max-model-len", "512", *(extra or [[]])[0]])
                 self._spawn(name, argv, http_url("127.0.0.1", spec.port))
             self.wait_healthy()
         except BaseException:
