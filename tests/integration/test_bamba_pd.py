@@ -8,7 +8,9 @@ state as a whole, its heads from the P ranks holding them. P computes the prompt
 token, D that token from the N-1 state (scheduler_side.py). Greedy output equals the colocated
 engine's; with different ratios and prefix caching on at D the handshake refuses with both
 ratios and the option named, and the load-failure policy decides (recompute: the right answer;
-fail: an error); the engines keep serving; every block of every group is free afterwards.
+fail: an error); the engines keep serving; a load that failed (no byte arrived) recomputes from
+the first token; a one-token prompt leaves P nothing to send; every block of every group is
+free afterwards.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_BAMBA, write_synthetic_folder
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
@@ -99,3 +102,37 @@ def test_different_ratios_with_prefix_caching_on_are_refused_per_policy(model, p
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_failed_load_recomputes_from_the_first_token_and_frees_every_group(model, prompts, want):
+    # The reads end in ERROR: no byte of KV or of any Mamba state arrived. D marks its blocks of
+    # every group invalid and recomputes from token 0 (a state is whole or useless).
+    fabric = FakeFabric(seed=3)
+    p = make_engine(model, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", block_size=BLOCK)
+    d = make_engine(model, KVRole.CONSUMER, fabric.create_agent("D", FaultConfig(error_state=True)), engine_id="D",
+                    block_size=BLOCK)
+    try:
+        assert tokens(decode(d, p, prompts[0], prefill(p, prompts[0]), GREEDY)) == want[0]
+        stats = d.connectors[1].stats
+        assert stats.recomputed_requests == 1 and sum(stats.failed_transfers.values()) == 1
+        settle(p, d)
+        assert all_free(p, d) and p.metrics().num_held_for_remote == 0
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_one_token_prompt_leaves_p_nothing_to_send(model, want):
+    # N-1 prefill of one token is nothing: D computes the token itself and P only frees.
+    p = make_engine(model, KVRole.PRODUCER, backend_name="tcp", block_size=BLOCK)
+    d = make_engine(model, KVRole.CONSUMER, backend_name="tcp", block_size=BLOCK)
+    colocated = make_engine(model, None, block_size=BLOCK)
+    try:
+        prompt = [model.tokenizer.encode("Hi")[0]]
+        assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == colocated.generate([prompt], GREEDY)[0]
+        assert d.connectors[1].stats.transfers == 0
+        settle(p, d)
+        assert all_free(p, d) and p.metrics().num_held_for_remote == 0
+    finally:
+        for e in (p, d, colocated):
+            e.shutdown()
