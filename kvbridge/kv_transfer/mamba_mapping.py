@@ -28,7 +28,7 @@ from typing import Sequence
 
 from kvbridge.engine.layers.mamba2 import Mamba2Shard, mamba2_shard
 from kvbridge.engine.models.config import Mamba2Config
-from kvbridge.kv_transfer.tp_mapping import Desc, TPMappingError
+from kvbridge.kv_transfer.tp_mapping import Desc, HeadSpan, TPMappingError, strided_descs
 
 
 @dataclass(frozen=True)
@@ -40,17 +40,6 @@ class MambaRankPages:
     base_addr: int
     page_bytes: int
     num_blocks: int
-
-
-@dataclass(frozen=True)
-class StateSpan:
-    """Copy `length` bytes at `remote_offset` of a page of remote rank `remote_rank` to
-    `local_offset` of the local rank's page."""
-
-    remote_rank: int
-    remote_offset: int
-    local_offset: int
-    length: int
 
 
 @dataclass(frozen=True)
@@ -99,18 +88,19 @@ def mamba_state_bytes(config: Mamba2Config, slots: int, elem: int, tp_size: int,
 
 
 def mamba_state_spans(config: Mamba2Config, slots: int, elem: int, local_tp: int, local_rank: int,
-                      remote_tp: int, salt: int = 0) -> list[StateSpan]:
-    """The spans that fill one page of local rank `local_rank` (of `local_tp`) from pages of the
+                      remote_tp: int, salt: int = 0) -> list[HeadSpan]:
+    """The spans (tp_mapping.HeadSpan: remote rank and offset, local offset, length, within a
+    page) that fill one page of local rank `local_rank` (of `local_tp`) from pages of the
     remote engine's `remote_tp` ranks, in local offset order, covering the packed state once."""
     if slots < 1 or elem < 1:
         raise TPMappingError(f"slots and element bytes must be >= 1, got {slots} and {elem}")
     local = _Parts(mamba2_shard(config, local_tp, local_rank), config, elem)
     remote = [_Parts(mamba2_shard(config, remote_tp, r), config, elem) for r in range(remote_tp)]
     per_rank = config.num_heads // remote_tp
-    spans: list[StateSpan] = []
+    spans: list[HeadSpan] = []
 
     def add(rank: int, remote_part: tuple[int, int], local_part: tuple[int, int]) -> None:
-        spans.append(StateSpan(rank, remote_part[0], local_part[0], local_part[1]))
+        spans.append(HeadSpan(rank, remote_part[0], local_part[0], local_part[1]))
 
     for slot in range(slots):
         for head in local.shard.heads:
@@ -123,13 +113,13 @@ def mamba_state_spans(config: Mamba2Config, slots: int, elem: int, local_tp: int
             add(src.shard.rank, src.b(slot, group), local.b(slot, group))
             add(src.shard.rank, src.c(slot, group), local.c(slot, group))
     spans.sort(key=lambda s: s.local_offset)
-    merged: list[StateSpan] = []
+    merged: list[HeadSpan] = []
     for s in spans:
         last = merged[-1] if merged else None
         if (last is not None and last.remote_rank == s.remote_rank
                 and last.local_offset + last.length == s.local_offset
                 and last.remote_offset + last.length == s.remote_offset):
-            merged[-1] = StateSpan(last.remote_rank, last.remote_offset, last.local_offset, last.length + s.length)
+            merged[-1] = HeadSpan(last.remote_rank, last.remote_offset, last.local_offset, last.length + s.length)
         else:
             merged.append(s)
     return merged
@@ -160,17 +150,5 @@ def mamba_read_descs(config: Mamba2Config, slots: int, elem: int, local: MambaRa
         if any(not 0 <= b < remote[rank].num_blocks for b in remote_ids):
             raise TPMappingError(f"remote Mamba block id out of range [0, {remote[rank].num_blocks}) on remote "
                                  f"rank {rank}")
-    out: dict[int, tuple[list[Desc], list[Desc]]] = {}
-    for l_id, r_id in zip(local_ids, remote_ids):
-        for s in spans:
-            src = remote[s.remote_rank]
-            l_addr = local.base_addr + l_id * local.page_bytes + s.local_offset
-            r_addr = src.base_addr + r_id * src.page_bytes + s.remote_offset
-            l_descs, r_descs = out.setdefault(s.remote_rank, ([], []))
-            if l_descs and sum(l_descs[-1]) == l_addr and sum(r_descs[-1]) == r_addr:
-                l_descs[-1] = (l_descs[-1][0], l_descs[-1][1] + s.length)
-                r_descs[-1] = (r_descs[-1][0], r_descs[-1][1] + s.length)
-            else:
-                l_descs.append((l_addr, s.length))
-                r_descs.append((r_addr, s.length))
-    return out
+    return strided_descs((local.base_addr, local.page_bytes), [(r.base_addr, r.page_bytes) for r in remote], spans,
+                         local_ids, remote_ids)

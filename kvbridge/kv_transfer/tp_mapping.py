@@ -157,12 +157,22 @@ def span_descs(local: RankBlocks, remote: Sequence[RankBlocks], spans: Sequence[
         if any(not 0 <= b < remote[s.remote_rank].num_blocks for b in remote_ids):
             raise TPMappingError(f"remote block id out of range [0, {remote[s.remote_rank].num_blocks}) "
                                  f"on remote rank {s.remote_rank}")
+    return strided_descs((local.base_addr, local.kv.block_bytes), [(r.base_addr, r.kv.block_bytes) for r in remote],
+                         spans, local_ids, remote_ids)
+
+
+def strided_descs(local: tuple[int, int], remote: Sequence[tuple[int, int]], spans: Sequence[HeadSpan],
+                  local_ids: Sequence[int], remote_ids: Sequence[int]) -> dict[int, tuple[list[Desc], list[Desc]]]:
+    """The descriptors of `spans` for each (local id, remote id) pair, where block b of a side
+    starts at base + b * stride ((base, stride) of the local rank and of each remote rank):
+    {remote rank: (local descs, remote descs)}, block order then span order, a descriptor that
+    continues the previous one on both sides merged into it. Ids are not checked here."""
     out: dict[int, tuple[list[Desc], list[Desc]]] = {}
     for l_id, r_id in zip(local_ids, remote_ids):
         for s in spans:
-            src = remote[s.remote_rank]
-            l_addr = local.base_addr + l_id * local.kv.block_bytes + s.local_offset
-            r_addr = src.base_addr + r_id * src.kv.block_bytes + s.remote_offset
+            base, stride = remote[s.remote_rank]
+            l_addr = local[0] + l_id * local[1] + s.local_offset
+            r_addr = base + r_id * stride + s.remote_offset
             l_descs, r_descs = out.setdefault(s.remote_rank, ([], []))
             if l_descs and sum(l_descs[-1]) == l_addr and sum(r_descs[-1]) == r_addr:
                 l_descs[-1] = (l_descs[-1][0], l_descs[-1][1] + s.length)

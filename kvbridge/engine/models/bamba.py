@@ -21,19 +21,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvbridge.engine.kv_cache_layout import KVCacheLayout
 from kvbridge.engine.kv_groups import layer_groups, layer_slots
 from kvbridge.engine.layers.attention import AttentionMetadata
-from kvbridge.engine.layers.linear import Linear, packed_linear, prepack_weight
+from kvbridge.engine.layers.linear import Linear
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata, Mamba2Mixer, mamba2_weight_slots
 from kvbridge.engine.layers.norm import RMSNorm
 from kvbridge.engine.layers.rotary import RotaryEmbedding
 from kvbridge.engine.models import CausalLM
 from kvbridge.engine.models.config import ModelArchConfig
-from kvbridge.engine.models.llama import LlamaAttention, LlamaMLP, attention_weight_slots, mlp_weight_slots
+from kvbridge.engine.models.llama import (HeadAndPrepack, LlamaAttention, LlamaMLP, attention_weight_slots,
+                                          mlp_weight_slots)
 from kvbridge.engine.models.weights import Embedding, WeightSlot, load_slots, whole
 from kvbridge.engine.tp import RankShard, rank_shard
 
@@ -70,7 +70,7 @@ class BambaModel(nn.Module):
         self.final_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
 
 
-class BambaForCausalLM(CausalLM):
+class BambaForCausalLM(HeadAndPrepack, CausalLM):
     """Bamba over a hybrid KV cache: call `bind_kv_cache_layout` before the first forward."""
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
@@ -127,24 +127,13 @@ class BambaForCausalLM(CausalLM):
         return self.model.final_layernorm(h)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self._packed_head is not None:
-            return packed_linear(hidden, self._packed_head, None).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
-
-    @torch.inference_mode()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         load_slots(self._weight_slots(), weights,
                    tied_head=self.model.embed_tokens.weight if self.lm_head is None else None)
         for layer in self.model.layers:
             if layer.self_attn is not None:
                 layer.self_attn.refresh_derived()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepack()
-        self._packed_head = prepack_weight(self.model.embed_tokens.weight) if self.lm_head is None else None
+        self._prepack()
 
     def _weight_slots(self) -> dict[str, WeightSlot]:
         slots = {"model.embed_tokens.weight": whole(self.model.embed_tokens.weight),

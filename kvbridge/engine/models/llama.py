@@ -122,7 +122,32 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
 
 
-class LlamaForCausalLM(CausalLM):
+class HeadAndPrepack:
+    """For models with `model.embed_tokens`, an optional `lm_head` (None: tied embeddings) and
+    `Linear` layers: logits through the head (tied: the embedding, prepacked), and the prepacking
+    `load_weights` ends with."""
+
+    model: nn.Module
+    lm_head: Linear | None
+    _packed_head: torch.Tensor | None
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self._packed_head is not None:
+            return packed_linear(hidden, self._packed_head, None).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def _prepack(self) -> None:
+        for module in self.modules():  # type: ignore[attr-defined]
+            if isinstance(module, Linear):
+                module.prepack()
+        self._packed_head = prepack_weight(self.model.embed_tokens.weight) if self.lm_head is None else None
+
+
+class LlamaForCausalLM(HeadAndPrepack, CausalLM):
     """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache. Parameters stay uninitialised
     until `load_weights`.
 
@@ -171,15 +196,6 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm(h)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab]."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self._packed_head is not None:
-            return packed_linear(hidden, self._packed_head, None).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
-
-    @torch.inference_mode()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face state dict (any dtype/device) into the model, all or nothing.
 
@@ -190,10 +206,7 @@ class LlamaForCausalLM(CausalLM):
                    tied_head=self.model.embed_tokens.weight if self.lm_head is None else None)
         for layer in self.model.layers:
             layer.self_attn.refresh_derived()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepack()
-        self._packed_head = prepack_weight(self.model.embed_tokens.weight) if self.lm_head is None else None
+        self._prepack()
 
     def _weight_slots(self) -> dict[str, WeightSlot]:
         slots = {"model.embed_tokens.weight": whole(self.model.embed_tokens.weight),
