@@ -134,10 +134,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_proxy(a: argparse.Namespace) -> int:
+    from kvbridge.serving.proxy import RetryPolicy
     from kvbridge.serving.proxy_app import run_proxy
     run_proxy(prefill_urls=a.prefill, decode_urls=a.decode, host=a.host, port=a.port,
               prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
-              health_interval_s=a.health_interval, api_key=a.api_key)
+              health_interval_s=a.health_interval, api_key=a.api_key,
+              retry=RetryPolicy(retries=a.retries, budget_s=a.retry_budget,
+                                decode_only_fallback=not a.no_decode_only_fallback),
+              breaker_failures=a.breaker_failures, breaker_cooldown_s=a.breaker_cooldown)
     return 0
 
 
@@ -238,6 +242,19 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--api-key", default=os.environ.get("KVBRIDGE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1 routes; the header is passed on to "
                             "the instances (default: $KVBRIDGE_API_KEY, or none)")
+    proxy.add_argument("--retries", type=int, default=3,
+                       help="retries of a failed prefill or decode leg on another instance, before any byte "
+                            "reached the client (never after, never for a 4xx) (default: %(default)s)")
+    proxy.add_argument("--retry-budget", type=float, default=30.0,
+                       help="seconds after which a leg starts no new retry (default: %(default)s)")
+    proxy.add_argument("--no-decode-only-fallback", action="store_true",
+                       help="when no prefill instance can prefill a request, answer the error instead of "
+                            "sending the request to a decode instance to prefill itself")
+    proxy.add_argument("--breaker-failures", type=int, default=5,
+                       help="consecutive failed requests that open an instance's circuit (default: %(default)s)")
+    proxy.add_argument("--breaker-cooldown", type=float, default=10.0,
+                       help="seconds an open circuit skips its instance before one probe request "
+                            "(default: %(default)s)")
     proxy.set_defaults(func=cmd_proxy)
 
     up = sub.add_parser(

@@ -32,6 +32,7 @@ import asyncio
 import hmac
 import json
 import logging
+import random
 import re
 import time
 import uuid
@@ -71,6 +72,13 @@ class ProxyMetrics:
         self.kv_releases = Counter("kvbridge_proxy_kv_releases",
                                    "Release calls sent to P by outcome", ["outcome"], registry=r)
         self.prefill_seconds = Histogram("kvbridge_proxy_prefill_seconds", "Time for P to answer", registry=r)
+        self.retries = Counter("kvbridge_proxy_retries", "Upstream attempts retried on another instance, by kind "
+                               "and the failure that caused the retry", ["kind", "reason"], registry=r)
+        self.decode_only_fallback = Counter("kvbridge_proxy_decode_only_fallback",
+                                            "Requests served by a decode instance alone because no prefill "
+                                            "instance could prefill them", registry=r)
+        self.circuit = Gauge("kvbridge_proxy_circuit_state", "Circuit breaker per upstream: 0 closed, 1 half-open, "
+                             "2 open", ["kind", "url"], registry=r)
         # Gauges are set from the pools at scrape time (PDProxy.refresh_gauges).
         self.healthy = Gauge("kvbridge_proxy_healthy_instances", "Healthy instances by kind", ["kind"], registry=r)
         self.outstanding = Gauge("kvbridge_proxy_outstanding_requests", "In-flight upstream requests by kind",
@@ -95,12 +103,48 @@ def prefill_body(body: dict) -> dict:
 
 
 @dataclass(frozen=True)
-class _Unavailable:
-    """No upstream of a kind took the request; nothing was sent to any of them."""
+class _Failed:
+    """One upstream attempt failed before anything reached the client."""
 
-    status: int  # 503: none healthy; 502: every healthy one refused the connection
-    message: str
-    code: str
+    reason: str  # connect | timeout | protocol | status_5xx | ... (the retry metric's label)
+    received: bool  # the upstream may have received the request
+    response: Response  # the client's answer if no further attempt succeeds
+
+
+@dataclass(frozen=True)
+class _Exhausted:
+    """Every prefill attempt failed, or no P could be tried: `response` unless a fallback serves."""
+
+    response: Response
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the proxy retries a leg (prefill or decode) on another instance. `retries` attempts
+    after the first at most, none starting later than `budget_s` after the leg began; before
+    retry k (0-based) it waits uniform(0, min(backoff_max_s, backoff_s * 2**k)) ("full jitter").
+    `decode_only_fallback`: when no P could prefill, D serves the request as an ordinary one."""
+
+    retries: int = 3
+    budget_s: float = 30.0
+    backoff_s: float = 0.05
+    backoff_max_s: float = 1.0
+    decode_only_fallback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or self.budget_s < 0 or self.backoff_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("retries, budget and backoff must be >= 0")
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        return rng.uniform(0.0, min(self.backoff_max_s, self.backoff_s * 2 ** retry))
+
+
+def _kv_transfer_params(body: bytes) -> dict | None:
+    try:
+        params = json.loads(body).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return None
+    return params if isinstance(params, dict) else None
 
 
 class _Exchange:
@@ -156,8 +200,11 @@ class PDProxy:
 
     def __init__(self, prefill: UpstreamPool | None, decode: UpstreamPool, *, health_interval_s: float,
                  health_timeout_s: float, timeout_s: float, connect_timeout_s: float,
-                 api_key: str | None, upstream_api_key: str | None) -> None:
+                 api_key: str | None, upstream_api_key: str | None, retry: RetryPolicy = RetryPolicy(),
+                 seed: int | None = None) -> None:
         self.prefill, self.decode = prefill, decode
+        self.retry = retry
+        self._rng = random.Random(seed)  # backoff jitter
         self.metrics = ProxyMetrics()
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
@@ -217,12 +264,14 @@ class PDProxy:
         for pool in self.pools:
             self.metrics.healthy.labels(pool.kind.value).set(len(pool.healthy()))
             self.metrics.outstanding.labels(pool.kind.value).set(sum(u.outstanding for u in pool.upstreams))
+            for u in pool.upstreams:
+                self.metrics.circuit.labels(pool.kind.value, u.url).set(u.breaker.state.gauge)
 
     def health_report(self) -> tuple[bool, dict]:
         report = {kind.value: [] for kind in UpstreamKind}
         for pool in self.pools:
-            report[pool.kind.value] = [{"url": u.url, "healthy": u.healthy, "outstanding": u.outstanding}
-                                       for u in pool.upstreams]
+            report[pool.kind.value] = [{"url": u.url, "healthy": u.healthy, "outstanding": u.outstanding,
+                                        "circuit": u.breaker.state.value} for u in pool.upstreams]
         ok = all(pool.healthy() for pool in self.pools)
         mode = "colocated" if self.prefill is None else "pd"
         return ok, {"status": "ok" if ok else "unavailable", "mode": mode, **report}
@@ -241,51 +290,67 @@ class PDProxy:
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
 
-    async def _send(self, pool: UpstreamPool, path: str, body: dict,
-                    headers: dict[str, str]) -> _Exchange | _Unavailable:
-        """POST `body` to the pool's choice, failing over only on connection errors (then no
-        instance received the request). Other httpx errors propagate: the request may have arrived."""
+    async def _attempt(self, pool: UpstreamPool, upstream: Upstream, path: str, body: dict,
+                       headers: dict[str, str], request_id: str) -> _Exchange | _Failed:
+        """POST `body` to `upstream` once: its open response, or why it failed (a connection that
+        was refused marks the upstream unhealthy, as a failed health probe does)."""
         assert self.client is not None
-        tried: list[Upstream] = []
-        while (upstream := pool.pick(exclude=tried)) is not None:
-            tried.append(upstream)
-            request = self.client.build_request("POST", upstream.url + path, json=body, headers=headers)
-            upstream.outstanding += 1
-            try:
-                response = await self.client.send(request, stream=True)
-            except BaseException as exc:
-                upstream.outstanding -= 1
-                if not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-                    raise
+        request = self.client.build_request("POST", upstream.url + path, json=body, headers=headers)
+        upstream.outstanding += 1
+        try:
+            response = await self.client.send(request, stream=True)
+        except BaseException as exc:
+            upstream.outstanding -= 1
+            if not isinstance(exc, httpx.HTTPError):
+                raise
+            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
                 self.metrics.upstream_errors.labels(pool.kind.value, "connect").inc()
                 pool.set_health(upstream, False, f"connection failed: {exc!r}")
-                continue
-            return _Exchange(pool, upstream, response)
-        if not tried:
-            return _Unavailable(503, f"no healthy {pool.kind.value} instance", "no_healthy_instance")
-        return _Unavailable(502, f"could not connect to any {pool.kind.value} instance "
-                                 f"(tried {', '.join(u.url for u in tried)})", "upstream_unreachable")
+                return _Failed("connect", False, openai_error(
+                    502, f"could not connect to {pool.kind.value} instance {upstream.url}", "upstream_unreachable",
+                    request_id))
+            return self._failed(pool.kind, exc, request_id)
+        return _Exchange(pool, upstream, response)
 
-    def _upstream_failed(self, kind: UpstreamKind, exc: httpx.HTTPError, request_id: str) -> Response:
-        """The client's answer when an upstream that may have received the request failed."""
+    def _failed(self, kind: UpstreamKind, exc: httpx.HTTPError, request_id: str) -> _Failed:
+        """An upstream that may have received the request failed: the client's answer if it is
+        the last attempt (504 for a timeout, else 502)."""
         timed_out = isinstance(exc, httpx.TimeoutException)
-        self.metrics.upstream_errors.labels(kind.value, "timeout" if timed_out else "protocol").inc()
+        reason = "timeout" if timed_out else "protocol"
+        self.metrics.upstream_errors.labels(kind.value, reason).inc()
         logger.warning("request %s: %s instance failed: %r", request_id, kind.value, exc)
         if timed_out:
-            return openai_error(504, f"{kind.value} instance timed out", "upstream_timeout", request_id)
-        return openai_error(502, f"{kind.value} instance failed: {exc!r}", "upstream_failed", request_id)
+            return _Failed(reason, True, openai_error(504, f"{kind.value} instance timed out", "upstream_timeout",
+                                                      request_id))
+        return _Failed(reason, True, openai_error(502, f"{kind.value} instance failed: {exc!r}", "upstream_failed",
+                                                  request_id))
 
-    async def _read_all(self, exchange: _Exchange, request_id: str) -> Response:
-        """D's or P's complete answer, status and body unchanged."""
+    async def _read_all(self, exchange: _Exchange, request_id: str) -> Response | _Failed:
+        """The upstream's complete answer, status and body unchanged, or why reading it failed."""
         try:
             content = await exchange.response.aread()
         except httpx.HTTPError as exc:
-            return self._upstream_failed(exchange.pool.kind, exc, request_id)
+            return self._failed(exchange.pool.kind, exc, request_id)
         finally:
             await exchange.close()
         return Response(content, status_code=exchange.response.status_code,
                         media_type=exchange.response.headers.get("content-type"),
                         headers={REQUEST_ID_HEADER: request_id})
+
+    async def _before_retry(self, pool: UpstreamPool, tried: list[Upstream], attempt: int, reason: str,
+                            started: float, request_id: str) -> bool:
+        """Wait out the backoff before attempt `attempt` (1 = the first retry); False when the
+        retry count or time budget is spent or no other instance is left to try."""
+        policy, kind = self.retry, pool.kind
+        delay = policy.delay(attempt - 1, self._rng)
+        if (attempt > policy.retries or time.monotonic() + delay - started > policy.budget_s
+                or not pool.can_pick(exclude=tried)):
+            return False
+        self.metrics.retries.labels(kind.value, reason).inc()
+        logger.warning("request %s: %s attempt failed (%s); retry %d of %d in %.3f s on another instance",
+                       request_id, kind.value, reason, attempt, policy.retries, delay)
+        await asyncio.sleep(delay)
+        return True
 
     async def handle(self, request: Request, route: str) -> Response:
         """Serve one completions or chat-completions request through P then D (colocated
@@ -299,6 +364,8 @@ class PDProxy:
         except ValueError as exc:
             return openai_error(400, str(exc), "invalid_json", request_id)
         for pool in self.pools:
+            if pool is self.prefill and self.retry.decode_only_fallback:
+                continue  # no healthy P: the decode-only fallback serves it
             if not pool.healthy():  # checked before P works, so no KV is held for nothing
                 return openai_error(503, f"no healthy {pool.kind.value} instance", "no_healthy_instance",
                                     request_id)
@@ -307,7 +374,7 @@ class PDProxy:
         watcher = asyncio.create_task(_watch_disconnect(request, gone))
         try:  # the watcher must stop before a StreamingResponse listens to the client itself
             if self.prefill is None:
-                answer = await _unless(gone, self._colocated(route, body, headers, request_id))
+                answer = await _unless(gone, self._decode(route, body, headers, request_id, None))
                 return answer if answer is not None else Response(status_code=499)
             prefilled = await _unless(gone, self._prefill(route, body, headers, request_id))
             if isinstance(prefilled, tuple) and gone.is_set():
@@ -316,6 +383,13 @@ class PDProxy:
             if prefilled is None or gone.is_set():
                 logger.info("request %s: client went away before decode started", request_id)
                 return Response(status_code=499)
+            if isinstance(prefilled, _Exhausted):
+                if not self.retry.decode_only_fallback:
+                    return prefilled.response
+                self.metrics.decode_only_fallback.inc()
+                logger.warning("request %s: no prefill instance could serve it; decode-only fallback", request_id)
+                answer = await _unless(gone, self._decode(route, body, headers, request_id, None))
+                return answer if answer is not None else Response(status_code=499)
             if isinstance(prefilled, Response):
                 return prefilled
             # A cancelled D call closes its connection, so D aborts and frees through its own path.
@@ -325,63 +399,98 @@ class PDProxy:
             watcher.cancel()
 
     async def _prefill(self, route: str, body: dict, headers: dict[str, str],
-                       request_id: str) -> tuple[Upstream, dict] | Response:
-        """Step 1: P's upstream and kv_transfer_params, or the response for the client."""
+                       request_id: str) -> tuple[Upstream, dict] | Response | _Exhausted:
+        """Step 1: P's upstream and kv_transfer_params; P's 4xx answer for the client; or, when
+        every attempt failed (connection, timeout, a broken answer, 5xx, no kv_transfer_params)
+        or no P could be tried, what the client gets without a fallback."""
         assert self.prefill is not None, "P/D mode only"
         started = time.monotonic()
-        try:
-            sent = await self._send(self.prefill, route, prefill_body(body), headers)
-        except httpx.HTTPError as exc:
-            return self._upstream_failed(UpstreamKind.PREFILL, exc, request_id)
-        if isinstance(sent, _Unavailable):
-            return openai_error(sent.status, sent.message, sent.code, request_id)
-        answer = await self._read_all(sent, request_id)
-        self.metrics.prefill_seconds.observe(time.monotonic() - started)
-        if answer.status_code >= 400:
-            return answer
-        try:
-            params = json.loads(answer.body).get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            params = None
-        if not isinstance(params, dict):
-            logger.warning("request %s: prefill instance %s returned no kv_transfer_params",
-                           request_id, sent.upstream.url)
-            return openai_error(502, f"prefill instance {sent.upstream.url} returned no kv_transfer_params "
-                                     "(is it running with --kv-role producer?)", "no_kv_transfer_params",
-                                request_id)
-        return sent.upstream, params
+        tried: list[Upstream] = []
+        last: Response | None = None
+        reason = ""
+        for attempt in range(self.retry.retries + 1):
+            if attempt and not await self._before_retry(self.prefill, tried, attempt, reason, started, request_id):
+                break
+            upstream = self.prefill.pick(exclude=tried)
+            if upstream is None:
+                break
+            tried.append(upstream)
+            sent = await self._attempt(self.prefill, upstream, route, prefill_body(body), headers, request_id)
+            answer = await self._read_all(sent, request_id) if isinstance(sent, _Exchange) else sent
+            if isinstance(answer, _Failed):
+                reason, last = answer.reason, answer.response
+                self.prefill.record(upstream, False, reason)
+                continue
+            if answer.status_code >= 500:
+                reason, last = f"status_{answer.status_code}", answer
+                self.metrics.upstream_errors.labels(UpstreamKind.PREFILL.value, "status").inc()
+                self.prefill.record(upstream, False, reason)
+                continue
+            self.prefill.record(upstream, True)
+            if answer.status_code >= 400:  # the request's own fault: never retried
+                return answer
+            params = _kv_transfer_params(answer.body)
+            if params is None:
+                logger.warning("request %s: prefill instance %s returned no kv_transfer_params",
+                               request_id, upstream.url)
+                reason, last = "no_kv_transfer_params", openai_error(
+                    502, f"prefill instance {upstream.url} returned no kv_transfer_params (is it running with "
+                         "--kv-role producer?)", "no_kv_transfer_params", request_id)
+                continue
+            self.metrics.prefill_seconds.observe(time.monotonic() - started)
+            return upstream, params
+        if last is None:
+            last = openai_error(503, "no healthy prefill instance", "no_healthy_instance", request_id)
+        return _Exhausted(last)
 
     async def _decode(self, route: str, body: dict, headers: dict[str, str], request_id: str,
-                      prefilled: tuple[Upstream, dict]) -> Response:
-        """Step 2: D's answer, streamed or whole; releases P's KV if no D got the request."""
-        prefill_upstream, params = prefilled
-        try:
-            sent = await self._send(self.decode, route, {**body, "kv_transfer_params": params}, headers)
-        except httpx.HTTPError as exc:
-            # D may have the request and be reading P's blocks: leave freeing to D or P's lease.
-            return self._upstream_failed(UpstreamKind.DECODE, exc, request_id)
-        if isinstance(sent, _Unavailable):
+                      prefilled: tuple[Upstream, dict] | None) -> Response:
+        """Step 2 (or the whole request in colocated mode and in the decode-only fallback:
+        `prefilled` None, the client's body without kv_transfer_params): D's answer, streamed or
+        whole. A D that fails before anything reached the client (connection, timeout, a broken
+        answer, 5xx) is retried on another D with the same kv_transfer_params; a 4xx and a
+        stream that started are never retried. P's KV is released when no D received the request."""
+        if prefilled is None:
+            forwarded = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        else:
+            forwarded = {**body, "kv_transfer_params": prefilled[1]}
+        started = time.monotonic()
+        tried: list[Upstream] = []
+        received, last, reason = False, None, ""
+        for attempt in range(self.retry.retries + 1):
+            if attempt and not await self._before_retry(self.decode, tried, attempt, reason, started, request_id):
+                break
+            upstream = self.decode.pick(exclude=tried)
+            if upstream is None:
+                break
+            tried.append(upstream)
+            sent = await self._attempt(self.decode, upstream, route, forwarded, headers, request_id)
+            if isinstance(sent, _Failed):
+                received |= sent.received
+                reason, last = sent.reason, sent.response
+                self.decode.record(upstream, False, reason)
+                continue
+            received = True
+            status = sent.response.status_code
+            if status < 400 and body.get("stream"):  # the first byte goes to the client: no retry after it
+                self.decode.record(upstream, True)
+                return _PassthroughStream(sent, request_id)
+            answer = await self._read_all(sent, request_id)
+            if isinstance(answer, _Failed) or status >= 500:
+                reason = answer.reason if isinstance(answer, _Failed) else f"status_{status}"
+                last = answer.response if isinstance(answer, _Failed) else answer
+                if not isinstance(answer, _Failed):
+                    self.metrics.upstream_errors.labels(UpstreamKind.DECODE.value, "status").inc()
+                self.decode.record(upstream, False, reason)
+                continue
+            self.decode.record(upstream, True)
+            return answer
+        if prefilled is not None and not received:
             # Shielded: a client hanging up now must not cancel the release half-sent.
-            await asyncio.shield(self.release_on_prefill(prefill_upstream, params, headers, request_id))
-            return openai_error(sent.status, sent.message, sent.code, request_id)
-        return await self._answer(sent, body, request_id)
-
-    async def _colocated(self, route: str, body: dict, headers: dict[str, str], request_id: str) -> Response:
-        """Colocated mode: the client's body, without kv_transfer_params, to one decode-list instance."""
-        forwarded = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-        try:
-            sent = await self._send(self.decode, route, forwarded, headers)
-        except httpx.HTTPError as exc:
-            return self._upstream_failed(UpstreamKind.DECODE, exc, request_id)
-        if isinstance(sent, _Unavailable):
-            return openai_error(sent.status, sent.message, sent.code, request_id)
-        return await self._answer(sent, body, request_id)
-
-    async def _answer(self, sent: _Exchange, body: dict, request_id: str) -> Response:
-        """The instance's answer for the client: streamed through for a successful stream, else whole."""
-        if sent.response.status_code >= 400 or not body.get("stream"):
-            return await self._read_all(sent, request_id)
-        return _PassthroughStream(sent, request_id)
+            await asyncio.shield(self.release_on_prefill(prefilled[0], prefilled[1], headers, request_id))
+        if last is None:
+            return openai_error(503, "no healthy decode instance", "no_healthy_instance", request_id)
+        return last
 
     async def release_on_prefill(self, upstream: Upstream, params: dict, headers: dict[str, str],
                                  request_id: str) -> bool:

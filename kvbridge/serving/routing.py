@@ -5,15 +5,21 @@ An UpstreamPool holds the configured instances of one kind (prefill or decode) i
 configuration order; the proxy's health loop marks them healthy or not, and `pick`
 asks the pool's SelectionPolicy to choose among the healthy ones. Policies are named
 in configuration (`make_policy`): "round_robin" and "least_outstanding".
+
+Each upstream also has a CircuitBreaker fed by the outcome of the requests sent to it (the
+health loop is separate and unchanged): after `failure_threshold` consecutive failures it
+opens and the pool skips the upstream; after `cooldown_s` it lets one request through
+(half-open); that request's success closes it, its failure opens it again.
 Everything here runs on the proxy's event loop and is not thread-safe.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 
 logger = logging.getLogger(__name__)
@@ -22,6 +28,58 @@ logger = logging.getLogger(__name__)
 class UpstreamKind(str, Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class BreakerState(str, Enum):
+    CLOSED = "closed"  # requests flow
+    OPEN = "open"  # skipped until the cool-down ends
+    HALF_OPEN = "half_open"  # one probe request at a time decides
+
+    @property
+    def gauge(self) -> int:
+        return {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}[self]
+
+
+@dataclass
+class CircuitBreaker:
+    """Consecutive request failures of one upstream (module docstring)."""
+
+    failure_threshold: int = 5
+    cooldown_s: float = 10.0
+    state: BreakerState = BreakerState.CLOSED
+    failures: int = 0  # consecutive
+    opened_at: float = 0.0
+    probing: bool = False  # HALF_OPEN: the probe request is in flight
+    probe_sent_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.failure_threshold < 1 or self.cooldown_s < 0:
+            raise ValueError("a breaker needs failure_threshold >= 1 and cooldown_s >= 0")
+
+    def allows(self, now: float) -> bool:
+        """Whether a request may be sent now (an OPEN breaker past its cool-down turns HALF_OPEN)."""
+        if self.state is BreakerState.OPEN and now - self.opened_at >= self.cooldown_s:
+            self.state, self.probing = BreakerState.HALF_OPEN, False
+        if self.state is BreakerState.HALF_OPEN:
+            # A probe whose outcome never came back (its client hung up) does not block forever.
+            return not self.probing or now - self.probe_sent_at >= self.cooldown_s
+        return self.state is BreakerState.CLOSED
+
+    def on_send(self, now: float) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self.probing, self.probe_sent_at = True, now
+
+    def record_success(self) -> None:
+        self.state, self.failures, self.probing = BreakerState.CLOSED, 0, False
+
+    def record_failure(self, now: float) -> bool:
+        """Count a failure; True when it opened the breaker."""
+        self.failures += 1
+        if self.state is BreakerState.HALF_OPEN or self.failures >= self.failure_threshold:
+            opened = self.state is not BreakerState.OPEN
+            self.state, self.opened_at, self.probing = BreakerState.OPEN, now, False
+            return opened
+        return False
 
 
 @dataclass(eq=False)
@@ -36,6 +94,7 @@ class Upstream:
     index: int  # position in the configured list: the tie-break order
     healthy: bool = False
     outstanding: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
 
 class SelectionPolicy(ABC):
@@ -84,20 +143,46 @@ def make_policy(name: str) -> SelectionPolicy:
 class UpstreamPool:
     """The instances of one kind and the policy that picks among the healthy ones."""
 
-    def __init__(self, kind: UpstreamKind, urls: Sequence[str], policy: SelectionPolicy) -> None:
+    def __init__(self, kind: UpstreamKind, urls: Sequence[str], policy: SelectionPolicy,
+                 breaker_failures: int = 5, breaker_cooldown_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not urls:
             raise ValueError(f"at least one {kind.value} URL is required")
         self.kind = kind
         self.policy = policy
-        self.upstreams = [Upstream(url.rstrip("/"), i) for i, url in enumerate(urls)]
+        self.clock = clock
+        self.upstreams = [Upstream(url.rstrip("/"), i, breaker=CircuitBreaker(breaker_failures, breaker_cooldown_s))
+                          for i, url in enumerate(urls)]
 
     def healthy(self) -> list[Upstream]:
         return [u for u in self.upstreams if u.healthy]
 
     def pick(self, exclude: Sequence[Upstream] = ()) -> Upstream | None:
-        """The policy's choice among healthy instances not in `exclude`; None if none is left."""
-        candidates = [u for u in self.healthy() if u not in exclude]
-        return self.policy.choose(candidates) if candidates else None
+        """The policy's choice among healthy instances not in `exclude` whose breaker lets a
+        request through; None if none is left. The chosen one's breaker counts the send."""
+        now = self.clock()
+        candidates = [u for u in self.healthy() if u not in exclude and u.breaker.allows(now)]
+        if not candidates:
+            return None
+        chosen = self.policy.choose(candidates)
+        chosen.breaker.on_send(now)
+        return chosen
+
+    def can_pick(self, exclude: Sequence[Upstream] = ()) -> bool:
+        """Whether `pick(exclude)` would find an instance (counts no send)."""
+        now = self.clock()
+        return any(u not in exclude and u.breaker.allows(now) for u in self.healthy())
+
+    def record(self, upstream: Upstream, ok: bool, reason: str = "") -> None:
+        """A request's outcome on `upstream`, for its breaker."""
+        if ok:
+            if upstream.breaker.state is not BreakerState.CLOSED:
+                logger.info("%s instance %s: circuit closed again", self.kind.value, upstream.url)
+            upstream.breaker.record_success()
+        elif upstream.breaker.record_failure(self.clock()):
+            logger.warning("%s instance %s: circuit opened after %d consecutive failures (%s); skipped for %.1f s",
+                           self.kind.value, upstream.url, upstream.breaker.failures, reason,
+                           upstream.breaker.cooldown_s)
 
     def set_health(self, upstream: Upstream, healthy: bool, reason: str = "") -> None:
         if upstream.healthy == healthy:

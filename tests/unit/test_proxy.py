@@ -21,7 +21,7 @@ import pytest
 
 from kvbridge.config import KVRole
 from kvbridge.serving import cluster
-from kvbridge.serving.proxy import prefill_body
+from kvbridge.serving.proxy import RetryPolicy, prefill_body
 from kvbridge.serving.proxy_app import build_proxy_app
 from kvbridge.serving.routing import LeastOutstandingPolicy, RoundRobinPolicy, Upstream, make_policy
 from tests.unit.proxy_upstreams import FakeInstance, RunningServer, serve
@@ -188,7 +188,8 @@ async def test_prefill_error_reaches_client_and_decode_is_never_called():
 
 
 async def test_prefill_without_kv_transfer_params_is_a_bad_gateway():
-    async with pd_cluster(prefill_role="decode") as pd:  # a "P" that is not a producer
+    async with pd_cluster(prefill_role="decode", retry=RetryPolicy(decode_only_fallback=False)) as pd:  # a "P"
+        # that is not a producer; without the decode-only fallback its error reaches the client
         r = await pd.http.post("/v1/completions", json=COMPLETION)
         assert r.status_code == 502
         assert "kv_transfer_params" in r.json()["error"]["message"]
@@ -415,7 +416,7 @@ async def test_colocated_mode_health_needs_only_decode_and_503_without_it():
     async with pd_cluster(num_prefill=0, health_interval_s=0.05) as pd:
         assert await pd.health() == {"status": "ok", "mode": "colocated", "prefill": [],
                                      "decode": [{"url": pd.servers["decode-0"].url, "healthy": True,
-                                                 "outstanding": 0}]}
+                                                 "outstanding": 0, "circuit": "closed"}]}
         pd.decode[0].healthy = False
         await pd.wait_health("decode", 0, healthy=False)
         r = await pd.http.post("/v1/completions", json=COMPLETION)
