@@ -15,6 +15,8 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import contextlib
+import functools
 import gc
 import time
 import weakref
@@ -51,17 +53,54 @@ def wait_all_blocks_free(timeout_s: float = LEAK_WAIT_S) -> list[str]:
         time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def gguf_parsed_once(*readers):
+    """While transformers loads from a GGUF file: each file is parsed once, and gguf's table of
+    tensor names is built once per (architecture, layer count).
+
+    transformers parses a file twice for a model (its config, then its tensors: about 5 s each for
+    SmolLM2's 49k-token vocabulary) and builds the name table for every module it walks (about 400
+    times, 4 s). Both are read-only, so this only memoises: the same config, tensors and tokenizer
+    as without it. `readers`: gguf.GGUFReader objects already parsed (by the test's own code) to
+    hand out for their files. kvbridge's loader imports GGUFReader itself and is not affected."""
+    import gguf
+
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed = {os.path.realpath(r.data.filename): r for r in readers}
+
+    def reader(path, mode="r"):
+        key = os.path.realpath(path)
+        if mode != "r":
+            return reader_cls(path, mode)
+        if key not in parsed:
+            parsed[key] = reader_cls(path, mode)
+        return parsed[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+
+
+@pytest.fixture(scope="session", name="gguf_parsed_once")
+def gguf_parsed_once_fixture():
+    """`gguf_parsed_once` for test modules (`with gguf_parsed_once(reader): transformers...`)."""
+    return gguf_parsed_once
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2_from_gguf():
     """transformers' own model of the default GGUF (fp32, eval): the reference the loader and the
-    engine are checked against. Loaded once per session: parsing the GGUF takes about 20 s."""
+    engine are checked against. Loaded once per session (about 15 s)."""
     import torch
     import transformers
 
     from kvbridge.engine.loader import DEFAULT_MODEL, resolve_model
     path = resolve_model(DEFAULT_MODEL)
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                 dtype=torch.float32).eval()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -45,14 +45,20 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def tokenizer(gguf_path) -> Tokenizer:
-    return Tokenizer.from_gguf_vocab(read_vocab(GGUFReader(gguf_path)))
+def gguf_reader(gguf_path) -> GGUFReader:
+    return GGUFReader(gguf_path)  # parsing the 49k-token vocabulary takes seconds: once per module
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gguf_path):
+def tokenizer(gguf_reader) -> Tokenizer:
+    return Tokenizer.from_gguf_vocab(read_vocab(gguf_reader))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_path, gguf_reader, gguf_parsed_once):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    with gguf_parsed_once(gguf_reader):  # transformers reads the same parse of the file (read-only)
+        return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 def with_template(tokenizer: Tokenizer, template: str | None) -> Tokenizer:
