@@ -233,9 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     proxy.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
-    proxy.add_argument("--prefill-policy", choices=["round_robin", "least_outstanding"], default="round_robin",
-                       help="how a prefill instance is picked for each request (default: %(default)s)")
-    proxy.add_argument("--decode-policy", choices=["round_robin", "least_outstanding"], default="round_robin",
+    proxy.add_argument("--prefill-policy", choices=["round_robin", "least_outstanding", "prefix"],
+                       default="round_robin",
+                       help="how a prefill instance is picked for each request; prefix: requests sharing a "
+                            "prompt prefix go to the same instance (its prefix cache hits) unless it is "
+                            "overloaded (default: %(default)s)")
+    proxy.add_argument("--decode-policy", choices=["round_robin", "least_outstanding", "prefix"],
+                       default="round_robin",
                        help="how a decode instance is picked for each request (default: %(default)s)")
     proxy.add_argument("--health-interval", type=float, default=2.0,
                        help="seconds between health checks of every instance (default: %(default)s)")

@@ -139,6 +139,29 @@ class RetryPolicy:
         return rng.uniform(0.0, min(self.backoff_max_s, self.backoff_s * 2 ** retry))
 
 
+def prompt_text(body: dict) -> str:
+    """The request's prompt as text, for prefix-affinity routing: a completion's prompt (token
+    ids as their decimal list; the first of a batch), or a chat's messages as `role: content`
+    lines (text parts of multi-part contents). Empty when there is none."""
+    prompt = body.get("prompt")
+    if prompt is None and isinstance(body.get("messages"), list):
+        lines = []
+        for m in body["messages"]:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                                  and isinstance(p.get("text", ""), str))
+            lines.append(f"{m.get('role', '')}: {content if isinstance(content, str) else ''}\n")
+        return "".join(lines)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: route by its first prompt
+    if isinstance(prompt, list):
+        return ",".join(str(t) for t in prompt)
+    return prompt if isinstance(prompt, str) else ""
+
+
 def _kv_transfer_params(body: bytes) -> dict | None:
     try:
         params = json.loads(body).get("kv_transfer_params")
@@ -411,7 +434,7 @@ class PDProxy:
         for attempt in range(self.retry.retries + 1):
             if attempt and not await self._before_retry(self.prefill, tried, attempt, reason, started, request_id):
                 break
-            upstream = self.prefill.pick(exclude=tried)
+            upstream = self.prefill.pick(exclude=tried, prompt=prompt_text(body))
             if upstream is None:
                 break
             tried.append(upstream)
@@ -460,7 +483,7 @@ class PDProxy:
         for attempt in range(self.retry.retries + 1):
             if attempt and not await self._before_retry(self.decode, tried, attempt, reason, started, request_id):
                 break
-            upstream = self.decode.pick(exclude=tried)
+            upstream = self.decode.pick(exclude=tried, prompt=prompt_text(body))
             if upstream is None:
                 break
             tried.append(upstream)

@@ -4,7 +4,8 @@ picks among the healthy ones.
 An UpstreamPool holds the configured instances of one kind (prefill or decode) in
 configuration order; the proxy's health loop marks them healthy or not, and `pick`
 asks the pool's SelectionPolicy to choose among the healthy ones. Policies are named
-in configuration (`make_policy`): "round_robin" and "least_outstanding".
+in configuration (`make_policy`): "round_robin", "least_outstanding" and "prefix" (prefix
+affinity with a load guard).
 
 Each upstream also has a CircuitBreaker fed by the outcome of the requests sent to it (the
 health loop is separate and unchanged): after `failure_threshold` consecutive failures it
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -101,8 +103,9 @@ class SelectionPolicy(ABC):
     """Chooses the upstream for the next request of one kind (P or D)."""
 
     @abstractmethod
-    def choose(self, candidates: Sequence[Upstream]) -> Upstream:
-        """Return one of `candidates`: non-empty, healthy, in configuration order.
+    def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
+        """Return one of `candidates`: non-empty, healthy, in configuration order. `prompt`:
+        the request's prompt text (PrefixAffinityPolicy uses it; the others ignore it).
 
         Called once per attempt, on the event loop; may update the policy's own state.
         """
@@ -114,7 +117,7 @@ class RoundRobinPolicy(SelectionPolicy):
     def __init__(self) -> None:
         self._last_index = -1
 
-    def choose(self, candidates: Sequence[Upstream]) -> Upstream:
+    def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
         chosen = next((u for u in candidates if u.index > self._last_index), candidates[0])
         self._last_index = chosen.index
         return chosen
@@ -123,13 +126,64 @@ class RoundRobinPolicy(SelectionPolicy):
 class LeastOutstandingPolicy(SelectionPolicy):
     """Picks the instance with the fewest in-flight requests; ties go to the earliest."""
 
-    def choose(self, candidates: Sequence[Upstream]) -> Upstream:
+    def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
         return min(candidates, key=lambda u: u.outstanding)
+
+
+class PrefixAffinityPolicy(SelectionPolicy):
+    """Sends requests sharing a prompt prefix to the instance that served it last, so that
+    instance's prefix cache hits; least-outstanding otherwise, and whenever the affine instance
+    is overloaded.
+
+    The prompt text is cut into blocks of `block_chars` characters (the proxy has no tokenizer;
+    64 characters are roughly 16 tokens, a block of the engine's prefix cache) and each block
+    is keyed by a chained hash of the text up to its end, so equal keys mean equal prefixes
+    (SGLang's router keeps a radix tree of characters to the same end). A table of at most
+    `max_entries` keys (least recently used evicted) remembers the instance each prefix was
+    sent to. A request goes to the candidate remembered for its longest known prefix unless
+    that one has more than `imbalance` requests in flight beyond the least-loaded candidate
+    (the load guard: one hot prefix cannot swamp one instance); then, or with no known prefix,
+    to the least-loaded. Every block key of the request then points at the chosen instance."""
+
+    def __init__(self, block_chars: int = 64, max_blocks: int = 256, max_entries: int = 65536,
+                 imbalance: int = 4) -> None:
+        if min(block_chars, max_blocks, max_entries) < 1 or imbalance < 0:
+            raise ValueError("block_chars, max_blocks and max_entries must be >= 1, imbalance >= 0")
+        self.block_chars, self.max_blocks, self.max_entries, self.imbalance = (
+            block_chars, max_blocks, max_entries, imbalance)
+        self._owner: OrderedDict[int, str] = OrderedDict()  # prefix key -> upstream URL
+        self.hits = 0  # requests sent to the instance remembered for their prefix
+
+    def prefix_keys(self, prompt: str) -> list[int]:
+        """Chained hashes of the prompt's whole blocks of characters, at most max_blocks."""
+        keys, parent = [], 0
+        for i in range(min(len(prompt) // self.block_chars, self.max_blocks)):
+            parent = hash((parent, prompt[i * self.block_chars:(i + 1) * self.block_chars]))
+            keys.append(parent)
+        return keys
+
+    def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
+        least = min(candidates, key=lambda u: u.outstanding)
+        keys = self.prefix_keys(prompt)
+        by_url = {u.url: u for u in candidates}
+        affine = next((by_url[self._owner[k]] for k in reversed(keys)
+                       if k in self._owner and self._owner[k] in by_url), None)
+        chosen = least
+        if affine is not None and affine.outstanding - least.outstanding <= self.imbalance:
+            chosen = affine
+            self.hits += 1
+        for k in keys:
+            self._owner[k] = chosen.url
+            self._owner.move_to_end(k)
+        while len(self._owner) > self.max_entries:
+            self._owner.popitem(last=False)
+        return chosen
 
 
 POLICIES: dict[str, type[SelectionPolicy]] = {
     "round_robin": RoundRobinPolicy,
     "least_outstanding": LeastOutstandingPolicy,
+    "prefix": PrefixAffinityPolicy,
 }
 
 
@@ -157,14 +211,15 @@ class UpstreamPool:
     def healthy(self) -> list[Upstream]:
         return [u for u in self.upstreams if u.healthy]
 
-    def pick(self, exclude: Sequence[Upstream] = ()) -> Upstream | None:
+    def pick(self, exclude: Sequence[Upstream] = (), prompt: str = "") -> Upstream | None:
         """The policy's choice among healthy instances not in `exclude` whose breaker lets a
-        request through; None if none is left. The chosen one's breaker counts the send."""
+        request through (`prompt`: the request's prompt text, for the prefix policy); None if
+        none is left. The chosen one's breaker counts the send."""
         now = self.clock()
         candidates = [u for u in self.healthy() if u not in exclude and u.breaker.allows(now)]
         if not candidates:
             return None
-        chosen = self.policy.choose(candidates)
+        chosen = self.policy.choose(candidates, prompt)
         chosen.breaker.on_send(now)
         return chosen
 
