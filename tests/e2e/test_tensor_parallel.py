@@ -1,7 +1,8 @@
 """Tensor parallelism with real rank processes: SmolLM2-135M (9 query heads, 3 KV heads) at TP 3.
 
 - The engine at TP 3 gives TP 1's greedy text for the reference prompts, also with chunked
-  prefill, prefix-cache hits and preemption (a small KV cache) in play.
+  prefill, prefix-cache hits and preemption (a small KV cache) in play; a rank of it killed
+  turns /health 503 and fails requests with an error, not a hang.
 - `kvbridge serve -tp 3` as a user runs it: the official client gets TP 1's answer; SIGTERM
   and Ctrl-C (SIGINT) leave no rank process behind; a rank killed with SIGKILL fails the
   engine cleanly (/health 503, then the server exits non-zero) and no rank is left.
@@ -51,21 +52,56 @@ def tp1_outputs(loaded):
     return prompts, [engine.generate([p], GREEDY)[0] for p in prompts]  # one at a time, nothing shared
 
 
-def test_tp3_greedy_text_equals_tp1_with_chunked_prefill_prefix_hits_and_preemption(loaded, tp1_outputs):
-    prompts, want = tp1_outputs
-    # 14 blocks of 16 for six requests of 20-60 tokens: they cannot all run at once (preemption);
-    # a 24-token step budget chunks every longer prompt; the shared prefix hits the cache.
-    config = EngineConfig(cache=CacheConfig(num_blocks=14), num_threads=2, tensor_parallel_size=3,
+# 14 blocks of 16 for six requests of 20-60 tokens: they cannot all run at once (preemption);
+# a 24-token step budget chunks every longer prompt; the shared prefix hits the cache.
+TP3_CONFIG = EngineConfig(cache=CacheConfig(num_blocks=14), num_threads=2, tensor_parallel_size=3,
                           scheduler=SchedulerConfig(max_num_batched_tokens=24))
-    engine = LLMEngine(config, loaded)
+
+
+class TP3Engine:
+    """The module's in-process TP 3 engine (one per process: torch.distributed has one default
+    group). Starting one spawns three rank processes (about 6 s), so the tests that leave it
+    working share it; a test that kills a rank `take()`s it and shuts it down itself, and the
+    next `get()` starts a new one, whatever the order the tests run in."""
+
+    def __init__(self, loaded) -> None:
+        self.loaded, self.engine = loaded, None
+
+    def get(self) -> LLMEngine:
+        if self.engine is None:
+            self.engine = LLMEngine(TP3_CONFIG, self.loaded)
+        return self.engine
+
+    def take(self) -> LLMEngine:
+        engine, self.engine = self.get(), None
+        return engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine, engine = None, self.engine
+            engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp3(loaded):
+    engines = TP3Engine(loaded)
+    yield engines
+    engines.close()
+
+
+def test_tp3_greedy_text_equals_tp1_with_chunked_prefill_prefix_hits_and_preemption(loaded, tp1_outputs, tp3):
+    prompts, want = tp1_outputs
+    engine = tp3.get()
     try:
+        before = engine.metrics()
         got = engine.generate(prompts, GREEDY)
         metrics = engine.metrics()
-    finally:
-        engine.shutdown()
+    except BaseException:
+        tp3.close()  # in an unknown state: the next test gets a new engine
+        raise
     for prompt, g, w in zip(prompts, got, want):
         assert g == w, (loaded.tokenizer.decode(prompt), loaded.tokenizer.decode(g), loaded.tokenizer.decode(w))
-    assert metrics.num_preemptions > 0 and metrics.prefix_cache_hits > 0
+    assert metrics.num_preemptions > before.num_preemptions and metrics.prefix_cache_hits > before.prefix_cache_hits
     assert metrics.num_free_blocks == metrics.num_total_blocks
 
 
@@ -75,9 +111,8 @@ def test_a_split_the_model_cannot_take_is_refused_at_start(loaded, tp):
         LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=16), tensor_parallel_size=tp), loaded)
 
 
-def test_a_dead_rank_makes_health_fail_and_requests_get_an_error_not_a_hang(loaded):
-    engine = AsyncEngine(LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=32), num_threads=2,
-                                                tensor_parallel_size=3), loaded))
+def test_a_dead_rank_makes_health_fail_and_requests_get_an_error_not_a_hang(tp3):
+    engine = AsyncEngine(tp3.take())  # a rank of it is killed: no later test gets this engine
     server = ThreadServer(build_app(engine))
     try:
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
