@@ -72,8 +72,22 @@ def procs(tmp_path_factory):
     stop_children([i.child for i in started], grace_s=10)
 
 
+def spawn_prefill(procs, name, port=None, sc_port=None) -> tuple[Instance, int]:
+    sc_port = sc_port or free_ports(1)[0]
+    p = procs(name, ["--kv-role", "producer", "--kv-backend", "nixl", "--kv-engine-id", "P",
+                     "--kv-side-channel-port", str(sc_port), "--kv-lease-seconds", "5"], port)
+    return p, sc_port
+
+
 @pytest.fixture(scope="module")
-def decoders(procs):
+def spare_prefills(procs) -> list[tuple[Instance, int]]:
+    """A fresh prefill for each test (each kills its own), started with the decoders: a server
+    spends its seconds of start-up on about one core, so started together they use both."""
+    return [spawn_prefill(procs, f"prefill-{i}") for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def decoders(procs, spare_prefills):
     d_re = procs("d-recompute", ["--kv-role", "consumer", "--kv-backend", "nixl", "--kv-engine-id", "D1",
                                  "--kv-handshake-timeout", "2"])
     d_fail = procs("d-fail", ["--kv-role", "consumer", "--kv-backend", "nixl", "--kv-engine-id", "D2",
@@ -83,10 +97,12 @@ def decoders(procs):
     return d_re, d_fail
 
 
-def start_prefill(procs, port=None, sc_port=None):
-    sc_port = sc_port or free_ports(1)[0]
-    p = procs("prefill", ["--kv-role", "producer", "--kv-backend", "nixl", "--kv-engine-id", "P",
-                          "--kv-side-channel-port", str(sc_port), "--kv-lease-seconds", "5"], port)
+def start_prefill(procs, spares, port=None, sc_port=None):
+    """A spare prefill not used yet, or (with the ports of one killed: a restart) a new one."""
+    if port is None and sc_port is None and spares:
+        p, sc_port = spares.pop(0)
+    else:
+        p, sc_port = spawn_prefill(procs, f"prefill-on-{port}", port, sc_port)
     p.wait_healthy()
     return p, sc_port
 
@@ -102,9 +118,9 @@ def decode(d: Instance, params: dict) -> httpx.Response:
     return httpx.post(d.url + "/v1/completions", json={**BODY, "kv_transfer_params": params}, timeout=60)
 
 
-def test_killed_prefill_and_wrong_port_follow_each_policy(procs, decoders, want):
+def test_killed_prefill_and_wrong_port_follow_each_policy(procs, decoders, spare_prefills, want):
     d_re, d_fail = decoders
-    p, _ = start_prefill(procs)
+    p, _ = start_prefill(procs, spare_prefills)
     params = prefill(p)
     assert decode(d_re, params).json()["choices"][0]["text"] == want  # a clean transfer first
 
@@ -128,14 +144,14 @@ def test_killed_prefill_and_wrong_port_follow_each_policy(procs, decoders, want)
         assert d.metric("kvbridge_kv_cache_free_blocks") == d.metric("kvbridge_kv_cache_total_blocks")
 
 
-def test_prefill_restarted_under_the_same_address(procs, decoders, want):
+def test_prefill_restarted_under_the_same_address(procs, decoders, spare_prefills, want):
     d_re, _ = decoders
-    p, sc_port = start_prefill(procs)
+    p, sc_port = start_prefill(procs, spare_prefills)
     assert decode(d_re, prefill(p)).json()["choices"][0]["text"] == want  # D handshakes with P
     port = p.port
     p.child.popen.kill()
     p.child.popen.wait()
-    p2, _ = start_prefill(procs, port=port, sc_port=sc_port)  # same engine id, same ports
+    p2, _ = start_prefill(procs, spare_prefills, port=port, sc_port=sc_port)  # same engine id, same ports
     before = d_re.metric("kvbridge_kv_failed_transfers_total")
     assert decode(d_re, prefill(p2)).json()["choices"][0]["text"] == want
     assert d_re.metric("kvbridge_kv_failed_transfers_total") == before  # re-handshook, no failure
