@@ -31,6 +31,14 @@ def join_gloo(rank: int, world: int, store: str) -> AllReduce:
     return all_reduce
 
 
+def leave_gloo() -> None:
+    """Leave the group: a barrier first, so no rank exits while a peer still receives the last
+    collective's data from it (gloo aborts that peer: "terminate called without an active
+    exception", a SIGABRT seen once in CI in test_tp_parity's TP 4 run)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def load_folder(folder: Path, tp: int = 1, rank: int = 0,
                 all_reduce: AllReduce | None = None) -> tuple[ModelArchConfig, CausalLM, RankShard | None]:
     """The folder's architecture and model (rank `rank` of `tp`'s shard), weights loaded."""

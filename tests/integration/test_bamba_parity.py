@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
@@ -28,7 +27,7 @@ from kvbridge.engine.layers.mamba2 import Mamba2Metadata
 from kvbridge.engine.models import CausalLM
 from kvbridge.engine.models.config import ModelArchConfig
 from tests.integration.test_tp_parity import scenario
-from tests.tp_ranks import join_gloo, load_folder
+from tests.tp_ranks import join_gloo, leave_gloo, load_folder
 from tests.unit.test_model_parity import ATOL, VOCAB
 
 KERNEL_BLOCK = 2
@@ -121,7 +120,7 @@ def _rank(rank: int, world: int, store: str, folder: str, out: str) -> None:
     result = scenario(HybridSteps(model, arch, kv_heads=shard.num_kv_heads, tp=world, rank=rank))
     if rank == 0:
         torch.save(result, out)
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 def test_tp2_split_mamba_heads_and_attention_compute_the_unsplit_logits(folder: Path, tmp_path: Path) -> None:

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
 from kvbridge.engine.models.deepseek import deinterleave_rows
 from tests.integration.test_tp_parity import scenario
-from tests.tp_ranks import join_gloo, load_folder
+from tests.tp_ranks import join_gloo, leave_gloo, load_folder
 from tests.unit.test_model_parity import ATOL, VOCAB, PagedSteps, prompt
 
 _YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
@@ -102,7 +101,7 @@ def _rank(rank: int, world: int, store: str, folders: dict[str, str], out: str) 
         results[variant] = scenario(PagedSteps(model, arch, num_kv_heads=1))
     if rank == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 def test_tp2_split_heads_and_experts_compute_the_unsplit_logits(folders, tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
@@ -24,7 +23,7 @@ from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.models import kv_cache_shape
 from tests.integration.test_tp_parity import scenario
-from tests.tp_ranks import join_gloo, load_folder
+from tests.tp_ranks import join_gloo, leave_gloo, load_folder
 from tests.unit.test_model_parity import ATOL, BLOCK_SIZE, VOCAB
 
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
@@ -120,7 +119,7 @@ def _rank(rank: int, world: int, store: str, folders: dict[str, str], out: str) 
         results[variant] = scenario(GroupedSteps(model, arch, num_kv_heads=shard.num_kv_heads))
     if rank == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 def test_tp2_sliding_models_compute_the_unsplit_logits(folders, tmp_path: Path) -> None:

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvbridge.engine.models import build_model
 from kvbridge.engine.tp import rank_shard
-from tests.tp_ranks import join_gloo
+from tests.tp_ranks import join_gloo, leave_gloo
 from tests.unit.test_model_parity import ATOL, HF_CONFIGS, PagedSteps, arch_from_hf, make_hf, prompt
 
 
@@ -51,7 +50,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         results[family.value] = scenario(PagedSteps(model, arch, num_kv_heads=shard.num_kv_heads))
     if rank == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,13 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from kvbridge.engine.layers.mamba2 import (Mamba2Config, Mamba2Metadata, Mamba2Mixer, mamba2_shard,  # noqa: E402
                                            mamba2_weight_slots)
 from kvbridge.engine.models.weights import load_slots  # noqa: E402
 from kvbridge.engine.tp import TPSplitError  # noqa: E402
-from tests.tp_ranks import join_gloo  # noqa: E402
+from tests.tp_ranks import join_gloo, leave_gloo  # noqa: E402
 
 ATOL = 1e-4
 PREFIX = "model.layers.0.mamba."
@@ -241,7 +240,7 @@ def _gloo_rank(rank: int, world: int, store: str, weights_file: str, out: str) -
         mixer = engine_mixer(config, weights, world, rank, all_reduce)
         results[name] = scenario(mixer) | {"norm_local": torch.tensor(mixer.norm_local)}
     torch.save(results, f"{out}.{rank}")
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 def test_tp2_gloo_ranks_compute_the_unsplit_outputs(cases, tmp_path: Path) -> None:
