@@ -26,9 +26,8 @@ from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata
 from kvbridge.engine.models import CausalLM
 from kvbridge.engine.models.config import ModelArchConfig
-from tests.integration.test_tp_parity import scenario
-from tests.tp_ranks import join_gloo, leave_gloo, load_folder
-from tests.unit.test_model_parity import ATOL, VOCAB
+from tests.paged_steps import ATOL, VOCAB
+from tests.tp_ranks import join_gloo, leave_gloo, load_folder, paged_scenario
 
 KERNEL_BLOCK = 2
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
@@ -40,7 +39,7 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
 class HybridSteps:
     """A minimal model runner over a hybrid layout: shuffled logical blocks for the attention
     group (expanded to kernel blocks), one block per Mamba group per sequence, one forward per
-    step of (seq -> new tokens); the same interface as test_model_parity.PagedSteps."""
+    step of (seq -> new tokens); the same interface as tests/paged_steps.PagedSteps."""
 
     def __init__(self, model: CausalLM, arch: ModelArchConfig, kv_heads: int, tp: int = 1, rank: int = 0,
                  num_blocks: int = 24) -> None:
@@ -109,7 +108,7 @@ def test_the_groups_and_ratios_are_the_ones_the_docstring_names(folder: Path) ->
 
 def test_prefill_chunks_and_decodes_over_hybrid_blocks_match_transformers(folder: Path) -> None:
     arch, model, _ = load_folder(folder)
-    got = scenario(HybridSteps(model, arch, kv_heads=2))
+    got = paged_scenario(HybridSteps(model, arch, kv_heads=2))
     for seq in ("a", "b"):
         torch.testing.assert_close(got[seq], reference(folder, got[f"{seq}_tokens"]), atol=ATOL, rtol=0)
 
@@ -117,7 +116,7 @@ def test_prefill_chunks_and_decodes_over_hybrid_blocks_match_transformers(folder
 def _rank(rank: int, world: int, store: str, folder: str, out: str) -> None:
     all_reduce = join_gloo(rank, world, store)
     arch, model, shard = load_folder(Path(folder), world, rank, all_reduce)
-    result = scenario(HybridSteps(model, arch, kv_heads=shard.num_kv_heads, tp=world, rank=rank))
+    result = paged_scenario(HybridSteps(model, arch, kv_heads=shard.num_kv_heads, tp=world, rank=rank))
     if rank == 0:
         torch.save(result, out)
     leave_gloo()

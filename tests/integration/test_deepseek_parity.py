@@ -21,9 +21,8 @@ import torch.multiprocessing as mp
 import transformers
 
 from kvbridge.engine.models.deepseek import deinterleave_rows
-from tests.integration.test_tp_parity import scenario
-from tests.tp_ranks import join_gloo, leave_gloo, load_folder
-from tests.unit.test_model_parity import ATOL, VOCAB, PagedSteps, prompt
+from tests.paged_steps import ATOL, VOCAB, PagedSteps, prompt
+from tests.tp_ranks import join_gloo, leave_gloo, load_folder, paged_scenario
 
 _YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
              mscale=0.707, mscale_all_dim=0.707)
@@ -75,7 +74,7 @@ def test_prefill_then_decode_over_blocks_matches_transformers(folders, variant: 
     arch, model, _ = load_folder(folders[variant])
     assert arch.use_mla and (arch.moe is not None) == ("moe" in variant)
     assert (arch.mla.q_lora_rank is not None) == ("qlora" in variant)
-    got = scenario(PagedSteps(model, arch))
+    got = paged_scenario(PagedSteps(model, arch))
     for seq in ("a", "b"):
         torch.testing.assert_close(got[seq], reference(folders[variant], got[f"{seq}_tokens"]), atol=ATOL, rtol=0)
 
@@ -98,7 +97,7 @@ def _rank(rank: int, world: int, store: str, folders: dict[str, str], out: str) 
     for variant, folder in folders.items():
         arch, model, _ = load_folder(Path(folder), world, rank, all_reduce)
         # Every rank caches the whole latent: one replicated "KV head".
-        results[variant] = scenario(PagedSteps(model, arch, num_kv_heads=1))
+        results[variant] = paged_scenario(PagedSteps(model, arch, num_kv_heads=1))
     if rank == 0:
         torch.save(results, out)
     leave_gloo()
@@ -111,7 +110,7 @@ def test_tp2_split_heads_and_experts_compute_the_unsplit_logits(folders, tmp_pat
     got = torch.load(out)
     for variant, folder in folders.items():
         arch, model, _ = load_folder(folder)
-        whole = scenario(PagedSteps(model, arch))
+        whole = paged_scenario(PagedSteps(model, arch))
         for seq in ("a", "b"):
             assert torch.equal(got[variant][f"{seq}_tokens"], whole[f"{seq}_tokens"])  # same greedy path
             torch.testing.assert_close(got[variant][seq], whole[seq], atol=ATOL, rtol=0)

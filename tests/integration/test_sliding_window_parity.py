@@ -22,9 +22,8 @@ import transformers
 from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.models import kv_cache_shape
-from tests.integration.test_tp_parity import scenario
-from tests.tp_ranks import join_gloo, leave_gloo, load_folder
-from tests.unit.test_model_parity import ATOL, BLOCK_SIZE, VOCAB
+from tests.paged_steps import ATOL, BLOCK_SIZE, VOCAB
+from tests.tp_ranks import join_gloo, leave_gloo, load_folder, paged_scenario
 
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
@@ -40,7 +39,7 @@ GROUPS = {"qwen2_full_then_sliding": 4, "qwen3_alternating": 2, "mistral_all_sli
 
 
 class GroupedSteps:
-    """PagedSteps (tests/unit/test_model_parity.py) with one shuffled block table per KV cache group."""
+    """PagedSteps (tests/paged_steps.py) with one shuffled block table per KV cache group."""
 
     def __init__(self, model, arch, num_kv_heads: int | None = None, num_blocks: int = 96, seed: int = 0) -> None:
         self.model, self.groups = model, layer_groups(arch)
@@ -102,7 +101,7 @@ def reference(folder: Path, tokens: torch.Tensor, sliding: bool = True) -> torch
 def test_sliding_layers_match_transformers_past_the_window(folders, variant: str) -> None:
     arch, model, _ = load_folder(folders[variant])
     assert len(layer_groups(arch)) == GROUPS[variant] and "sliding_attention" in arch.layer_types
-    got = scenario(GroupedSteps(model, arch))
+    got = paged_scenario(GroupedSteps(model, arch))
     for seq in ("a", "b"):
         tokens = got[f"{seq}_tokens"]
         assert len(tokens) > arch.sliding_window + BLOCK_SIZE
@@ -116,7 +115,7 @@ def _rank(rank: int, world: int, store: str, folders: dict[str, str], out: str) 
     results = {}
     for variant, folder in folders.items():
         arch, model, shard = load_folder(Path(folder), world, rank, all_reduce)
-        results[variant] = scenario(GroupedSteps(model, arch, num_kv_heads=shard.num_kv_heads))
+        results[variant] = paged_scenario(GroupedSteps(model, arch, num_kv_heads=shard.num_kv_heads))
     if rank == 0:
         torch.save(results, out)
     leave_gloo()
@@ -129,7 +128,7 @@ def test_tp2_sliding_models_compute_the_unsplit_logits(folders, tmp_path: Path) 
     got = torch.load(out)
     for variant, folder in folders.items():
         arch, model, _ = load_folder(folder)
-        whole = scenario(GroupedSteps(model, arch))
+        whole = paged_scenario(GroupedSteps(model, arch))
         for seq in ("a", "b"):
             assert torch.equal(got[variant][f"{seq}_tokens"], whole[f"{seq}_tokens"])
             torch.testing.assert_close(got[variant][seq], whole[seq], atol=ATOL, rtol=0)

@@ -17,58 +17,34 @@ import torch
 import torch.multiprocessing as mp
 
 from kvbridge.engine.models import build_model
-from kvbridge.engine.tp import rank_shard
-from tests.tp_ranks import join_gloo, leave_gloo
-from tests.unit.test_model_parity import ATOL, HF_CONFIGS, PagedSteps, arch_from_hf, make_hf, prompt
-
-
-def scenario(steps: PagedSteps) -> dict[str, torch.Tensor]:
-    """Per sequence, the logits of every token it computed, across mixed steps."""
-    rows: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
-
-    def run(new: dict[str, list[int]]) -> None:
-        for seq, logits in steps.step(new).items():
-            rows[seq].append(logits)
-    run({"a": prompt(13, seed=1)})  # whole prefill
-    run({"a": [int(rows["a"][-1][-1].argmax())], "b": prompt(6, seed=2)})  # decode + first chunk
-    run({"b": prompt(5, seed=3)})  # the rest of b's prompt (a chunk after context)
-    for _ in range(3):  # batched decode at different context lengths
-        run({seq: [int(rows[seq][-1][-1].argmax())] for seq in ("a", "b")})
-    return {seq: torch.cat(r) for seq, r in rows.items()} | {
-        f"{seq}_tokens": torch.tensor(steps.tokens[seq]) for seq in ("a", "b")}
-
-
-def _rank(rank: int, world: int, store: str, out: str) -> None:
-    all_reduce = join_gloo(rank, world, store)
-    results = {}
-    for family in HF_CONFIGS:
-        hf = make_hf(family)  # seeded: the same weights on every rank and in the test
-        arch = arch_from_hf(family, hf.config)
-        shard = rank_shard(arch.num_heads, arch.num_kv_heads, world, rank)
-        model = build_model(arch, torch.float32, "cpu", shard, all_reduce)
-        model.load_weights(dict(hf.state_dict()))
-        results[family.value] = scenario(PagedSteps(model, arch, num_kv_heads=shard.num_kv_heads))
-    if rank == 0:
-        torch.save(results, out)
-    leave_gloo()
+from tests.paged_steps import ATOL, PagedSteps
+from tests.tp_ranks import paged_scenario, scenario_rank
+from tests.unit.test_model_parity import HF_CONFIGS, arch_from_hf, make_hf
 
 
 @pytest.fixture(scope="module")
-def unsplit() -> dict[str, tuple[dict[str, torch.Tensor], object]]:
-    out = {}
+def models(tmp_path_factory) -> tuple[Path, dict[str, tuple[dict[str, torch.Tensor], object]]]:
+    """Every family's architecture and weights saved for the ranks (which then need not import
+    transformers), and per family the unsplit model's scenario logits and the HF model."""
+    saved, out = {}, {}
     for family in HF_CONFIGS:
-        hf = make_hf(family)
+        hf = make_hf(family)  # seeded: the same weights as the ranks load
         arch = arch_from_hf(family, hf.config)
+        weights = {k: v.clone() for k, v in hf.state_dict().items()}
+        saved[family.value] = (arch, weights)
         model = build_model(arch, torch.float32, "cpu")
-        model.load_weights(dict(hf.state_dict()))
-        out[family.value] = (scenario(PagedSteps(model, arch)), hf)
-    return out
+        model.load_weights(dict(weights))
+        out[family.value] = (paged_scenario(PagedSteps(model, arch)), hf)
+    path = tmp_path_factory.mktemp("tp-parity") / "models.pt"
+    torch.save(saved, path)
+    return path, out
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_split_models_compute_the_logits_of_the_whole_model_and_of_transformers(tp, unsplit, tmp_path: Path):
+def test_split_models_compute_the_logits_of_the_whole_model_and_of_transformers(tp, models, tmp_path: Path):
+    saved, unsplit = models
     out = tmp_path / "logits.pt"
-    mp.spawn(_rank, args=(tp, str(tmp_path / "store"), str(out)), nprocs=tp, join=True)
+    mp.spawn(scenario_rank, args=(tp, str(tmp_path / "store"), str(saved), str(out)), nprocs=tp, join=True)
     got = torch.load(out)
     for family, (whole, hf) in unsplit.items():
         for seq in ("a", "b"):

@@ -21,13 +21,11 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from kvbridge.engine.layers.attention import AttentionMetadata  # noqa: E402
-from kvbridge.engine.models import CausalLM, build_model, kv_cache_shape  # noqa: E402
+from kvbridge.engine.models import CausalLM, build_model  # noqa: E402
 from kvbridge.engine.models.config import ModelArchConfig, ModelFamily  # noqa: E402
 from kvbridge.engine.models.llama import LlamaForCausalLM  # noqa: E402
+from tests.paged_steps import ATOL, BLOCK_SIZE, VOCAB, PagedSteps, prompt  # noqa: E402
 
-VOCAB = 96
-BLOCK_SIZE = 4
-ATOL = 1e-4
 
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -87,43 +85,6 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     ours = build_model(arch, torch.float32, torch.device("cpu"))
     ours.load_weights(dict(hf.state_dict()))
     return Pair(hf, ours, arch)
-
-
-class PagedSteps:
-    """A minimal model runner: hands out shuffled blocks and runs steps of (seq -> new tokens)."""
-
-    def __init__(self, model: CausalLM, arch: ModelArchConfig, num_blocks: int = 48, seed: int = 0,
-                 num_kv_heads: int | None = None) -> None:
-        self.model = model
-        self.kv_cache = torch.zeros(kv_cache_shape(arch, num_blocks, BLOCK_SIZE, num_kv_heads))
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.tables: dict[str, list[int]] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.last_attn: AttentionMetadata | None = None
-
-    def step(self, new_tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """Computes every sequence's new tokens in one forward; returns their logits per sequence."""
-        query_lens, context_lens, tables, ids, positions = [], [], [], [], []
-        for seq, toks in new_tokens.items():
-            done = len(self.tokens.setdefault(seq, []))
-            table = self.tables.setdefault(seq, [])
-            while len(table) * BLOCK_SIZE < done + len(toks):
-                table.append(self.free.pop())
-            self.tokens[seq].extend(toks)
-            query_lens.append(len(toks))
-            context_lens.append(done + len(toks))
-            tables.append(table)
-            ids.extend(toks)
-            positions.extend(range(done, done + len(toks)))
-        attn = self.last_attn = AttentionMetadata.build(query_lens, context_lens, tables, BLOCK_SIZE, "cpu")
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), attn, self.kv_cache)
-        logits = self.model.compute_logits(hidden)
-        bounds = attn.query_start_loc
-        return {seq: logits[bounds[i]:bounds[i + 1]] for i, seq in enumerate(new_tokens)}
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def greedy(logits: torch.Tensor) -> list[int]:
