@@ -73,6 +73,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="how long a prefill instance holds KV for a reader that never comes (default: %(default)s)")
     kv.add_argument("--kv-handshake-timeout", type=float, default=5.0,
                     help="seconds a decode instance waits for a prefill instance's handshake (default: %(default)s)")
+    kv.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                    help="seconds a decode instance lets one KV read run (a cut link, a hung prefill instance) "
+                         "before it fails the load and follows --kv-load-failure-policy (default: %(default)s)")
     kv.add_argument("--kv-load-failure-policy", choices=["recompute", "fail", "auto"], default="recompute",
                     help="when KV does not arrive: recompute the prompt, fail the request, or recompute "
                          "up to --kv-load-failure-recompute-max-tokens (default: %(default)s)")
@@ -111,6 +114,7 @@ def engine_config_from_args(a: argparse.Namespace):
             side_channel_host=a.kv_side_channel_host or getattr(a, "host", None) or "127.0.0.1",
             advertise_host=a.kv_advertise_host, side_channel_port=a.kv_side_channel_port,
             lease_seconds=a.kv_lease_seconds, handshake_timeout_s=a.kv_handshake_timeout,
+            transfer_timeout_s=a.kv_transfer_timeout,
             load_failure_policy=LoadFailurePolicy(a.kv_load_failure_policy),
             recompute_max_tokens=a.kv_load_failure_recompute_max_tokens,
             trusted_hosts=tuple(h for h in a.kv_trusted_hosts.split(",") if h),
@@ -140,10 +144,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = _checked_engine_config(a)
     if config is None:
         return 2
-    kv = config.kv_transfer
-    if kv is not None and kv.backend == "nixl":  # before any NIXL agent (or TP rank) starts: UCX reads it once
-        from kvbridge.kv_transfer.net import apply_ucx_net_devices
-        apply_ucx_net_devices(os.environ, kv.public_host)
     return run_server(config, a.host, a.port, a.api_key, log_level=a.log_level)
 
 

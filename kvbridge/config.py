@@ -69,6 +69,9 @@ class KVTransferConfig:
     side_channel_port: int = 0  # 0: chosen by the OS
     lease_seconds: float = 30.0
     handshake_timeout_s: float = 5.0
+    # A KV read still in progress this long after it started fails (policy applies); the peer's
+    # transfer agent is dropped first so nothing lands later (rank_agent.py).
+    transfer_timeout_s: float = 30.0
     load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
     recompute_max_tokens: int = 2048  # for policy AUTO
     trusted_hosts: tuple[str, ...] = ()  # empty: only this host's addresses
@@ -83,6 +86,8 @@ class KVTransferConfig:
             raise ValueError("lease_seconds must be positive")
         if self.handshake_timeout_s <= 0:
             raise ValueError("handshake_timeout_s must be positive")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError("transfer_timeout_s must be positive")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
         if is_unspecified(self.advertise_host):

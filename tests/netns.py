@@ -35,8 +35,8 @@ class NetnsError(RuntimeError):
 
 def require_iproute2() -> None:
     """Raise NetnsError unless `ip` exists and this process is root (CI: both are true)."""
-    if shutil.which("ip") is None or shutil.which("nsenter") is None:
-        raise NetnsError("iproute2 is missing: the multi-host tests need `ip` and `nsenter` (apt-get install iproute2 util-linux)")
+    if any(shutil.which(tool) is None for tool in ("ip", "tc", "nsenter")):
+        raise NetnsError("iproute2 is missing: the multi-host tests need `ip`, `tc` and `nsenter` (apt-get install iproute2 util-linux)")
     if os.geteuid() != 0:
         raise NetnsError("the multi-host tests make network namespaces and must run as root")
 
@@ -70,6 +70,19 @@ class Host:
     def tx_bytes(self) -> int:
         """Bytes this host's veth sent (its bridge end's rx counter)."""
         return int(Path(f"/sys/class/net/{self.bridge_port}/statistics/rx_bytes").read_text())
+
+    def shape(self, rate: str) -> None:
+        """Limit what this host sends to `rate` ("80mbit"): a token bucket (tc tbf) on its veth."""
+        run = subprocess.run(self.argv(["tc", "qdisc", "replace", "dev", self.veth, "root", "tbf", "rate", rate,
+                                        "burst", "64kb", "latency", "100ms"]),
+                             capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+        if run.returncode != 0:
+            raise NetnsError(f"tc on {self.netns}: {run.stderr.strip()}")
+
+    def unshape(self) -> None:
+        """Remove shape()'s limit (nothing if none)."""
+        subprocess.run(self.argv(["tc", "qdisc", "del", "dev", self.veth, "root"]), capture_output=True,
+                       timeout=_IP_TIMEOUT_S)
 
     def set_link(self, up: bool) -> None:
         """Cut (or restore) this host's link: its veth inside the namespace goes down (or up)."""
@@ -139,7 +152,11 @@ class NetnsLan:
         first: a namespace a process still runs in outlives `ip netns del`."""
         errors = []
         for netns in reversed(self._made_netns):
+            host = next(h for h in self.hosts.values() if h.netns == netns)
             try:
+                # The pair first: with the namespace alone its veth goes only once the kernel
+                # has finished with the namespace, after `ip netns del` returned.
+                ip("link", "del", host.bridge_port, check=False)
                 ip("netns", "del", netns)
             except (NetnsError, subprocess.TimeoutExpired) as exc:
                 errors.append(str(exc))
