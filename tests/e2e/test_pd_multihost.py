@@ -40,7 +40,8 @@ from tests.netns import Host, NetnsLan
 
 MODEL = "SmolLM2-135M-Instruct"
 PORT = 8000  # every host has its own port space
-LEASE_S, TRANSFER_TIMEOUT_S = 4.0, 3.0
+# P's lease: short, so the fault test sees it expire soon, yet far above a request's P-to-D gap.
+LEASE_S, TRANSFER_TIMEOUT_S = 8.0, 3.0
 WAIT_S = 60.0
 # About 270 tokens: its KV read (46 KB a token) lasts about a second at the fault test's link rate.
 FAULT_PROMPT = " ".join([LONG] * 6)
@@ -229,7 +230,7 @@ def test_link_cut_mid_read_follows_the_policy_and_the_lease_frees_p(deployment, 
     (P's HTTP answer and side-channel frames are a few KB), so the read
     is then in progress, which the counters confirm afterwards (no read completed, one timed out).
     D's read stalls, fails at --kv-transfer-timeout (3 s), and D recomputes (policy recompute): the
-    answer is the colocated one. D's release cannot reach P, so P's lease (4 s) frees its blocks.
+    answer is the colocated one. D's release cannot reach P, so P's lease (8 s) frees its blocks.
     With the link up again the next request is read from P as usual."""
     p = lan["p"]
     assert deployment.complete(SHORT) == reference(SHORT)  # handshake done: the fault hits the read
