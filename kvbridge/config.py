@@ -64,7 +64,7 @@ class KVTransferConfig:
     engine_id: str = ""
     side_channel_host: str = "127.0.0.1"  # where P's side channel and the tcp backend listen
     # The address P names in kv_transfer_params (D connects to it); "": side_channel_host.
-    # Required when side_channel_host is 0.0.0.0 or ::, which no peer can connect to.
+    # Required of a producer whose side_channel_host is 0.0.0.0 or ::, which no peer can connect to.
     advertise_host: str = ""
     side_channel_port: int = 0  # 0: chosen by the OS
     lease_seconds: float = 30.0
@@ -92,12 +92,11 @@ class KVTransferConfig:
             raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
         if is_unspecified(self.advertise_host):
             raise ValueError(f"advertise host {self.advertise_host!r} is not an address a peer can connect to")
-        if is_unspecified(self.side_channel_host) and not self.advertise_host:
+        if is_unspecified(self.side_channel_host) and not self.advertise_host and self.role is not KVRole.CONSUMER:
             raise ValueError(f"the KV side channel binds {self.side_channel_host}: give the address peers "
                              "reach this instance at (--kv-advertise-host)")
         if self.side_channel_key is not None and not self.side_channel_key:
             raise ValueError("side_channel_key must be a non-empty string or None")
-
 
     @property
     def public_host(self) -> str:
