@@ -6,11 +6,12 @@ there), the other end enslaved to the bridge. The bridge itself holds the subnet
 address, so a test in the root namespace reaches every host over the bridge, like a client
 on the same LAN. Processes run inside a host with `ip netns exec` (`argv`).
 
-Needs root and iproute2 (`ip`); `require_iproute2` fails loudly otherwise: CI runs as root,
-so these tests never skip. Names carry this process's pid and a counter (interface names
-are at most 15 characters), and the subnet is one no route of this machine overlaps, so
-parallel runs on one machine do not collide. `close()` deletes every namespace (which
-deletes its veth pair) and the bridge; it is safe to call twice and after a failed start.
+Needs root, iproute2 (`ip`, `tc`) and util-linux's `nsenter`; `require_iproute2` fails loudly
+otherwise: CI runs as root, so these tests never skip. Every `ip` command runs in the namespace
+this module was imported in, whatever namespace the calling thread has entered. Names carry
+this process's pid and a counter (interface names are at most 15 characters), and the subnet
+is one no route of this machine overlaps, so parallel runs on one machine do not collide. `close()` deletes every veth pair, namespace and
+the bridge; it is safe to call twice and after a failed start.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ class NetnsError(RuntimeError):
 
 
 def require_iproute2() -> None:
-    """Raise NetnsError unless `ip` exists and this process is root (CI: both are true)."""
+    """Raise NetnsError unless `ip`, `tc` and `nsenter` exist and this process is root (CI: all true)."""
     if any(shutil.which(tool) is None for tool in ("ip", "tc", "nsenter")):
-        raise NetnsError("iproute2 is missing: the multi-host tests need `ip`, `tc` and `nsenter` (apt-get install iproute2 util-linux)")
+        raise NetnsError("iproute2 is missing: the multi-host tests need `ip`, `tc` and `nsenter` "
+                         "(apt-get install iproute2 util-linux)")
     if os.geteuid() != 0:
         raise NetnsError("the multi-host tests make network namespaces and must run as root")
 

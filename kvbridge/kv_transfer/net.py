@@ -3,7 +3,8 @@
 An instance binds its side channel (and the tcp backend's server) to one address; NIXL's
 UCX must open its lanes on the interface owning that address, or it may pick another
 interface (a management network, a NAT'd address) that the peer cannot reach.
-`interface_of` names that interface; `apply_ucx_net_devices` sets `UCX_NET_DEVICES` to it in an environment unless the user already did.
+`interface_of` names that interface; `apply_ucx_net_devices` sets `UCX_NET_DEVICES` to it in
+an environment unless the user already did.
 
 Linux only: IPv4 addresses come from the SIOCGIFADDR ioctl (each interface's primary
 address; a secondary address added with `ip addr add` is not seen: set UCX_NET_DEVICES

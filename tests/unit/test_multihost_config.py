@@ -41,7 +41,8 @@ def test_binding_every_interface_needs_an_advertised_address() -> None:
         KVTransferConfig(role=KVRole.PRODUCER, side_channel_host="0.0.0.0")
     with pytest.raises(ValueError, match="not an address"):
         KVTransferConfig(role=KVRole.PRODUCER, side_channel_host="10.0.0.1", advertise_host="0.0.0.0")
-    assert KVTransferConfig(role=KVRole.CONSUMER, side_channel_host="0.0.0.0").public_host == "0.0.0.0"  # no peer reads D
+    # A decode instance advertises nothing: no peer connects to it.
+    assert KVTransferConfig(role=KVRole.CONSUMER, side_channel_host="0.0.0.0").public_host == "0.0.0.0"
     kv = KVTransferConfig(role=KVRole.PRODUCER, side_channel_host="0.0.0.0", advertise_host="10.0.0.1")
     assert kv.public_host == "10.0.0.1"
     assert KVTransferConfig(role=KVRole.PRODUCER, side_channel_host="10.0.0.2").public_host == "10.0.0.2"
