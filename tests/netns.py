@@ -10,8 +10,9 @@ Needs root, iproute2 (`ip`, `tc`) and util-linux's `nsenter`; `require_iproute2`
 otherwise: CI runs as root, so these tests never skip. Every `ip` command runs in the namespace
 this module was imported in, whatever namespace the calling thread has entered. Names carry
 this process's pid and a counter (interface names are at most 15 characters), and the subnet
-is one no route of this machine overlaps, so parallel runs on one machine do not collide. `close()` deletes every veth pair, namespace and
-the bridge; it is safe to call twice and after a failed start.
+is one no route of this machine overlaps, so parallel runs on one machine do not collide.
+`close()` deletes every veth pair, namespace and the bridge; it is safe to call twice and
+after a failed start.
 """
 
 from __future__ import annotations
