@@ -120,7 +120,8 @@ class Deployment:
                         break
                 except httpx.HTTPError:
                     pass
-                assert time.monotonic() < deadline, f"{url} not healthy in {timeout_s}s"
+                assert time.monotonic() < deadline, f"{url} not healthy in {timeout_s}s:\n" + "\n".join(
+                    f"--- {c.name}:\n{c.tail(10)}" for c in self.children)
                 time.sleep(0.2)
 
     def wait_proxy_admits_all(self, timeout_s: float = WAIT_S) -> None:
