@@ -43,6 +43,12 @@ a request moves D TP x one copy, which the table's "copies" column checks):
 
     python benchmarks/pd_transfer.py --synthetic-mla --pairings 1:1 2:1 1:2 --backends nixl --reps 5
 
+Across hosts (issue 12): P in one network namespace, D and the raw reader in another, on a
+bridge; KV crosses the veth pair over UCX's tcp transport (UCX_TLS=tcp: between namespaces of
+one machine UCX would otherwise use shared memory), the raw target runs in P's namespace:
+
+    python benchmarks/pd_transfer.py --netns --reps 5
+
 KV bytes per token of published configs (MLA vs the Llama family), arithmetic only:
 
     python benchmarks/pd_transfer.py --kv-bytes-table
@@ -63,6 +69,7 @@ import json  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -81,6 +88,7 @@ from kvbridge.serving import cluster  # noqa: E402
 READY_TIMEOUT_S = 300.0
 BLOCK_SIZE = 16  # the servers' (kvbridge serve's default)
 REQUEST_TIMEOUT_S = 600.0  # an 8k-token prefill on a busy 2-core machine
+NETNS_ENV = "KVBRIDGE_BENCH_NETNS"  # --netns: set in the run inside D's namespace (NetnsHosts as JSON)
 RAW_READS = 3  # timed raw reads per repetition (their median), after RawPair.read_gbps's warm-up read
 METRICS = {"kvbridge_kv_transfer_duration_seconds": "sum", "kvbridge_kv_transfer_bytes": "total",
            "kvbridge_kv_transfer_descriptors": "total", "kvbridge_kv_transfers": "total"}
@@ -169,28 +177,73 @@ class RawSample:
     raw_descs_gbps: float | None  # raw with about the request's descriptor count (None: one descriptor)
 
 
+@dataclass(frozen=True)
+class NetnsHosts:
+    """--netns: P's namespace and both hosts' addresses and interfaces (this process runs in D's)."""
+
+    p_netns: str
+    p_addr: str
+    p_veth: str
+    d_addr: str
+    d_veth: str
+
+    @classmethod
+    def from_env(cls) -> NetnsHosts | None:
+        raw = os.environ.get(NETNS_ENV)
+        return cls(**json.loads(raw)) if raw else None
+
+    def p_prefix(self) -> list[str]:
+        """Runs a command in P's namespace, with UCX on P's interface."""
+        return ["ip", "netns", "exec", self.p_netns, "env", f"UCX_NET_DEVICES={self.p_veth}"]
+
+
+def run_in_namespaces(argv: list[str]) -> int:
+    """--netns: make P's and D's namespaces on a bridge (tests/netns.py), run this benchmark again
+    inside D's (its raw reader and D then read across the veth pair), remove them afterwards."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.netns import NetnsLan
+
+    with NetnsLan(("p", "d")) as lan:
+        p, d = lan["p"], lan["d"]
+        hosts = NetnsHosts(p.netns, p.addr, p.veth, d.addr, d.veth)
+        # UCX_TLS=tcp: between namespaces of ONE machine UCX would copy through shared memory
+        # (cross-memory attach) and no byte would cross the link; separate hosts have no such path.
+        env = {**os.environ, NETNS_ENV: json.dumps(asdict(hosts)), "UCX_TLS": "tcp", "UCX_NET_DEVICES": d.veth}
+        before = d.rx_bytes()
+        rc = subprocess.run(d.argv([sys.executable, os.path.abspath(__file__), *argv]), env=env).returncode
+        print(f"bytes D's veth received during the run: {d.rx_bytes() - before:,}")
+        return rc
+
+
 class PDPair:
     """One P and one D `kvbridge serve` process for one backend; stop() ends both by pid."""
 
     def __init__(self, backend: str, model: str, log_dir: Path, num_threads: int, kv_cache_gb: float,
-                 prefill_tp: int = 1, decode_tp: int = 1) -> None:
+                 prefill_tp: int = 1, decode_tp: int = 1, netns: NetnsHosts | None = None) -> None:
         self.backend, self.model = backend, model
         self.served = Path(model).name if Path(model).is_dir() else model  # the name `serve` gives a folder
         self.label = backend if (prefill_tp, decode_tp) == (1, 1) else f"{backend} P{prefill_tp}>D{decode_tp}"
         specs = cluster.plan_instances(1, 1, prefill_tp=prefill_tp, decode_tp=decode_tp)
-        env = cluster.child_env(os.environ, loopback_only=True, num_threads=num_threads)
+        env = cluster.child_env(os.environ, loopback_only=netns is None, num_threads=num_threads)
         extra = {"prefill": ["--kv-cache-memory-gb", str(kv_cache_gb), "--log-level", "warning"],
                  "decode": ["--kv-cache-memory-gb", str(kv_cache_gb), "--log-level", "warning",
                             "--no-prefix-caching"]}
+        hosts = {"prefill": "127.0.0.1", "decode": "127.0.0.1"}
+        prefix: dict[str, list[str]] = {"prefill": [], "decode": []}
+        if netns is not None:  # each serve derives UCX_NET_DEVICES from its --host
+            env.pop("UCX_NET_DEVICES", None)
+            hosts = {"prefill": netns.p_addr, "decode": netns.d_addr}
+            prefix["prefill"] = ["ip", "netns", "exec", netns.p_netns]
+            extra["decode"] += ["--kv-trusted-hosts", netns.p_addr]
         self.children: list[cluster.ChildProcess] = []
         self.urls: dict[str, str] = {}
         for spec in specs:
             kind = spec.name.split("-")[0]
-            argv = cluster.serve_command(cluster.DEFAULT_CLI, model, spec, host="127.0.0.1", kv_backend=backend,
+            argv = cluster.serve_command(cluster.DEFAULT_CLI, model, spec, host=hosts[kind], kv_backend=backend,
                                          num_threads=num_threads, extra_args=extra[kind])
-            self.children.append(cluster.spawn_child(f"{self.label.replace(' ', '-')}-{spec.name}", argv, env,
-                                                     log_dir))
-            self.urls[kind] = cluster.http_url("127.0.0.1", spec.port)
+            self.children.append(cluster.spawn_child(f"{self.label.replace(' ', '-')}-{spec.name}",
+                                                     [*prefix[kind], *argv], env, log_dir))
+            self.urls[kind] = cluster.http_url(hosts[kind], spec.port)
         self.http = httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False)
 
     def wait_healthy(self, deadline: float) -> None:
@@ -429,7 +482,12 @@ def main() -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per engine (8k tokens: 0.37 GB)")
     ap.add_argument("--json", type=Path, default=None, help="write samples and summary here")
     ap.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temp dir)")
+    ap.add_argument("--netns", action="store_true",
+                    help="P and D (and the raw pair) on two hosts: network namespaces on a bridge, the KV "
+                         "crossing a veth pair over UCX's tcp transport (needs root and iproute2)")
     args = ap.parse_args()
+    if args.netns and NetnsHosts.from_env() is None:
+        return run_in_namespaces(sys.argv[1:])
     if args.kv_bytes_table:
         print_kv_bytes_table(kv_bytes_table())
         return 0
@@ -457,13 +515,16 @@ def main() -> int:
         # then on (RawPair in raw_transfer.py; figures in benchmarks/README.md).
         # The largest request's read: an MLA request moves one latent copy per D rank.
         capacity = copy_bytes(arch, max(args.tokens)) * max(copies_read(arch, d) for _, d in tp_pairs)
-        raw_pairs = {b: raw_stack.enter_context(RawPair(b, capacity)) for b in args.backends}
+        netns = NetnsHosts.from_env()
+        raw_pairs = {b: raw_stack.enter_context(
+            RawPair(b, capacity, netns.p_prefix(), netns.p_addr) if netns else RawPair(b, capacity))
+            for b in args.backends}
         samples, raws = [], []
         for backend in args.backends:
             for p_tp, d_tp in tp_pairs:
                 # One pair of servers at a time: idle TP engines' processes still take a share of
                 # the two cores (a TP 1 pair measured 0.54 beside two TP 2 pairs, 1.03 alone).
-                pair = PDPair(backend, args.model, log_dir, args.threads, args.kv_cache_gb, p_tp, d_tp)
+                pair = PDPair(backend, args.model, log_dir, args.threads, args.kv_cache_gb, p_tp, d_tp, netns)
                 expect.update({(pair.label, n): (copy_bytes(arch, n), copies_read(arch, d_tp)) for n in args.tokens})
                 try:
                     pair.wait_healthy(time.monotonic() + READY_TIMEOUT_S)

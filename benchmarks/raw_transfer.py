@@ -21,10 +21,15 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import json
 import logging
 import multiprocessing as mp
+import select
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -38,11 +43,41 @@ POLL_READER_S = 20e-6  # pause between D's check_state calls (lets tcp's read th
 PATTERN = 251  # the target's bytes are i % 251: no power-of-two period for a misplaced read to hide in
 
 
-def _target_main(kind: str, nbytes: int, conn: Connection) -> None:
-    """The child process: P's agent serving ``nbytes`` of a known pattern."""
+class LineConn:
+    """multiprocessing.Connection's send/recv/poll over two pipe fds, one JSON value a line
+    (bytes as {"hex": ...}): how a target started with `ip netns exec` (another network
+    namespace, so not a multiprocessing child) talks to its reader."""
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self._r, self._w = os.fdopen(read_fd, "r"), os.fdopen(write_fd, "w")
+
+    def send(self, obj: object) -> None:
+        wire = [{"hex": x.hex()} if isinstance(x, bytes) else x for x in obj] if isinstance(obj, tuple) else obj
+        self._w.write(json.dumps(wire) + "\n")
+        self._w.flush()
+
+    def recv(self) -> object:
+        line = self._r.readline()
+        if not line:
+            raise EOFError("the peer closed its pipe")
+        value = json.loads(line)
+        if isinstance(value, list):
+            return tuple(bytes.fromhex(x["hex"]) if isinstance(x, dict) else x for x in value)
+        return value
+
+    def poll(self, timeout: float) -> bool:
+        return bool(select.select([self._r], [], [], timeout)[0])
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
+def _target_main(kind: str, nbytes: int, conn: Connection | LineConn, host: str | None = None) -> None:
+    """The child process: P's agent serving ``nbytes`` of a known pattern (tcp: listening on `host`)."""
     logging.getLogger("nixl").setLevel(logging.WARNING)
     src = np.tile(np.arange(PATTERN, dtype=np.uint8), nbytes // PATTERN + 1)[:nbytes].copy()
-    agent = create_backend(kind, "bench-P")
+    agent = create_backend(kind, "bench-P", **({"host": host} if host and kind == "tcp" else {}))
     agent.register_memory([MemoryRegion.of(src)])
     conn.send((agent.agent_metadata(), src.ctypes.data))
     try:
@@ -86,13 +121,21 @@ class RawPair:
     child by its pid.
     """
 
-    def __init__(self, backend: str, capacity: int) -> None:
+    def __init__(self, backend: str, capacity: int, target_prefix: Sequence[str] = (),
+                 target_host: str | None = None) -> None:
+        """`target_prefix` (e.g. ["ip", "netns", "exec", NS]): start the target through it, as a
+        plain process talking over pipes, instead of as a multiprocessing child (--netns: P's
+        network namespace); `target_host`: the tcp target's listening address."""
         self.backend, self.capacity = backend, capacity
-        ctx = mp.get_context("spawn")  # no forked UCX or threads
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_target_main, args=(backend, capacity, child), daemon=True)
-        self._proc.start()
         self._agent = None
+        if target_prefix:
+            self._proc = _PrefixedTarget(target_prefix, backend, capacity, target_host)
+            self._conn = self._proc.conn
+        else:
+            ctx = mp.get_context("spawn")  # no forked UCX or threads
+            self._conn, child = ctx.Pipe()
+            self._proc = ctx.Process(target=_target_main, args=(backend, capacity, child, target_host), daemon=True)
+            self._proc.start()
         try:
             if not self._conn.poll(CHILD_TIMEOUT_S):
                 raise RuntimeError(f"{backend} target process did not start")
@@ -144,6 +187,34 @@ class RawPair:
         self.close()
 
 
+class _PrefixedTarget:
+    """The target as `prefix + python raw_transfer.py --serve-target ...`, with the Process methods
+    RawPair uses (is_alive, join, terminate); its conn is a LineConn over two inherited pipes."""
+
+    def __init__(self, prefix: Sequence[str], backend: str, capacity: int, host: str | None) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        argv = [*prefix, sys.executable, os.path.abspath(__file__), "--serve-target", backend, str(capacity),
+                str(to_child_r), str(from_child_w), host or ""]
+        self.popen = subprocess.Popen(argv, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self.conn = LineConn(from_child_r, to_child_w)
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+        self.popen.wait()
+
+
 def raw_read_gbps(backend: str, nbytes: int, reps: int = 5, num_descs: int = 1) -> float:
     """Median GB/s of a raw READ of ``nbytes`` from a fresh peer process (``backend``:
     "nixl" or "tcp"), or of a numpy memcpy (``backend="memcpy"``). See RawPair."""
@@ -178,6 +249,10 @@ def _verify(dst: np.ndarray, nbytes: int, num_descs: int) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--serve-target"]:  # a target started by _PrefixedTarget
+        backend, capacity, read_fd, write_fd, host = sys.argv[2:7]
+        _target_main(backend, int(capacity), LineConn(int(read_fd), int(write_fd)), host or None)
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256, help="bytes per read, in MiB")
     ap.add_argument("--reps", type=int, default=5)

@@ -61,19 +61,31 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     # FakeFabric shared in one process, so tests and `kvbridge chaos` configure it in code.
     kv.add_argument("--kv-backend", choices=["nixl", "tcp"], default="nixl",
                     help="nixl: one-sided READs over UCX; tcp: a plain-socket fallback (default: %(default)s)")
-    kv.add_argument("--kv-side-channel-host", default="127.0.0.1",
-                    help="address a producer's side channel listens on (default: %(default)s)")
+    kv.add_argument("--kv-side-channel-host", default=None,
+                    help="address a producer's side channel and the tcp backend listen on; with the nixl "
+                         "backend UCX_NET_DEVICES is set to the interface holding it (or --kv-advertise-host) "
+                         "unless already set (default: --host)")
+    kv.add_argument("--kv-advertise-host", default="",
+                    help="address a producer names in kv_transfer_params, where decode instances reach its side "
+                         "channel and KV; required when the side channel binds 0.0.0.0 or :: "
+                         "(default: the side channel's address)")
     kv.add_argument("--kv-lease-seconds", type=float, default=30.0,
                     help="how long a prefill instance holds KV for a reader that never comes (default: %(default)s)")
     kv.add_argument("--kv-handshake-timeout", type=float, default=5.0,
                     help="seconds a decode instance waits for a prefill instance's handshake (default: %(default)s)")
+    kv.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                    help="seconds a decode instance lets one KV read run (a cut link, a hung prefill instance) "
+                         "before it fails the load and follows --kv-load-failure-policy (default: %(default)s)")
     kv.add_argument("--kv-load-failure-policy", choices=["recompute", "fail", "auto"], default="recompute",
                     help="when KV does not arrive: recompute the prompt, fail the request, or recompute "
                          "up to --kv-load-failure-recompute-max-tokens (default: %(default)s)")
     kv.add_argument("--kv-load-failure-recompute-max-tokens", type=int, default=2048,
                     help="the longest prompt policy auto recomputes (default: %(default)s)")
     kv.add_argument("--kv-trusted-hosts", default="",
-                    help="comma-separated prefill hosts a decode instance may read from (default: this host)")
+                    help="comma-separated prefill hosts a decode instance may contact: names (compared "
+                         "literally, never resolved), addresses and CIDR networks such as 10.0.1.0/24; "
+                         "kv_transfer_params naming any other host are refused with HTTP 400 before any "
+                         "connection is opened (default: this host's own addresses only)")
 
 
 def _add_instance_args(p: argparse.ArgumentParser) -> None:
@@ -99,8 +111,10 @@ def engine_config_from_args(a: argparse.Namespace):
     if a.kv_role:
         kv = KVTransferConfig(
             role=KVRole(a.kv_role), backend=a.kv_backend, engine_id=a.kv_engine_id,
-            side_channel_host=a.kv_side_channel_host, side_channel_port=a.kv_side_channel_port,
+            side_channel_host=a.kv_side_channel_host or getattr(a, "host", None) or "127.0.0.1",
+            advertise_host=a.kv_advertise_host, side_channel_port=a.kv_side_channel_port,
             lease_seconds=a.kv_lease_seconds, handshake_timeout_s=a.kv_handshake_timeout,
+            transfer_timeout_s=a.kv_transfer_timeout,
             load_failure_policy=LoadFailurePolicy(a.kv_load_failure_policy),
             recompute_max_tokens=a.kv_load_failure_recompute_max_tokens,
             trusted_hosts=tuple(h for h in a.kv_trusted_hosts.split(",") if h),
@@ -166,6 +180,11 @@ def cmd_up(a: argparse.Namespace) -> int:
         print("kvbridge up: error: give the model once, as MODEL or as --model", file=sys.stderr)
         return 2
     model = a.model_option or a.model
+    from kvbridge.kv_transfer.net import is_unspecified
+    if is_unspecified(a.host):
+        print(f"kvbridge up: error: --host {a.host} is no address the proxy and the instances can reach each "
+              "other at: give one address of this host (see README, multi-host recipe)", file=sys.stderr)
+        return 2
     num_threads = a.num_threads or threads_per_engine(a.num_prefill + a.num_decode)
     extra = [*forwarded_serve_args(a), *a.serve_args]
     # Parse an instance's command line as its `serve` will, so that bad options fail here (argparse
@@ -174,7 +193,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     key = ["--api-key", a.api_key] if a.api_key is not None else []
 
     def parse_instance(extra_args: list[str]) -> argparse.Namespace:
-        return build_parser().parse_args(serve_command((), model, probe, host="127.0.0.1", kv_backend=a.kv_backend,
+        return build_parser().parse_args(serve_command((), model, probe, host=a.host, kv_backend=a.kv_backend,
                                                        num_threads=num_threads, extra_args=[*key, *extra_args]))
     try:
         planned, child = parse_instance([]), parse_instance(extra)
@@ -190,7 +209,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             return 2
     if _checked_engine_config(child) is None:
         return 2
-    return run_cluster(model=model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port,
+    return run_cluster(model=model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port, host=a.host,
                        kv_backend=child.kv_backend, extra_serve_args=extra, num_threads=child.num_threads,
                        api_key=child.api_key, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp)
 
@@ -274,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--num-decode", type=_positive_int, default=1, help="decode instances (default: %(default)s)")
     cluster.add_argument("--port", type=int, default=8000,
                          help="the proxy's HTTP port; instances get free ports (default: %(default)s)")
+    cluster.add_argument("--host", default="127.0.0.1",
+                         help="the address of this host every process binds (HTTP, side channels, KV transfer); "
+                              "decode instances trust it as their prefill host, and UCX_NET_DEVICES is set to "
+                              "the interface holding it (default: %(default)s)")
     cluster.add_argument("--prefill-tp", type=_positive_int, default=1,
                          help="tensor parallel size of each prefill instance (default: %(default)s)")
     cluster.add_argument("--decode-tp", type=_positive_int, default=1,

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvbridge.kv_transfer.net import is_unspecified
+
 
 class KVRole(str, Enum):
     PRODUCER = "producer"  # a prefill instance: keeps finished requests' KV for remote decode
@@ -60,10 +62,16 @@ class KVTransferConfig:
     role: KVRole
     backend: str = "nixl"  # nixl | tcp | fake
     engine_id: str = ""
-    side_channel_host: str = "127.0.0.1"
+    side_channel_host: str = "127.0.0.1"  # where P's side channel and the tcp backend listen
+    # The address P names in kv_transfer_params (D connects to it); "": side_channel_host.
+    # Required of a producer whose side_channel_host is 0.0.0.0 or ::, which no peer can connect to.
+    advertise_host: str = ""
     side_channel_port: int = 0  # 0: chosen by the OS
     lease_seconds: float = 30.0
     handshake_timeout_s: float = 5.0
+    # A KV read still in progress this long after it started fails (policy applies); the peer's
+    # transfer agent is dropped first so nothing lands later (rank_agent.py).
+    transfer_timeout_s: float = 30.0
     load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
     recompute_max_tokens: int = 2048  # for policy AUTO
     trusted_hosts: tuple[str, ...] = ()  # empty: only this host's addresses
@@ -78,10 +86,30 @@ class KVTransferConfig:
             raise ValueError("lease_seconds must be positive")
         if self.handshake_timeout_s <= 0:
             raise ValueError("handshake_timeout_s must be positive")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError("transfer_timeout_s must be positive")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
+        if is_unspecified(self.advertise_host):
+            raise ValueError(f"advertise host {self.advertise_host!r} is not an address a peer can connect to")
+        if is_unspecified(self.side_channel_host) and not self.advertise_host and self.role is not KVRole.CONSUMER:
+            raise ValueError(f"the KV side channel binds {self.side_channel_host}: give the address peers "
+                             "reach this instance at (--kv-advertise-host)")
         if self.side_channel_key is not None and not self.side_channel_key:
             raise ValueError("side_channel_key must be a non-empty string or None")
+
+    @property
+    def public_host(self) -> str:
+        """The address peers are told: in kv_transfer_params and in the tcp backend's metadata."""
+        return self.advertise_host or self.side_channel_host
+
+    def backend_options(self) -> dict[str, str]:
+        """create_backend options of this instance's transfer agent(s): the tcp backend's server
+        listens on the side channel's address and names the public one (NIXL's UCX follows
+        UCX_NET_DEVICES, which `kvbridge serve` sets from the same address: kv_transfer/net.py)."""
+        if self.backend == "tcp":
+            return {"host": self.side_channel_host, "advertise_host": self.public_host}
+        return {}
 
 
 def default_num_threads() -> int:

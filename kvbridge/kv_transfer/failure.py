@@ -23,6 +23,7 @@ class FailureKind(str, enum.Enum):
     TRANSFER_SETUP = "transfer_setup"  # preparing or posting the read raised
     TRANSFER_STATE = "transfer_state"  # the backend reported the read as failed
     TRANSFER_POLL = "transfer_poll"  # polling the read raised
+    TRANSFER_TIMEOUT = "transfer_timeout"  # the read ran past --kv-transfer-timeout (a dead link, a hung peer)
     NOTIFICATION = "notification"  # a notification could not be sent
     PEER_DEATH = "peer_death"  # the peer went away mid-transfer
     STALE_LEASE = "stale_lease"  # P no longer holds the blocks (lease expired or foreign blocks)

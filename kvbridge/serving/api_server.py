@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import socket
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbridge.config import EngineConfig
+from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.serving import protocol as p
 from kvbridge.serving.async_engine import AsyncEngine, EngineState
@@ -222,6 +224,9 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kv = config.kv_transfer
+    if kv is not None and kv.backend == "nixl":  # before any NIXL agent (or TP rank) starts: UCX reads it once
+        apply_ucx_net_devices(os.environ, kv.public_host)
     engine = AsyncEngine.from_config(config)
     sock = bind_socket(host, port)
     server = _Server(uvicorn.Config(build_app(engine, api_key), log_level=log_level,

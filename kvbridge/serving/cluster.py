@@ -9,6 +9,8 @@ Contract with kvbridge/cli.py (the launcher builds these command lines):
   serve MODEL --host H --port P --kv-role producer|consumer --kv-backend B
         --kv-engine-id ID --kv-side-channel-port S --num-threads N [extra args]
   proxy --prefill URL... --decode URL... --host H --port P
+With --host other than loopback, each decode instance also gets --kv-trusted-hosts HOST
+(unless the extra args name trusted hosts) and UCX_NET_DEVICES names HOST's interface.
 Both must answer GET /health with 200 once ready, and exit on SIGTERM. An API key reaches
 both in KVBRIDGE_API_KEY.
 """
@@ -34,6 +36,7 @@ from typing import IO
 import httpx
 
 from kvbridge.config import KVRole
+from kvbridge.kv_transfer.net import apply_ucx_net_devices
 
 logger = logging.getLogger(__name__)
 
@@ -258,11 +261,17 @@ class LocalCluster:
         deadline = time.monotonic() + self.ready_timeout_s
         env = child_env(os.environ, loopback_only=self.host in LOOPBACK_HOSTS, num_threads=self.num_threads,
                         api_key=self.api_key)
+        if self.host not in LOOPBACK_HOSTS:
+            # Every peer is at self.host: UCX stays on its interface (kv_transfer/net.py), whatever
+            # the launcher's own environment says.
+            env.pop("UCX_NET_DEVICES", None)
+            apply_ucx_net_devices(env, self.host)
+            env.setdefault("UCX_MODULES", "^ib")
         try:
             specs = plan_instances(self.num_prefill, self.num_decode, self.host, self.prefill_tp, self.decode_tp)
             for spec in specs:
                 argv = serve_command(self.cli, self.model, spec, host=self.host, kv_backend=self.kv_backend,
-                                     num_threads=self.num_threads, extra_args=self.extra_serve_args)
+                                     num_threads=self.num_threads, extra_args=self._instance_args(spec))
                 self._spawn(spec.name, argv, env, http_url(self.host, spec.port))
             self.wait_healthy(deadline - time.monotonic())
             prefill = tuple(self._health_urls[s.name] for s in specs if s.role is KVRole.PRODUCER)
@@ -276,6 +285,16 @@ class LocalCluster:
             raise
         self._urls = ClusterUrls(http_url(self.host, proxy_port), prefill, decode)
         return self._urls
+
+    def _instance_args(self, spec: InstanceSpec) -> list[str]:
+        """The extra serve args, plus for a decode instance on another address than loopback its
+        prefill instances' address as its only trusted host (unless the args name trusted hosts):
+        a decode instance trusts only this host's own addresses by default."""
+        args = list(self.extra_serve_args)
+        if (spec.role is KVRole.CONSUMER and self.host not in LOOPBACK_HOSTS
+                and not any(a.startswith("--kv-trusted-hosts") for a in args)):
+            args += ["--kv-trusted-hosts", self.host]
+        return args
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], url: str) -> None:
         assert self.log_dir is not None

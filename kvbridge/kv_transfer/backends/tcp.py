@@ -183,8 +183,11 @@ class TcpBackend(TransferBackend):
     """One agent; its server starts in the constructor so the metadata has its port."""
 
     def __init__(self, agent_name: str, *, host: str = "127.0.0.1", port: int = 0,
-                 connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0) -> None:
+                 connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0, advertise_host: str = "") -> None:
+        """The server listens on `host`; its metadata names `advertise_host` (default: `host`),
+        the address peers connect to (required when `host` is 0.0.0.0 or ::)."""
         super().__init__(agent_name)
+        self._advertise_host = advertise_host
         self._connect_timeout_s, self._io_timeout_s = connect_timeout_s, io_timeout_s
         self._lock = threading.RLock()
         self._regions: list[tuple[MemoryRegion, memoryview]] = []  # with a view of each
@@ -208,7 +211,7 @@ class TcpBackend(TransferBackend):
     def agent_metadata(self) -> bytes:
         self._ensure_open()
         host, port = self.address
-        return encode_agent_metadata(self.agent_name, host, port)
+        return encode_agent_metadata(self.agent_name, self._advertise_host or host, port)
 
     def add_remote_agent(self, metadata: bytes) -> str:
         peer = decode_agent_metadata(metadata)

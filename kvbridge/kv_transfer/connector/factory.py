@@ -63,11 +63,11 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
             raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer backend")
     elif backend is None:
         from kvbridge.kv_transfer.backends import create_backend  # imports NIXL only when asked for
-        backend = create_backend(kv.backend, agent_name=engine_id)
+        backend = create_backend(kv.backend, agent_name=engine_id, **kv.backend_options())
     worker = KVBridgeWorkerConnector(
         kv, engine_id, backend, compatibility_of(config, arch, model_identity), leases, FailureHandler(stats),
         stats, side_channel, config.cache.enable_prefix_caching, kv_groups_of(config, arch))
-    sc_addr = (lambda: (side_channel.host, side_channel.port)) if side_channel else (lambda: ("", 0))
+    sc_addr = (lambda: (kv.public_host, side_channel.port)) if side_channel else (lambda: ("", 0))
     block_size = logical_block_size(arch, config.cache.block_size, config.tensor_parallel_size)
     scheduler = KVBridgeSchedulerConnector(kv, engine_id, block_size, leases, stats, sc_addr,
                                            group_kinds=[g.kind.value for g in layer_groups(arch)])

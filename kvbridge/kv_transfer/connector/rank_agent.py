@@ -14,6 +14,12 @@ result (the one gather):
                      until the control plane releases it, which it does only when every
                      read of the request has settled (seed 000's order)
 
+A read still in progress `read_timeout_s` after it started is abandoned: the agent of its peer
+is removed first (that closes the transport's endpoint, so the read can write nothing more into
+this rank's blocks, even once a cut link comes back; measured with NIXL/UCX over tcp), then the
+read settles as TRANSFER_TIMEOUT. Other reads from that peer then fail too, and the next read
+adds the peer's agent afresh.
+
 A rank whose KV others read (P) also drives its agent's progress in `poll()`
 (`get_new_notifs`): without a progress thread NIXL advances a read only inside the
 target's calls. Failures are data (`ReadResult` with a FailureKind); nothing raises into
@@ -23,6 +29,8 @@ the step.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbridge.kv_transfer.backends.base import MemoryRegion, TransferBackend, TransferState, XferHandle
@@ -88,8 +96,12 @@ class RankRegistration:
 class RankAgent:
     """One rank's transfer agent and reads. Called on the thread that steps this rank."""
 
-    def __init__(self, backend: TransferBackend, serves_reads: bool) -> None:
+    def __init__(self, backend: TransferBackend, serves_reads: bool, read_timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`read_timeout_s`: how long a read may stay in progress (None: forever)."""
         self.backend = backend
+        self.read_timeout_s, self._clock = read_timeout_s, clock
+        self._started: dict[str, tuple[float, str]] = {}  # live xfer id -> (start time, peer key)
         self.serves_reads = serves_reads  # P: others read this rank's KV; drive the agent's progress
         self.registration: RankRegistration | None = None
         self._device, self._device_id = "cpu", 0
@@ -141,6 +153,13 @@ class RankAgent:
             if state is TransferState.DONE:
                 self._reported.add(xfer_id)
                 self._settled.append(ReadResult(xfer_id, None))
+            elif state is TransferState.IN_PROGRESS and self._timed_out(xfer_id):
+                started, peer = self._started[xfer_id]
+                self._drop_peer(peer)  # before the handle is released: no byte may land later
+                self._reported.add(xfer_id)
+                self._settled.append(ReadResult(xfer_id, FailureKind.TRANSFER_TIMEOUT,
+                                                f"the read was still in progress after {self._clock() - started:.1f}s "
+                                                f"(limit {self.read_timeout_s}s)"))
             elif state is TransferState.ERROR:
                 self._reported.add(xfer_id)
                 self._settled.append(ReadResult(xfer_id, FailureKind.TRANSFER_STATE,
@@ -152,6 +171,11 @@ class RankAgent:
                 report.backend_error = f"get_new_notifs: {type(exc).__name__}: {exc}"
         report.settled, self._settled = self._settled, []
         return report
+
+    def _timed_out(self, xfer_id: str) -> bool:
+        started = self._started.get(xfer_id)
+        return self.read_timeout_s is not None and started is not None and \
+            self._clock() - started[0] > self.read_timeout_s
 
     @property
     def num_live_reads(self) -> int:
@@ -172,6 +196,7 @@ class RankAgent:
             self._settled.append(ReadResult(op.xfer_id, FailureKind.TRANSFER_SETUP, "duplicate transfer id"))
             return
         self._reads[op.xfer_id] = None
+        self._started[op.xfer_id] = (self._clock(), op.peer)
         try:
             agent = self._agent(op.peer, op.agent_metadata)
         except Exception as exc:
@@ -206,6 +231,7 @@ class RankAgent:
 
     def _release(self, xfer_id: str) -> None:
         self._reported.discard(xfer_id)
+        self._started.pop(xfer_id, None)
         handle = self._reads.pop(xfer_id, None)
         if handle is None:
             return

@@ -66,7 +66,8 @@ logger = logging.getLogger("kvbridge.kv_transfer")
 MAX_REMOTE_TP_SIZE = 256  # the most ranks D will shake hands with for one prefill engine
 # Failures after which D tells P to release: the read failed, but P's side channel answered
 # (so does any failure once P granted the read: a rank failing to add P's agent, too).
-_RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL})
+_RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL,
+                            FailureKind.TRANSFER_TIMEOUT})
 
 
 class _Phase(enum.Enum):
@@ -138,7 +139,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.config = config
         self.groups = groups  # the model's KV cache groups: how D pairs P's blocks with its own
         self.engine_id = engine_id
-        self.local_agent = RankAgent(backend, side_channel is not None) if backend is not None else None
+        self.local_agent = (RankAgent(backend, side_channel is not None, config.transfer_timeout_s)
+                            if backend is not None else None)
         self.compat = compat
         self.leases = leases
         self.failures = failures
@@ -413,7 +415,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
             first = failed[0]
             if first.result.kind is FailureKind.HANDSHAKE:  # a rank could not add P's agent
                 self.stats.record_handshake(0.0, "add_remote_agent")
-                self._drop_peer(recv.spec.remote)
+            if first.result.kind in (FailureKind.HANDSHAKE, FailureKind.TRANSFER_TIMEOUT):
+                self._drop_peer(recv.spec.remote)  # a timed-out rank removed P's agent: P may be gone
             self._fail(rid, recv, first.result.kind,
                        f"{first.result.cause} (D rank {first.local_rank} from P rank {first.remote_rank}; "
                        f"{len(failed)} of {len(recv.reads)} reads failed)")
