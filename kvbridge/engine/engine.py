@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 IDLE_SLEEP_S = 0.001  # a step that did nothing (e.g. only waiting for remote KV) yields the core
 
 
+def continued_tokens(kv_transfer_params) -> tuple[int, ...]:
+    """The tokens a remote prefill sampled that a D request continues from (its first output
+    tokens, already sent to the client); () when it starts from its prompt."""
+    return () if kv_transfer_params is None else kv_transfer_params.continued_tokens
+
+
 class EngineRequestError(ValueError):
     """The request cannot be served as asked (client error, HTTP 400)."""
 
@@ -150,9 +156,23 @@ class LLMEngine:
                 raise EngineRequestError(str(exc)) from None
         if not self.scheduler.can_admit():
             raise EngineOverloadedError("the server is overloaded: too many requests are waiting")
-        req = Request(request_id, list(prompt_token_ids), params, self._eos_ids, kv_transfer_params)
-        self.output_processor.add(request_id)
+        generated = continued_tokens(kv_transfer_params) if self.connectors is not None else ()
+        if generated:
+            self._validate_continued(generated, params)
+        req = Request(request_id, list(prompt_token_ids), params, self._eos_ids, kv_transfer_params,
+                      output_token_ids=list(generated))
+        self.output_processor.add(request_id, generated, params.stop)
         self.scheduler.add_request(req)
+
+    def _validate_continued(self, generated: tuple[int, ...], params: SamplingParams) -> None:
+        """A request that continues from a prefill instance's sampled tokens: they must be
+        token ids and leave at least one token to generate."""
+        vocab = self.arch.vocab_size
+        if any(not 0 <= t < vocab for t in generated):
+            raise EngineRequestError(f"kv_transfer_params.generated_token_ids must be in [0, {vocab})")
+        if len(generated) >= params.max_tokens:
+            raise EngineRequestError(f"kv_transfer_params.generated_token_ids holds {len(generated)} tokens: "
+                                     f"max_tokens ({params.max_tokens}) leaves none to generate")
 
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.finish_request(request_id, FinishReason.ABORT)

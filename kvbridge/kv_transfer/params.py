@@ -23,6 +23,15 @@ kvbridge adds two fields of its own:
                              logical block size per TP size (engine/kv_cache_layout.py), so
                              D counts P's block ids with P's size. Absent: D's own size.
 
+    generated_token_ids  list[int]  the tokens P sampled after the prompt (its one token
+                             of a do_remote_decode request; absent for models whose P
+                             computes only N-1 prompt tokens). Informational unless:
+    continue_generated  bool  D continues from generated_token_ids: they are its first
+                             output tokens, already sent to the client by the proxy (first
+                             token straight from prefill); D computes their KV and samples
+                             the next one. Only the kvbridge proxy sets it, so a router that
+                             forwards P's params unchanged gets the ordinary behaviour.
+
     lease_generation   int   identifies the lease P granted on these blocks. P bumps it
                              whenever a lease is created; a read or heartbeat naming a
                              generation P no longer holds (the lease expired and the
@@ -53,6 +62,7 @@ MAX_PORT = 65535
 MAX_TP_SIZE = 1 << 16
 MAX_NUM_TOKENS = 2**31 - 1
 MAX_LEASE_GENERATION = 2**63 - 1  # fits a signed 64-bit field on any peer
+MAX_GENERATED_TOKENS = 16  # P samples one token; a few more leave room, none need thousands
 MAX_ID_CHARS = 1024  # engine and request ids
 MAX_HOST_CHARS = 255
 _MAX_UNKNOWN_DEPTH = 32  # nesting kept in unknown_fields
@@ -71,7 +81,8 @@ _INT_FIELDS = {  # name -> (minimum, maximum)
 _REQUIRED_FOR_REMOTE_PREFILL = (
     "remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
 )
-KNOWN_FIELDS = frozenset((*_BOOL_FIELDS, *_STR_FIELDS, *_INT_FIELDS, "remote_block_ids"))
+KNOWN_FIELDS = frozenset((*_BOOL_FIELDS, *_STR_FIELDS, *_INT_FIELDS, "remote_block_ids", "generated_token_ids",
+                          "continue_generated"))
 
 
 class KVTransferParamsError(ValueError):
@@ -98,6 +109,8 @@ class KVTransferParams:
     remote_num_tokens: int | None = None
     remote_block_size: int | None = None
     lease_generation: int | None = None
+    generated_token_ids: tuple[int, ...] | None = None
+    continue_generated: bool = False
     # Opaque pass-through of keys this version does not know; excluded from hashing
     # because the values may be lists or objects.
     unknown_fields: Mapping[str, Any] = field(
@@ -113,6 +126,13 @@ class KVTransferParams:
             _check_int(name, getattr(self, name), low, high)
         if self.remote_block_ids is not None:
             _check_block_ids(self.remote_block_ids)
+        if self.generated_token_ids is not None:
+            _check_generated(self.generated_token_ids)
+        if not isinstance(self.continue_generated, bool):
+            raise KVTransferParamsError("kv_transfer_params.continue_generated must be a boolean")
+        if self.continue_generated and not (self.do_remote_prefill and self.generated_token_ids):
+            raise KVTransferParamsError("kv_transfer_params.continue_generated requires do_remote_prefill and "
+                                        "generated_token_ids")
         if self.do_remote_decode and self.do_remote_prefill:
             raise KVTransferParamsError(
                 "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true")
@@ -133,6 +153,13 @@ class KVTransferParams:
     def wants_remote_decode(self) -> bool:
         """P side: keep the KV after the request finishes, under a lease, for a remote reader."""
         return self.do_remote_decode
+
+    @property
+    def continued_tokens(self) -> tuple[int, ...]:
+        """D side: the tokens P sampled that this request continues from; () if none."""
+        if not self.continue_generated or not self.generated_token_ids:
+            return ()
+        return self.generated_token_ids
 
     @property
     def num_kv_groups(self) -> int:
@@ -175,6 +202,12 @@ def parse_kv_transfer_params(raw: object) -> KVTransferParams | None:
         known.setdefault(name, False)
     if "remote_block_ids" in known:
         known["remote_block_ids"] = _normalise_block_ids(known["remote_block_ids"])
+    if "generated_token_ids" in known:
+        ids = known["generated_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise KVTransferParamsError(
+                f"kv_transfer_params.generated_token_ids must be a list, got {_json_type(ids)}")
+        known["generated_token_ids"] = tuple(ids)
     return KVTransferParams(**known, unknown_fields=unknown)
 
 
@@ -195,6 +228,10 @@ def to_wire(params: KVTransferParams) -> dict[str, Any]:
         value = getattr(params, name)
         if value is not None:
             wire[name] = value
+    if params.generated_token_ids is not None:
+        wire["generated_token_ids"] = list(params.generated_token_ids)
+    if params.continue_generated:
+        wire["continue_generated"] = True
     return wire
 
 
@@ -238,6 +275,16 @@ def _check_block_ids(groups: object) -> None:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_block_ids: block id {block_id} out of range "
                     f"[0, {MAX_BLOCK_ID}]")
+
+
+def _check_generated(ids: object) -> None:
+    if not isinstance(ids, tuple) or not 1 <= len(ids) <= MAX_GENERATED_TOKENS:
+        raise KVTransferParamsError(
+            f"kv_transfer_params.generated_token_ids must list 1 to {MAX_GENERATED_TOKENS} token ids")
+    for token in ids:
+        if type(token) is not int or not 0 <= token <= MAX_BLOCK_ID:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.generated_token_ids must hold integers in [0, {MAX_BLOCK_ID}]")
 
 
 def _check_str(name: str, value: object) -> None:
