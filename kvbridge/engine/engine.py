@@ -226,6 +226,11 @@ class LLMEngine:
             stop = self.output_processor.detokenize(req)
             if stop is not None and not req.status.is_finished:
                 self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
+            elif stop is not None and req.finish_reason is FinishReason.LENGTH:
+                # The token that reached max_tokens also completed a stop string: the text ends
+                # at the stop string, so that is the reason (as vLLM checks stops before length;
+                # a prefill's one-token answer tells the proxy the request is over).
+                req.finish_reason = FinishReason.STOP
             lp = result.logprobs.get(req.request_id)
             outputs.append(self.output_processor.make_output(req, [lp] if lp is not None else None))
         if not sched.scheduled and not outputs and not self.transfers_in_flight():

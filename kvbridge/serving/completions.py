@@ -31,7 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedError, EngineRequestError
+from kvbridge.engine.engine import (DuplicateRequestIdError, EngineOverloadedError, EngineRequestError,
+                                    continued_tokens)
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
@@ -83,6 +84,9 @@ class _Job:
     params: SamplingParams
     response_id: str
     created: int
+    # Continues from tokens a prefill instance sampled, which the proxy streamed with the
+    # role chunk: the stream starts after them (engine.continued_tokens).
+    continues: bool = False
 
 
 class CompletionHandlers:
@@ -107,6 +111,7 @@ class CompletionHandlers:
             # Tokenising holds a thread for up to a second or two (a prompt near the byte
             # bound): never the event loop, which must keep answering /health and streams.
             job = await asyncio.to_thread(self._prepare, body, chat, request_id)
+            job.continues = self.engine.has_kv_connector and bool(continued_tokens(kv_params))
             stream = await self._admit(request_id, job, kv_params)
         except Exception as exc:  # the one guard around every pre-admission rejection
             error = as_api_error(exc, request_id)
@@ -248,7 +253,7 @@ class CompletionHandlers:
                       watcher: asyncio.Task[None]) -> AsyncIterator[str]:
         chunks = _ChunkMaker(job, self.engine)
         try:
-            if job.chat:
+            if job.chat and not job.continues:
                 yield chunks.delta(p.DeltaMessage(role="assistant", content=""))
             async for output in stream:
                 timer.on_output(output)

@@ -143,3 +143,14 @@ def test_params_without_continue_generated_are_an_ordinary_remote_prefill(loaded
     outs = decode(d, p, prompt, params, greedy)
     assert tokens(outs) == colocated.generate([prompt], greedy)[0]  # ...gets one engine's whole answer
     settle(p, d)
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_the_finish_reason(loaded, colocated):
+    """P answers one token: if that token completes a stop string, P's finish reason must say
+    so ("stop", not "length"), or the proxy would send the request on to D."""
+    prompt = prompt_of(loaded, PROMPTS[0])
+    first = colocated_run(colocated, prompt, SamplingParams(max_tokens=1, temperature=0))
+    text = "".join(o.new_text for o in first).strip()
+    assert text and first[-1].finish_reason.value == "length"
+    stopped = colocated_run(colocated, prompt, SamplingParams(max_tokens=1, temperature=0, stop=(text,)))
+    assert stopped[-1].finish_reason.value == "stop" and text not in "".join(o.new_text for o in stopped)
