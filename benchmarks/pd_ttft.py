@@ -13,8 +13,9 @@ both set-ups, and the other core serves HTTP, the proxies and the client):
   --prefill: the proxy forwards each request straight to it, same client and SSE path).
 Every engine gets the same serve options.
 
-Each repetition sends one fresh random prompt (1k tokens unless --tokens; so no prefix cache
-anywhere hits) to every set-up, one after the other, the order rotating per repetition. TTFT is
+Each repetition sends a fresh random prompt (1k tokens unless --tokens; one per set-up, since
+both P/D set-ups share P and D: no prefix cache anywhere hits) to every set-up, one after the
+other, the order rotating per repetition. TTFT is
 measured by the client: from sending a streaming /v1/completions request (greedy,
 max_tokens=2) to the first SSE chunk with non-empty text. The P/D rows also show,
 per request, P's answer time (the proxy's kvbridge_proxy_prefill_seconds), D's KV
@@ -204,17 +205,16 @@ def run(args: argparse.Namespace, setups: Setups) -> list[Sample]:
     samples: list[Sample] = []
     with tqdm(total=len(SETUPS) * (WARMUP + args.reps), desc="pd_ttft", unit="req", file=sys.stderr) as bar:
         for i in range(WARMUP):
-            prompt = make_prompt(args.tokens, rng)
             for setup in SETUPS:
                 bar.set_postfix_str(f"warm-up {setup}")
-                setups.ttft(setup, prompt)
+                setups.ttft(setup, make_prompt(args.tokens, rng))
                 bar.update()
         for rep in range(args.reps):
-            prompt = make_prompt(args.tokens, rng)  # fresh: a full prefill in both set-ups
             order = SETUPS[rep % 3:] + SETUPS[:rep % 3]  # each set-up first, second and last in turn
             for setup in order:
                 bar.set_postfix_str(f"rep {rep + 1} {setup}")
-                samples.append(setups.measure(setup, rep, prompt))
+                # Fresh for each set-up (both P/D set-ups share P and D): a full prefill everywhere.
+                samples.append(setups.measure(setup, rep, make_prompt(args.tokens, rng)))
                 bar.update()
     return samples
 

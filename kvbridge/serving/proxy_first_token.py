@@ -27,10 +27,12 @@ one engine's sequence), and D's usage counts the original prompt and P's token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
 from kvbridge.engine.output_processor import stop_holdback
+from kvbridge.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params, to_wire
 from kvbridge.serving import protocol as p
 
 CHAT_ROUTE = "/v1/chat/completions"
@@ -88,8 +90,11 @@ class Plan:
 
 def plan(body: dict, route: str, answer: bytes, params: dict) -> Plan | None:
     """None when P's answer offers no token to continue from (the ordinary path serves it)."""
-    generated = params.get("generated_token_ids")
-    if not isinstance(generated, list) or not generated:
+    try:
+        kv = parse_kv_transfer_params(params)
+    except KVTransferParamsError:
+        return None
+    if kv is None or not kv.do_remote_prefill or not kv.generated_token_ids:
         return None
     try:
         parsed = json.loads(answer)
@@ -108,7 +113,7 @@ def plan(body: dict, route: str, answer: bytes, params: dict) -> Plan | None:
     events = chunk.first(sent)
     if finished:
         events += chunk.finish(reason) + chunk.usage(usage) + DONE
-    return Plan(finished, events, {**params, "continue_generated": True})
+    return Plan(finished, events, to_wire(dataclasses.replace(kv, continue_generated=True)))
 
 
 class _Chunks:

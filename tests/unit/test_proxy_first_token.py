@@ -12,7 +12,9 @@ from kvbridge.serving.proxy_first_token import CHAT_ROUTE, eligible, plan, strea
 from tests.unit.test_proxy import pd_cluster
 
 COMPLETIONS = "/v1/completions"
-PARAMS = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "generated_token_ids": [17]}
+PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2],
+          "remote_engine_id": "p0", "remote_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 5601,
+          "tp_size": 1, "lease_generation": 3, "generated_token_ids": [17]}
 
 
 def p_answer(text: str, reason: str, chat: bool = False) -> bytes:
