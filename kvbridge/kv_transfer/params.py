@@ -25,12 +25,11 @@ kvbridge adds two fields of its own:
 
     generated_token_ids  list[int]  the tokens P sampled after the prompt (its one token
                              of a do_remote_decode request; absent for models whose P
-                             computes only N-1 prompt tokens). Informational unless:
-    continue_generated  bool  D continues from generated_token_ids: they are its first
-                             output tokens, already sent to the client by the proxy (first
-                             token straight from prefill); D computes their KV and samples
-                             the next one. Only the kvbridge proxy sets it, so a router that
-                             forwards P's params unchanged gets the ordinary behaviour.
+                             computes only N-1 prompt tokens). Informational: D never
+                             reads it. The kvbridge proxy sends them to D in the request's
+                             own `continue_from_token_ids` (first token straight from
+                             prefill), outside these params, so params swapped between
+                             requests never carry another request's token.
 
     lease_generation   int   identifies the lease P granted on these blocks. P bumps it
                              whenever a lease is created; a read or heartbeat naming a
@@ -81,8 +80,7 @@ _INT_FIELDS = {  # name -> (minimum, maximum)
 _REQUIRED_FOR_REMOTE_PREFILL = (
     "remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
 )
-KNOWN_FIELDS = frozenset((*_BOOL_FIELDS, *_STR_FIELDS, *_INT_FIELDS, "remote_block_ids", "generated_token_ids",
-                          "continue_generated"))
+KNOWN_FIELDS = frozenset((*_BOOL_FIELDS, *_STR_FIELDS, *_INT_FIELDS, "remote_block_ids", "generated_token_ids"))
 
 
 class KVTransferParamsError(ValueError):
@@ -110,7 +108,6 @@ class KVTransferParams:
     remote_block_size: int | None = None
     lease_generation: int | None = None
     generated_token_ids: tuple[int, ...] | None = None
-    continue_generated: bool = False
     # Opaque pass-through of keys this version does not know; excluded from hashing
     # because the values may be lists or objects.
     unknown_fields: Mapping[str, Any] = field(
@@ -128,11 +125,6 @@ class KVTransferParams:
             _check_block_ids(self.remote_block_ids)
         if self.generated_token_ids is not None:
             _check_generated(self.generated_token_ids)
-        if not isinstance(self.continue_generated, bool):
-            raise KVTransferParamsError("kv_transfer_params.continue_generated must be a boolean")
-        if self.continue_generated and not (self.do_remote_prefill and self.generated_token_ids):
-            raise KVTransferParamsError("kv_transfer_params.continue_generated requires do_remote_prefill and "
-                                        "generated_token_ids")
         if self.do_remote_decode and self.do_remote_prefill:
             raise KVTransferParamsError(
                 "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true")
@@ -153,13 +145,6 @@ class KVTransferParams:
     def wants_remote_decode(self) -> bool:
         """P side: keep the KV after the request finishes, under a lease, for a remote reader."""
         return self.do_remote_decode
-
-    @property
-    def continued_tokens(self) -> tuple[int, ...]:
-        """D side: the tokens P sampled that this request continues from; () if none."""
-        if not self.continue_generated or not self.generated_token_ids:
-            return ()
-        return self.generated_token_ids
 
     @property
     def num_kv_groups(self) -> int:
@@ -230,8 +215,6 @@ def to_wire(params: KVTransferParams) -> dict[str, Any]:
             wire[name] = value
     if params.generated_token_ids is not None:
         wire["generated_token_ids"] = list(params.generated_token_ids)
-    if params.continue_generated:
-        wire["continue_generated"] = True
     return wire
 
 

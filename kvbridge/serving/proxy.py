@@ -399,6 +399,7 @@ class PDProxy:
             body = parse_json_object(await request.body())
         except ValueError as exc:
             return openai_error(400, str(exc), "invalid_json", request_id)
+        body.pop(first_token.CONTINUE_FIELD, None)  # like kv_transfer_params: only the proxy sets it
         for pool in self.pools:
             if pool is self.prefill and self.retry.decode_only_fallback:
                 continue  # no healthy P: the decode-only fallback serves it
@@ -436,9 +437,9 @@ class PDProxy:
                 await asyncio.shield(self.release_on_prefill(upstream, params, headers, request_id))
                 return Response(plan.events, media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id})
             # A cancelled D call closes its connection, so D aborts and frees through its own path.
-            leg = (upstream, params) if plan is None else (upstream, plan.decode_params)
-            answer = await _unless(gone, self._decode(route, body, headers, request_id, leg,
-                                                      plan.events if plan is not None else b""))
+            answer = await _unless(gone, self._decode(
+                route, body if plan is None else plan.decode_body(body), headers, request_id, (upstream, params),
+                plan.events if plan is not None else b""))
             if plan is not None and isinstance(answer, _PassthroughStream):
                 self.metrics.first_token.labels("continued").inc()
             return answer if answer is not None else Response(status_code=499)

@@ -11,8 +11,10 @@ The pure half of the path (PDProxy.handle runs it, proxy.py):
   3. P's token ended the request (EOS, a stop token id or a stop string: finish "stop"; or
      the client asked for one token): `Plan.finished` holds the whole stream; no D leg, and P
      is told to release its KV.
-  4. Else D gets the client's body with P's params plus `continue_generated`: its engine
-     starts with P's token as its first output token (engine.continued_tokens), computes its
+  4. Else D gets the client's body with P's params and `continue_from_token_ids` (P's
+     token, outside the params: params swapped between requests never carry another
+     request's token): its engine starts with P's token as its first output token
+     (LLMEngine.add_request's `continued`), computes its
      KV after reading the prompt's from P, and streams only what follows. `Plan.first`, the
      events for P's token, go to the client once D accepted the request (its status line:
      D's admission, before any KV moves), so a request D refuses still gets D's status and
@@ -27,15 +29,15 @@ one engine's sequence), and D's usage counts the original prompt and P's token.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
 from kvbridge.engine.output_processor import stop_holdback
-from kvbridge.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params, to_wire
+from kvbridge.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params
 from kvbridge.serving import protocol as p
 
 CHAT_ROUTE = "/v1/chat/completions"
+CONTINUE_FIELD = "continue_from_token_ids"  # only the proxy sets it (PDProxy.handle drops a client's)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # protocol.CompletionRequest's default
 DONE = b"data: [DONE]\n\n"
 
@@ -81,11 +83,15 @@ def streamed_text(text: str, stops: tuple[str, ...]) -> str:
 class Plan:
     """The first-token path for one request, from P's answer. `finished`: P's token ended
     the request and `events` are the client's whole stream; else `events` go first and D
-    continues with `decode_params`."""
+    continues from `continued` (P's tokens)."""
 
     finished: bool
     events: bytes
-    decode_params: dict
+    continued: list[int]
+
+    def decode_body(self, body: dict) -> dict:
+        """The client's body for D, continuing from P's tokens (the proxy adds P's params)."""
+        return {**body, CONTINUE_FIELD: self.continued}
 
 
 def plan(body: dict, route: str, answer: bytes, params: dict) -> Plan | None:
@@ -113,7 +119,7 @@ def plan(body: dict, route: str, answer: bytes, params: dict) -> Plan | None:
     events = chunk.first(sent)
     if finished:
         events += chunk.finish(reason) + chunk.usage(usage) + DONE
-    return Plan(finished, events, to_wire(dataclasses.replace(kv, continue_generated=True)))
+    return Plan(finished, events, list(kv.generated_token_ids))
 
 
 class _Chunks:

@@ -150,10 +150,10 @@ def test_a_mamba_prefill_offers_no_token_to_continue_and_decode_refuses_one(mode
     try:
         params = prefill(p, prompts[0])
         assert "generated_token_ids" not in params
-        forged = parse_kv_transfer_params({**params, "generated_token_ids": [5], "continue_generated": True})
+        kv = parse_kv_transfer_params(params)
         with pytest.raises(EngineRequestError, match="Mamba"):
-            d.add_request("d-continue-mamba", prompts[0], GREEDY, forged)
-        d.notify_kv_transfer_rejected("d-continue-mamba", forged)  # what the API server's guard does
+            d.add_request("d-continue-mamba", prompts[0], GREEDY, kv, continued=[5])
+        d.notify_kv_transfer_rejected("d-continue-mamba", kv)  # what the API server's guard does
         settle(p, d)
         assert all_free(p, d) and p.metrics().num_held_for_remote == 0
     finally:

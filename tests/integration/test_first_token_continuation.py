@@ -6,13 +6,16 @@ backend (real copies) and the real side channel.
 - a stop string that spans P's token and D's first is found, and the text streamed after
   P's token is exactly the rest of one engine's stream;
 - a continuation from another token than P's is refused by P (content mismatch) and D
-  recomputes it; params without `continue_generated` keep the ordinary behaviour.
+  recomputes it; params swapped between two continued requests (the chaos run's fault) are
+  refused and each request still continues from its own token; P's params alone (no
+  `continued`) keep the ordinary behaviour.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 import pytest
 
@@ -67,8 +70,18 @@ def prefill_one(p, prompt: list[int], sp: SamplingParams) -> tuple[dict, list[in
     return outs[-1].kv_transfer_params, tokens(outs), "".join(o.new_text for o in outs)
 
 
-def continue_on_d(p, d, prompt, params: dict, sp: SamplingParams):
-    return decode(d, p, prompt, {**params, "continue_generated": True}, sp)
+def continue_on_d(p, d, prompt, params: dict, sp: SamplingParams, continued: list[int] | None = None):
+    """D's half, continuing from `continued` (default: the tokens P named), stepping P too."""
+    rid = f"d-{next(_ids)}"
+    d.add_request(rid, prompt, sp, parse_kv_transfer_params(params),
+                  continued=params["generated_token_ids"] if continued is None else continued)
+    outs = []
+    deadline = time.monotonic() + 60
+    while not (outs and outs[-1].finished):
+        assert time.monotonic() < deadline, "D did not finish"
+        outs += [o for o in d.step() if o.request_id == rid]
+        p.step()
+    return outs
 
 
 def colocated_run(engine, prompt, sp: SamplingParams):
@@ -125,7 +138,7 @@ def test_a_continuation_from_another_token_is_refused_by_p_and_recomputed(loaded
     params, first, _ = prefill_one(p, prompt, greedy)
     forged = (first[0] + 1) % loaded.arch.vocab_size
     before = p.connectors[1].stats.content_mismatches
-    outs = continue_on_d(p, d, prompt, {**params, "generated_token_ids": [forged]}, greedy)
+    outs = continue_on_d(p, d, prompt, params, greedy, continued=[forged])
     assert p.connectors[1].stats.content_mismatches == before + 1
     # D recomputed prompt + the forged token itself: a correct continuation of what it was given.
     want = colocated.generate([prompt + [forged]], SamplingParams(max_tokens=5, temperature=0))[0]
@@ -134,7 +147,25 @@ def test_a_continuation_from_another_token_is_refused_by_p_and_recomputed(loaded
     assert p.metrics().num_held_for_remote == 0
 
 
-def test_params_without_continue_generated_are_an_ordinary_remote_prefill(loaded, colocated, pd):
+def test_swapped_params_are_refused_and_each_request_continues_from_its_own_token(loaded, colocated, pd):
+    p, d = pd
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    a, b = (prompt_of(loaded, t) for t in ("Why is the sky blue? Explain it simply.",
+                                           "Write two lines about a cat on a warm windowsill."))
+    params_a, first_a, _ = prefill_one(p, a, greedy)
+    params_b, first_b, _ = prefill_one(p, b, greedy)
+    before = p.connectors[1].stats.content_mismatches
+    # A's prompt and token with B's params, and B's with A's: P holds neither sequence there.
+    outs_a = continue_on_d(p, d, a, params_b, greedy, continued=first_a)
+    outs_b = continue_on_d(p, d, b, params_a, greedy, continued=first_b)
+    assert p.connectors[1].stats.content_mismatches == before + 2
+    assert first_a + tokens(outs_a) == colocated.generate([a], greedy)[0]
+    assert first_b + tokens(outs_b) == colocated.generate([b], greedy)[0]
+    settle(p, d)
+    assert p.metrics().num_held_for_remote == 0
+
+
+def test_p_s_params_alone_are_an_ordinary_remote_prefill(loaded, colocated, pd):
     p, d = pd
     prompt = prompt_of(loaded, "What is the capital of France and why?")
     greedy = SamplingParams(max_tokens=6, temperature=0)

@@ -302,12 +302,10 @@ def test_valid_params_round_trip_through_json(params: KVTransferParams) -> None:
     assert parse_kv_transfer_params(wire) == params
 
 
-def test_generated_tokens_are_continued_only_when_the_proxy_asks() -> None:
+def test_the_tokens_p_sampled_are_parsed_and_written_back() -> None:
     offered = parse_kv_transfer_params({**P_RESPONSE, "generated_token_ids": [42]})
-    assert offered is not None and offered.generated_token_ids == (42,) and offered.continued_tokens == ()
-    asked = parse_kv_transfer_params({**P_RESPONSE, "generated_token_ids": [42], "continue_generated": True})
-    assert asked is not None and asked.continued_tokens == (42,)
-    assert to_wire(asked) == {**P_RESPONSE, "generated_token_ids": [42], "continue_generated": True}
+    assert offered is not None and offered.generated_token_ids == (42,)
+    assert to_wire(offered) == {**P_RESPONSE, "generated_token_ids": [42]}
 
 
 @pytest.mark.parametrize("raw", [
@@ -317,10 +315,7 @@ def test_generated_tokens_are_continued_only_when_the_proxy_asks() -> None:
     {**P_RESPONSE, "generated_token_ids": [True]},
     {**P_RESPONSE, "generated_token_ids": [-1]},
     {**P_RESPONSE, "generated_token_ids": list(range(17))},
-    {**P_RESPONSE, "continue_generated": True},  # nothing to continue from
-    {**P_RESPONSE, "generated_token_ids": [42], "continue_generated": 1},
-    {"do_remote_decode": True, "generated_token_ids": [42], "continue_generated": True},
 ])
-def test_bad_generated_tokens_or_continue_flag_are_refused(raw: dict) -> None:
+def test_bad_generated_tokens_are_refused(raw: dict) -> None:
     with pytest.raises(KVTransferParamsError):
         parse_kv_transfer_params(raw)

@@ -72,7 +72,7 @@ def test_an_answer_without_p_s_token_takes_the_ordinary_path():
 def test_decode_continues_with_the_token_sent_first():
     got = plan({"stream": True, "max_tokens": 8, "stop": "is the"}, COMPLETIONS, p_answer(" Paris", "length"), PARAMS)
     assert got is not None and not got.finished
-    assert got.decode_params == {**PARAMS, "continue_generated": True}
+    assert got.continued == [17] and got.decode_body({"prompt": "x"}) == {"prompt": "x", "continue_from_token_ids": [17]}
     assert events(got.events) == [{"id": "cmpl-r1", "object": "text_completion", "created": 5, "model": "m",
                                    "choices": [{"index": 0, "text": " Par", "logprobs": None,
                                                 "finish_reason": None}]}]
@@ -132,8 +132,8 @@ async def test_d_continues_from_p_s_token_which_the_client_gets_first():
     async with pd_cluster() as pd:
         offer_token(pd.prefill[0])
         status, raw = await streamed(pd, STREAMED)
-        sent = pd.decode[0].received[0].body["kv_transfer_params"]
-        assert sent["continue_generated"] is True and sent["generated_token_ids"] == [17]
+        sent = pd.decode[0].received[0].body
+        assert sent["continue_from_token_ids"] == [17] and sent["kv_transfer_params"]["generated_token_ids"] == [17]
         first = events(raw)[0]
         assert status == 200 and first["choices"][0]["text"] == "answer from prefill-0"
         assert raw.endswith(b"".join(pd.decode[0].stream_chunks("/v1/completions", first["id"][len("cmpl-"):])))
@@ -143,8 +143,8 @@ async def test_d_continues_from_p_s_token_which_the_client_gets_first():
 async def test_with_the_path_off_d_gets_p_s_params_unchanged_and_the_stream_is_d_s():
     async with pd_cluster(first_token_from_prefill=False) as pd:
         offer_token(pd.prefill[0])
-        status, raw = await streamed(pd, STREAMED)
-        assert "continue_generated" not in pd.decode[0].received[0].body["kv_transfer_params"]
+        status, raw = await streamed(pd, {**STREAMED, "continue_from_token_ids": [99]})  # a client's is dropped
+        assert "continue_from_token_ids" not in pd.decode[0].received[0].body
         assert status == 200 and b"prefill-0" not in raw
 
 

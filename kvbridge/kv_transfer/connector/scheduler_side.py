@@ -16,10 +16,11 @@ A one-token prompt leaves P nothing to send: D computes it and P only hears it m
 
 First token straight from prefill (attention models only): P's params name the tokens it
 sampled (`generated_token_ids`) and its lease also accepts the digest of the prompt + those
-tokens. A D request carrying them starts with them as output tokens: D reads the prompt's
-KV, computes the generated tokens' KV itself and samples the next token; it presents the
-digest of its whole sequence, so P refuses any other continuation. A Mamba P never
-samples from the whole prompt (N-1 prefill), so it offers no tokens and D refuses them.
+tokens. A D request that continues from them (LLMEngine.add_request's `continued`) starts
+with them as output tokens: D reads the prompt's KV, computes the generated tokens' KV
+itself and samples the next token; it presents the digest of its whole sequence, so P
+refuses any other continuation. A Mamba P never samples from the whole prompt (N-1
+prefill), so it offers no tokens, and a Mamba D refuses to continue (engine.py).
 """
 
 from __future__ import annotations
@@ -72,9 +73,6 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         if params is None or not params.wants_remote_prefill:
             return
         self._check_peer(params)
-        if params.continued_tokens and self.has_mamba:
-            raise KVTransferParamsError("kv_transfer_params.generated_token_ids cannot be continued on a model with "
-                                        "Mamba layers (its prefill instance computes all but the last prompt token)")
         blocks = params.remote_block_ids or ()
         tokens = self.remote_tokens(num_prompt_tokens)
         if tokens == 0:  # nothing to read (a one-token prompt of a Mamba model): P only frees
