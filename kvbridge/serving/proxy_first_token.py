@@ -14,9 +14,9 @@ The pure half of the path (PDProxy.handle runs it, proxy.py):
   4. Else D gets the client's body with P's params and `continue_from_token_ids` (P's
      token, outside the params: params swapped between requests never carry another
      request's token): its engine starts with P's token as its first output token
-     (LLMEngine.add_request's `continued`), computes its
-     KV after reading the prompt's from P, and streams only what follows. `Plan.first`, the
-     events for P's token, go to the client once D accepted the request (its status line:
+     (LLMEngine.add_request's `continued`), computes its KV after reading the prompt's from
+     P, and streams only what follows. `Plan.events`, those for P's token, go to the client
+     once D accepted the request (its status line:
      D's admission, before any KV moves), so a request D refuses still gets D's status and
      error body and a D that fails before answering is retried as on the ordinary path.
 
