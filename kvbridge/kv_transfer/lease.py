@@ -117,8 +117,9 @@ class LeaseTable:
     def grant(self, request_id: str, block_ids: BlockIds, generation: int, content: str,
               continued: str | None = None) -> None:
         """Hold `block_ids` for a remote reader; `content` is the content_digest of the prompt
-        whose KV they hold, `continued` (optional) that of the prompt + the tokens P sampled. Raises ValueError if a lease on `request_id` is still held: a lease
-        holds its blocks until it ends, and a second grant would orphan them."""
+        whose KV they hold, `continued` (optional) that of the prompt + the tokens P sampled.
+        Raises ValueError if a lease on `request_id` is still held: a lease holds its blocks
+        until it ends, and a second grant would orphan them."""
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")

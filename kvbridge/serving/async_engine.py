@@ -184,8 +184,9 @@ class AsyncEngine:
                           params: SamplingParams,
                           kv_transfer_params: KVTransferParams | None = None,
                           continued: Sequence[int] = ()) -> RequestStream:
-        """Admit a request (`continued`: see LLMEngine.add_request). Raises what `LLMEngine.add_request` raises (EngineRequestError,
-        EngineOverloadedError) or EngineUnavailableError; on return the engine owns it.
+        """Admit a request (`continued`: see LLMEngine.add_request). Raises what
+        `LLMEngine.add_request` raises (EngineRequestError, EngineOverloadedError) or
+        EngineUnavailableError; on return the engine owns it.
         Cancelled while waiting: the request is aborted (or never added)."""
         stream = RequestStream(request_id, self)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
