@@ -1,22 +1,28 @@
 """Time to first token through the proxy: P/D (prefill on P, KV read by D over nixl)
-divided by one colocated engine behind the same proxy code (colocated mode).
+divided by one colocated engine behind the same proxy code (colocated mode), with the
+proxy's first-token path (P's token streamed at once, D continues from it: the default) and
+without it (`--no-first-token-from-prefill`: D recomputes the last prompt token, vLLM's way).
 
 Set-up, all on 127.0.0.1 and up at once, each engine with 1 torch thread (2 cores: one
 request is in flight at a time, so each prefill and each decode step gets one core in
 both set-ups, and the other core serves HTTP, the proxies and the client):
 * P/D: a LocalCluster (1 prefill + 1 decode `kvbridge serve`, nixl, and its proxy);
+* P/D recompute: a second proxy in front of the same P and D, with
+  --no-first-token-from-prefill;
 * colocated: one plain `kvbridge serve` and `kvbridge proxy --decode URL` (no
   --prefill: the proxy forwards each request straight to it, same client and SSE path).
 Every engine gets the same serve options.
 
-Each repetition sends one fresh random 1k-token prompt (so no prefix cache anywhere
-hits) to both set-ups, one after the other, in alternating order (ABBA). TTFT is
+Each repetition sends a fresh random prompt (1k tokens unless --tokens; one per set-up, since
+both P/D set-ups share P and D: no prefix cache anywhere hits) to every set-up, one after the
+other, the order rotating per repetition. TTFT is
 measured by the client: from sending a streaming /v1/completions request (greedy,
 max_tokens=2) to the first SSE chunk with non-empty text. The P/D rows also show,
 per request, P's answer time (the proxy's kvbridge_proxy_prefill_seconds), D's KV
-READ time (D's kvbridge_kv_transfer_duration_seconds) and TTFT minus P's answer time
-(what P/D adds after P's prefill: proxy -> D, KV read, D's first step, streaming back).
-Figures are medians; ratio = median P/D TTFT / median colocated TTFT. Two untimed
+READ time (D's kvbridge_kv_transfer_duration_seconds; the first-token path's READ may end
+after its first chunk) and TTFT minus P's answer time (what P/D adds after P's prefill:
+recompute: proxy -> D, KV read, D's first step, streaming back; first token: proxy -> D's
+admission, streaming back). Figures are medians; ratio = median P/D TTFT / median colocated TTFT. Two untimed
 warm-up requests per set-up. The engines' own prefill times vary by a few per cent
 between processes on a shared 2-core machine, so the ratio carries that noise; the
 "after P" column is the P/D cost measured within one request.
@@ -53,7 +59,8 @@ from kvbridge.serving import cluster  # noqa: E402
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 300.0
 WARMUP = 2
-PD, COLOCATED = "pd", "colocated"
+PD, PD_RECOMPUTE, COLOCATED = "pd", "pd_recompute", "colocated"
+SETUPS = (PD, PD_RECOMPUTE, COLOCATED)
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,9 @@ class Setups:
         self.http = httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False)
 
     def start(self) -> None:
-        self.proxies[PD] = self.pd.start().proxy
-        serve_port, proxy_port = cluster.free_ports(2)
+        urls = self.pd.start()
+        self.proxies[PD] = urls.proxy
+        serve_port, proxy_port, recompute_port = cluster.free_ports(3)
         env = cluster.child_env(os.environ, loopback_only=True, num_threads=1)
         serve_url, proxy_url = cluster.http_url("127.0.0.1", serve_port), cluster.http_url("127.0.0.1", proxy_port)
         (self.log_dir / "colocated").mkdir(parents=True, exist_ok=True)
@@ -96,13 +104,18 @@ class Setups:
             "serve": [*cluster.DEFAULT_CLI, "serve", self.model, "--host", "127.0.0.1", "--port", str(serve_port),
                       "--num-threads", "1", *self.serve_args],
             "proxy": [*cluster.DEFAULT_CLI, "proxy", "--decode", serve_url, "--host", "127.0.0.1",
-                      "--port", str(proxy_port)]}
+                      "--port", str(proxy_port)],
+            "proxy-recompute": [*cluster.DEFAULT_CLI, "proxy", "--prefill", *urls.prefill, "--decode", *urls.decode,
+                                "--host", "127.0.0.1", "--port", str(recompute_port),
+                                "--no-first-token-from-prefill"]}
         deadline = time.monotonic() + READY_TIMEOUT_S
         for name, argv in commands.items():
             child = cluster.spawn_child(name, argv, env, self.log_dir / "colocated")
             self.colocated_children.append(child)
-            self._wait_healthy(child, serve_url if name == "serve" else proxy_url, deadline)
+            url = {"serve": serve_url, "proxy": proxy_url}.get(name, cluster.http_url("127.0.0.1", recompute_port))
+            self._wait_healthy(child, url, deadline)
         self.proxies[COLOCATED] = proxy_url
+        self.proxies[PD_RECOMPUTE] = cluster.http_url("127.0.0.1", recompute_port)
 
     def _wait_healthy(self, child: cluster.ChildProcess, url: str, deadline: float) -> None:
         while True:
@@ -138,7 +151,7 @@ class Setups:
     def measure(self, setup: str, rep: int, prompt: list[int]) -> Sample:
         if setup == COLOCATED:
             return Sample(setup, rep, self.ttft(setup, prompt), None, None)
-        proxy, decode = self.proxies[PD], self.pd.urls.decode[0]
+        proxy, decode = self.proxies[setup], self.pd.urls.decode[0]
         names = ("kvbridge_proxy_prefill_seconds_sum", "kvbridge_kv_transfer_duration_seconds_sum")
         before = (metric(self.http, proxy, names[0]), metric(self.http, decode, names[1]))
         ttft = self.ttft(setup, prompt)
@@ -157,50 +170,51 @@ def make_prompt(tokens: int, rng: random.Random) -> list[int]:
 
 
 def summarize(samples: list[Sample]) -> dict:
-    med = {s: statistics.median(x.ttft_s for x in samples if x.setup == s) for s in (PD, COLOCATED)}
+    """Per P/D set-up: median TTFT, its ratio to colocated's, the median per-repetition ratio,
+    and the medians of P's answer time, D's KV read and the time after P answered."""
+    colocated = statistics.median(x.ttft_s for x in samples if x.setup == COLOCATED)
     by_rep = {(x.setup, x.rep): x.ttft_s for x in samples}
-    paired = [by_rep[(PD, r)] / by_rep[(COLOCATED, r)] for r in sorted({x.rep for x in samples})]
-    pd = [x for x in samples if x.setup == PD]
-    return {"pd_ttft_ms": med[PD] * 1e3, "colocated_ttft_ms": med[COLOCATED] * 1e3,
-            "ratio": med[PD] / med[COLOCATED], "paired_ratio": statistics.median(paired),
-            "pd_prefill_ms": statistics.median(x.prefill_s for x in pd) * 1e3,
-            "pd_kv_read_ms": statistics.median(x.kv_read_s for x in pd) * 1e3,
-            "pd_after_prefill_ms": statistics.median(x.ttft_s - x.prefill_s for x in pd) * 1e3,
-            "reps": len(paired)}
+    reps = sorted({x.rep for x in samples})
+    out: dict = {"colocated_ttft_ms": colocated * 1e3, "reps": len(reps)}
+    for setup in (PD, PD_RECOMPUTE):
+        rows = [x for x in samples if x.setup == setup]
+        med = statistics.median(x.ttft_s for x in rows)
+        out[setup] = {"ttft_ms": med * 1e3, "ratio": med / colocated,
+                      "paired_ratio": statistics.median(by_rep[(setup, r)] / by_rep[(COLOCATED, r)] for r in reps),
+                      "prefill_ms": statistics.median(x.prefill_s for x in rows) * 1e3,
+                      "kv_read_ms": statistics.median(x.kv_read_s for x in rows) * 1e3,
+                      "after_prefill_ms": statistics.median(x.ttft_s - x.prefill_s for x in rows) * 1e3}
+    return out
 
 
 def print_table(samples: list[Sample], summary: dict, tokens: int) -> None:
-    print(f"{'setup':<10} {'tokens':>6} {'reps':>5} {'TTFT ms (median)':>17} {'min':>8} {'max':>8} "
-          f"{'P answer ms':>12} {'KV read ms':>11} {'after P ms':>11}")
-    for setup in (COLOCATED, PD):
+    print(f"{'setup':<13} {'tokens':>6} {'reps':>5} {'TTFT ms (median)':>17} {'min':>8} {'max':>8} "
+          f"{'ratio':>6} {'paired':>7} {'P answer ms':>12} {'KV read ms':>11} {'after P ms':>11}")
+    for setup in (COLOCATED, PD_RECOMPUTE, PD):
         ttfts = [x.ttft_s * 1e3 for x in samples if x.setup == setup]
-        extra = (f"{summary['pd_prefill_ms']:>12.1f} {summary['pd_kv_read_ms']:>11.2f} "
-                 f"{summary['pd_after_prefill_ms']:>11.1f}" if setup == PD else f"{'-':>12} {'-':>11} {'-':>11}")
-        print(f"{setup:<10} {tokens:>6} {len(ttfts):>5} {statistics.median(ttfts):>17.1f} {min(ttfts):>8.1f} "
+        s = summary.get(setup)
+        extra = (f"{s['ratio']:>6.3f} {s['paired_ratio']:>7.3f} {s['prefill_ms']:>12.1f} {s['kv_read_ms']:>11.2f} "
+                 f"{s['after_prefill_ms']:>11.1f}" if s else f"{'-':>6} {'-':>7} {'-':>12} {'-':>11} {'-':>11}")
+        print(f"{setup:<13} {tokens:>6} {len(ttfts):>5} {statistics.median(ttfts):>17.1f} {min(ttfts):>8.1f} "
               f"{max(ttfts):>8.1f} {extra}")
-    print(f"ratio P/D / colocated: {summary['ratio']:.3f} (median of per-repetition ratios: "
-          f"{summary['paired_ratio']:.3f})")
-    after = summary["pd_after_prefill_ms"]
-    print(f"P/D time after P answered (proxy -> D, KV read, D's first step, stream back): "
-          f"{after:.1f} ms = {after / summary['colocated_ttft_ms']:.1%} of the colocated TTFT")
+    print("ratio: median P/D TTFT / median colocated TTFT; paired: median of per-repetition ratios")
 
 
 def run(args: argparse.Namespace, setups: Setups) -> list[Sample]:
     rng = random.Random(args.seed)
     samples: list[Sample] = []
-    with tqdm(total=2 * (WARMUP + args.reps), desc="pd_ttft", unit="req", file=sys.stderr) as bar:
+    with tqdm(total=len(SETUPS) * (WARMUP + args.reps), desc="pd_ttft", unit="req", file=sys.stderr) as bar:
         for i in range(WARMUP):
-            prompt = make_prompt(args.tokens, rng)
-            for setup in (PD, COLOCATED):
+            for setup in SETUPS:
                 bar.set_postfix_str(f"warm-up {setup}")
-                setups.ttft(setup, prompt)
+                setups.ttft(setup, make_prompt(args.tokens, rng))
                 bar.update()
         for rep in range(args.reps):
-            prompt = make_prompt(args.tokens, rng)  # fresh: a full prefill in both set-ups
-            order = (PD, COLOCATED) if rep % 4 in (0, 3) else (COLOCATED, PD)  # ABBA
+            order = SETUPS[rep % 3:] + SETUPS[:rep % 3]  # each set-up first, second and last in turn
             for setup in order:
                 bar.set_postfix_str(f"rep {rep + 1} {setup}")
-                samples.append(setups.measure(setup, rep, prompt))
+                # Fresh for each set-up (both P/D set-ups share P and D): a full prefill everywhere.
+                samples.append(setups.measure(setup, rep, make_prompt(args.tokens, rng)))
                 bar.update()
     return samples
 

@@ -3,7 +3,9 @@
 
 Every request must come back either correct (its greedy text equals the colocated
 engine's) or as a clean error (HTTP 500 whose OpenAI error body says the KV transfer
-failed); no server may crash, and at the end every KV block must be free on P and D.
+failed; for a stream on the proxy's first-token path, whose first token came from P before
+D read the KV, the same error as an event after a correct beginning of the text); no server
+may crash, and at the end every KV block must be free on P and D.
 
 Besides the transfer faults, a "swapped params" fault sits in front of D: at the fault
 rate it holds a request briefly and, when another one arrives meanwhile, exchanges their
@@ -263,7 +265,9 @@ async def _request(client: httpx.AsyncClient, body: dict, stream: bool, want: st
                 elif chunk.get("choices"):
                     text += chunk["choices"][0].get("text", "")
         if error is not None:
-            return _classify_error(500, error) if not text else ("bad", f"tokens then error: {error}")
+            if text and not want.startswith(text):
+                return "bad", f"wrong text {text!r} then error: {error}"
+            return _classify_error(500, error)
         return ("correct", "") if text == want else ("bad", f"wrong streamed text {text!r} != {want!r}")
     except httpx.HTTPError as exc:
         return "bad", f"{type(exc).__name__}: {exc}"

@@ -155,7 +155,8 @@ def cmd_proxy(a: argparse.Namespace) -> int:
               health_interval_s=a.health_interval, api_key=a.api_key,
               retry=RetryPolicy(retries=a.retries, budget_s=a.retry_budget,
                                 decode_only_fallback=not a.no_decode_only_fallback),
-              breaker_failures=a.breaker_failures, breaker_cooldown_s=a.breaker_cooldown)
+              breaker_failures=a.breaker_failures, breaker_cooldown_s=a.breaker_cooldown,
+              first_token_from_prefill=not a.no_first_token_from_prefill)
     return 0
 
 
@@ -273,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--no-decode-only-fallback", action="store_true",
                        help="when no prefill instance can prefill a request, answer the error instead of "
                             "sending the request to a decode instance to prefill itself")
+    proxy.add_argument("--no-first-token-from-prefill", action="store_true",
+                       help="for streamed requests, do not send the prefill instance's token to the client at "
+                            "once (with the decode instance continuing from it): the decode instance "
+                            "recomputes it, as vLLM's P/D path does")
     proxy.add_argument("--breaker-failures", type=int, default=5,
                        help="consecutive failed requests that open an instance's circuit (default: %(default)s)")
     proxy.add_argument("--breaker-cooldown", type=float, default=10.0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvbridge.config import EngineConfig
 from kvbridge.engine.block_pool import BlockPool
@@ -26,6 +26,7 @@ from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
+from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,11 @@ class LLMEngine:
                 f"the request needs {needed} KV blocks but the cache has only {self.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params=None) -> None:
+                    kv_transfer_params=None, continued: Sequence[int] = ()) -> None:
+        """Admit a request; raises EngineRequestError (and subclasses) or EngineOverloadedError.
+        `continued`: D only, with a remote prefill: the tokens P sampled after the prompt, already
+        sent to the client (the proxy's first token straight from prefill). They are the
+        request's first output tokens; D computes their KV after reading the prompt's."""
         if self.scheduler.holds(request_id):
             raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -150,9 +155,30 @@ class LLMEngine:
                 raise EngineRequestError(str(exc)) from None
         if not self.scheduler.can_admit():
             raise EngineOverloadedError("the server is overloaded: too many requests are waiting")
-        req = Request(request_id, list(prompt_token_ids), params, self._eos_ids, kv_transfer_params)
-        self.output_processor.add(request_id)
+        if continued:
+            self._validate_continued(continued, params, kv_transfer_params)
+        req = Request(request_id, list(prompt_token_ids), params, self._eos_ids, kv_transfer_params,
+                      output_token_ids=list(continued))
+        self.output_processor.add(request_id, continued, params.stop)
         self.scheduler.add_request(req)
+
+    def _validate_continued(self, generated: Sequence[int], params: SamplingParams, kv_transfer_params) -> None:
+        """A request that continues from a prefill instance's sampled tokens: it reads the
+        prompt's KV from that prefill (not on a model with Mamba layers, whose prefill samples
+        after N-1 tokens); the tokens are token ids and leave at least one token to generate."""
+        if self.connectors is None or kv_transfer_params is None or not kv_transfer_params.wants_remote_prefill:
+            raise EngineRequestError("continue_from_token_ids needs kv_transfer_params from a prefill instance")
+        if self._mamba_groups:
+            raise EngineRequestError("continue_from_token_ids cannot be continued on a model with Mamba layers "
+                                     "(its prefill instance computes all but the last prompt token)")
+        if len(generated) > MAX_GENERATED_TOKENS:
+            raise EngineRequestError(f"continue_from_token_ids holds more than {MAX_GENERATED_TOKENS} tokens")
+        vocab = self.arch.vocab_size
+        if any(not 0 <= t < vocab for t in generated):
+            raise EngineRequestError(f"continue_from_token_ids must be in [0, {vocab})")
+        if len(generated) >= params.max_tokens:
+            raise EngineRequestError(f"continue_from_token_ids holds {len(generated)} tokens: "
+                                     f"max_tokens ({params.max_tokens}) leaves none to generate")
 
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.finish_request(request_id, FinishReason.ABORT)
@@ -206,6 +232,11 @@ class LLMEngine:
             stop = self.output_processor.detokenize(req)
             if stop is not None and not req.status.is_finished:
                 self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
+            elif stop is not None and req.finish_reason is FinishReason.LENGTH:
+                # The token that reached max_tokens also completed a stop string: the text ends
+                # at the stop string, so that is the reason (as vLLM checks stops before length;
+                # a prefill's one-token answer tells the proxy the request is over).
+                req.finish_reason = FinishReason.STOP
             lp = result.logprobs.get(req.request_id)
             outputs.append(self.output_processor.make_output(req, [lp] if lp is not None else None))
         if not sched.scheduled and not outputs and not self.transfers_in_flight():

@@ -154,8 +154,8 @@ class ModelRunner:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         sampled = [s for s in sched.scheduled if s.sample]
-        result = self.sampler.sample(
-            logits, [s.request_id for s in sampled], [s.sampling_params for s in sampled])
+        result = self.sampler.sample(logits, [s.request_id for s in sampled], [s.sampling_params for s in sampled],
+                                     [s.num_output_tokens for s in sampled])
         out.sampled_token_ids = result.tokens
         out.logprobs = result.logprobs
         out.sampling_errors = result.errors

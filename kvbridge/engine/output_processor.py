@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbridge.engine.outputs import RequestOutput, TokenLogprob
@@ -24,8 +25,16 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
 
-    def add(self, request_id: str) -> None:
-        self._streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer))
+    def add(self, request_id: str, continued: Sequence[int] = (), stops: tuple[str, ...] = ()) -> None:
+        """Start a request's stream. `continued`: output tokens it starts with, sampled and sent
+        by another instance (a prefill's first token): their text counts for stop strings, and
+        what a stream would have emitted after them (streamed_text) is never emitted again."""
+        st = _Stream(IncrementalDetokenizer(self.tokenizer))
+        for tok in continued:
+            st.text += st.detok.push(tok)
+        st.pushed_tokens = st.emitted_tokens = len(continued)
+        st.emitted_chars = len(st.text) - stop_holdback(st.text, stops)
+        self._streams[request_id] = st
 
     def discard(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -56,7 +65,7 @@ class OutputProcessor:
         st.emitted_tokens = len(req.output_token_ids)
         finished = req.status.is_finished
         # Hold back text that could be the start of a stop string until it is decided.
-        hold = 0 if finished else _holdback(st.text, req.sampling_params.stop)
+        hold = 0 if finished else stop_holdback(st.text, req.sampling_params.stop)
         new_text = st.text[st.emitted_chars:len(st.text) - hold]
         st.emitted_chars += len(new_text)
         out = RequestOutput(
@@ -71,7 +80,9 @@ class OutputProcessor:
         return out
 
 
-def _holdback(text: str, stops: tuple[str, ...]) -> int:
+def stop_holdback(text: str, stops: Sequence[str]) -> int:
+    """How many characters at the end of `text` a stream holds back while unfinished: the
+    longest end that is the start of a stop string (it may still become one)."""
     longest = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), 0, -1):

@@ -36,24 +36,32 @@ class Sampler:
         for rid in request_ids:
             self._generators.pop(rid, None)
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def _generator(self, request_id: str, params: SamplingParams, sampled_before: int,
+                   vocab: int) -> torch.Generator:
+        """The request's generator. A seeded request's first generator here is advanced past
+        `sampled_before` draws: tokens another engine sampled from the same seed (a prefill's
+        first token), so the sequence equals one engine's."""
         if params.seed is None:
             return self._default
         gen = self._generators.get(request_id)
         if gen is None:
             gen = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+            for _ in range(sampled_before):
+                skip_draw(gen, vocab)
         return gen
 
-    def sample(self, logits: torch.Tensor, request_ids: Sequence[str],
-               params: Sequence[SamplingParams]) -> SamplerOutput:
-        """logits: [N, vocab] on any device, one row per request."""
+    def sample(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
+               sampled_before: Sequence[int] | None = None) -> SamplerOutput:
+        """logits: [N, vocab] on any device, one row per request. `sampled_before`: per row,
+        the request's output tokens so far (its generator's offset; all 0 if None)."""
         logits = logits.float().cpu()
+        before = sampled_before if sampled_before is not None else [0] * len(request_ids)
         out = SamplerOutput()
         greedy = torch.argmax(logits, dim=-1).tolist()
         for row, (rid, sp) in enumerate(zip(request_ids, params)):
             try:
-                out.tokens[rid] = (greedy[row] if sp.greedy
-                                   else self._sample_row(logits[row], sp, self._generator(rid, sp)))
+                out.tokens[rid] = (greedy[row] if sp.greedy else self._sample_row(
+                    logits[row], sp, self._generator(rid, sp, before[row], logits.shape[-1])))
             except Exception as exc:  # this request's failure, not the batch's
                 logger.warning("request %s: sampling failed: %s", rid, exc)
                 out.errors[rid] = f"sampling the next token failed: {exc}"
@@ -85,3 +93,10 @@ class Sampler:
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def skip_draw(gen: torch.Generator, vocab: int) -> None:
+    """Advance `gen` exactly as one `_sample_row` draw over `vocab` logits does. torch's
+    one-sample multinomial draws one exponential per category whatever the probabilities
+    (tests/unit/test_sampling_robust.py checks it), so uniform probabilities do."""
+    torch.multinomial(torch.ones(vocab), 1, generator=gen)

@@ -260,8 +260,10 @@ class Scheduler:
                 if not self._recover_failed_load(req, out):
                     finished.append(req)
                 continue
-            # The whole prompt is loaded; recompute its last token to get logits.
-            req.num_computed_tokens = req.num_prompt_tokens - 1
+            # The whole prompt is loaded; recompute its last token to get logits, or, for a
+            # request that continues from tokens P sampled, compute those (the prompt's KV is
+            # complete and the last known token is P's).
+            req.num_computed_tokens = req.num_prompt_tokens - (0 if req.output_token_ids else 1)
             self.kvm.cache_blocks(req, req.num_computed_tokens)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)

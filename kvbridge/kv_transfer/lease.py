@@ -68,6 +68,14 @@ class Lease:
     generation: int
     expiry: float
     content: str  # content_digest of the prompt whose KV the blocks hold
+    # content_digest of the prompt + the tokens P sampled: a reader that continues from P's
+    # own tokens (first token straight from prefill) presents this one; None: no such reader
+    continued: str | None = None
+
+    def holds(self, content: str) -> bool:
+        """The reader's sequence is this prompt, or this prompt followed by exactly P's tokens."""
+        return secrets.compare_digest(self.content, content) or (
+            self.continued is not None and secrets.compare_digest(self.continued, content))
 
     def grants(self, block_ids: BlockIds) -> bool:
         """Per group, exactly the granted ids in order, or a suffix of them (the part D lacks)."""
@@ -106,16 +114,18 @@ class LeaseTable:
             self._next_generation += 1
             return self._next_generation
 
-    def grant(self, request_id: str, block_ids: BlockIds, generation: int, content: str) -> None:
+    def grant(self, request_id: str, block_ids: BlockIds, generation: int, content: str,
+              continued: str | None = None) -> None:
         """Hold `block_ids` for a remote reader; `content` is the content_digest of the prompt
-        whose KV they hold. Raises ValueError if a lease on `request_id` is still held: a lease
-        holds its blocks until it ends, and a second grant would orphan them."""
+        whose KV they hold, `continued` (optional) that of the prompt + the tokens P sampled.
+        Raises ValueError if a lease on `request_id` is still held: a lease holds its blocks
+        until it ends, and a second grant would orphan them."""
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             expiry = self._clock() + self.lease_seconds
             self._leases[request_id] = Lease(request_id, tuple(list(g) for g in block_ids), generation, expiry,
-                                            content)
+                                            content, continued)
             heapq.heappush(self._heap, (expiry, request_id, generation))
 
     def _live(self, request_id: str, generation: int) -> Lease | None:
@@ -139,7 +149,8 @@ class LeaseTable:
     def check_read(self, request_id: str, generation: int, block_ids: BlockIds,
                    content: str) -> ReadRefusal | None:
         """Before D reads: None if the lease is live, grants these blocks and holds the KV of
-        the prompt whose digest is `content` (the lease is renewed); else why not. A content
+        the prompt whose digest is `content`, or that prompt followed by exactly the tokens P
+        sampled (Lease.holds; the lease is renewed); else why not. A content
         mismatch also ends the lease (the caller frees the blocks): the params that named it
         were swapped or replayed, and the KV is no use to the reader that presented them."""
         with self._lock:
@@ -152,7 +163,7 @@ class LeaseTable:
             if not lease.grants(block_ids):
                 return ReadRefusal(Refusal.BLOCKS, f"blocks not granted to request {request_id} "
                                                    "(not the granted sequence)")
-            if not secrets.compare_digest(lease.content, content):
+            if not lease.holds(content):
                 del self._leases[request_id]
                 self._reading.pop(request_id, None)
                 return ReadRefusal(Refusal.CONTENT, f"{CONTENT_MISMATCH}: the blocks of request {request_id} "

@@ -23,6 +23,14 @@ kvbridge adds two fields of its own:
                              logical block size per TP size (engine/kv_cache_layout.py), so
                              D counts P's block ids with P's size. Absent: D's own size.
 
+    generated_token_ids  list[int]  the tokens P sampled after the prompt (its one token
+                             of a do_remote_decode request; absent for models whose P
+                             computes only N-1 prompt tokens). Informational: D never
+                             reads it. The kvbridge proxy sends them to D in the request's
+                             own `continue_from_token_ids` (first token straight from
+                             prefill), outside these params, so params swapped between
+                             requests never carry another request's token.
+
     lease_generation   int   identifies the lease P granted on these blocks. P bumps it
                              whenever a lease is created; a read or heartbeat naming a
                              generation P no longer holds (the lease expired and the
@@ -53,6 +61,7 @@ MAX_PORT = 65535
 MAX_TP_SIZE = 1 << 16
 MAX_NUM_TOKENS = 2**31 - 1
 MAX_LEASE_GENERATION = 2**63 - 1  # fits a signed 64-bit field on any peer
+MAX_GENERATED_TOKENS = 16  # P samples one token; a few more leave room, none need thousands
 MAX_ID_CHARS = 1024  # engine and request ids
 MAX_HOST_CHARS = 255
 _MAX_UNKNOWN_DEPTH = 32  # nesting kept in unknown_fields
@@ -71,7 +80,7 @@ _INT_FIELDS = {  # name -> (minimum, maximum)
 _REQUIRED_FOR_REMOTE_PREFILL = (
     "remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
 )
-KNOWN_FIELDS = frozenset((*_BOOL_FIELDS, *_STR_FIELDS, *_INT_FIELDS, "remote_block_ids"))
+KNOWN_FIELDS = frozenset((*_BOOL_FIELDS, *_STR_FIELDS, *_INT_FIELDS, "remote_block_ids", "generated_token_ids"))
 
 
 class KVTransferParamsError(ValueError):
@@ -98,6 +107,7 @@ class KVTransferParams:
     remote_num_tokens: int | None = None
     remote_block_size: int | None = None
     lease_generation: int | None = None
+    generated_token_ids: tuple[int, ...] | None = None
     # Opaque pass-through of keys this version does not know; excluded from hashing
     # because the values may be lists or objects.
     unknown_fields: Mapping[str, Any] = field(
@@ -113,6 +123,8 @@ class KVTransferParams:
             _check_int(name, getattr(self, name), low, high)
         if self.remote_block_ids is not None:
             _check_block_ids(self.remote_block_ids)
+        if self.generated_token_ids is not None:
+            _check_generated(self.generated_token_ids)
         if self.do_remote_decode and self.do_remote_prefill:
             raise KVTransferParamsError(
                 "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true")
@@ -175,6 +187,12 @@ def parse_kv_transfer_params(raw: object) -> KVTransferParams | None:
         known.setdefault(name, False)
     if "remote_block_ids" in known:
         known["remote_block_ids"] = _normalise_block_ids(known["remote_block_ids"])
+    if "generated_token_ids" in known:
+        ids = known["generated_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise KVTransferParamsError(
+                f"kv_transfer_params.generated_token_ids must be a list, got {_json_type(ids)}")
+        known["generated_token_ids"] = tuple(ids)
     return KVTransferParams(**known, unknown_fields=unknown)
 
 
@@ -195,6 +213,8 @@ def to_wire(params: KVTransferParams) -> dict[str, Any]:
         value = getattr(params, name)
         if value is not None:
             wire[name] = value
+    if params.generated_token_ids is not None:
+        wire["generated_token_ids"] = list(params.generated_token_ids)
     return wire
 
 
@@ -238,6 +258,16 @@ def _check_block_ids(groups: object) -> None:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_block_ids: block id {block_id} out of range "
                     f"[0, {MAX_BLOCK_ID}]")
+
+
+def _check_generated(ids: object) -> None:
+    if not isinstance(ids, tuple) or not 1 <= len(ids) <= MAX_GENERATED_TOKENS:
+        raise KVTransferParamsError(
+            f"kv_transfer_params.generated_token_ids must list 1 to {MAX_GENERATED_TOKENS} token ids")
+    for token in ids:
+        if type(token) is not int or not 0 <= token <= MAX_BLOCK_ID:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.generated_token_ids must hold integers in [0, {MAX_BLOCK_ID}]")
 
 
 def _check_str(name: str, value: object) -> None:

@@ -75,6 +75,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_transfer_params: KVTransferParams | None
+    continued: tuple[int, ...]  # LLMEngine.add_request's `continued`
     sink: _Sink
     future: concurrent.futures.Future[None]
 
@@ -181,15 +182,17 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                           params: SamplingParams,
-                          kv_transfer_params: KVTransferParams | None = None) -> RequestStream:
-        """Admit a request. Raises what `LLMEngine.add_request` raises (EngineRequestError,
-        EngineOverloadedError) or EngineUnavailableError; on return the engine owns it.
+                          kv_transfer_params: KVTransferParams | None = None,
+                          continued: Sequence[int] = ()) -> RequestStream:
+        """Admit a request (`continued`: see LLMEngine.add_request). Raises what
+        `LLMEngine.add_request` raises (EngineRequestError, EngineOverloadedError) or
+        EngineUnavailableError; on return the engine owns it.
         Cancelled while waiting: the request is aborted (or never added)."""
         stream = RequestStream(request_id, self)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         sink = _Sink(asyncio.get_running_loop(), stream)
         self._submit(_Add(request_id, list(prompt_token_ids), params, kv_transfer_params,
-                          sink, future))
+                          tuple(continued), sink, future))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -370,7 +373,7 @@ class AsyncEngine:
             return
         try:
             self._engine.add_request(add.request_id, add.prompt_token_ids, add.params,
-                                     add.kv_transfer_params)
+                                     add.kv_transfer_params, add.continued)
         except Exception as exc:
             add.future.set_exception(exc)
             return

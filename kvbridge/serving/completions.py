@@ -83,6 +83,9 @@ class _Job:
     params: SamplingParams
     response_id: str
     created: int
+    # Tokens a prefill instance sampled, which the proxy streamed with the role chunk: the
+    # answer continues from them (LLMEngine.add_request's `continued`).
+    continued: tuple[int, ...] = ()
 
 
 class CompletionHandlers:
@@ -163,7 +166,8 @@ class CompletionHandlers:
             stops = set(params.stop_token_ids) | set(tokenizer.stop_token_ids)
             params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stops)))
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return _Job(chat, request, prompt_ids, params, prefix + request_id, int(time.time()))
+        return _Job(chat, request, prompt_ids, params, prefix + request_id, int(time.time()),
+                    tuple(request.continue_from_token_ids or ()))
 
     def _check_prompt_bytes(self, text: str, param: str) -> None:
         size = len(text.encode("utf-8"))
@@ -199,14 +203,15 @@ class CompletionHandlers:
                      kv_params: KVTransferParams | None) -> RequestStream:
         try:
             try:
-                return await self.engine.add_request(request_id, job.prompt_ids, job.params, kv_params)
+                return await self.engine.add_request(request_id, job.prompt_ids, job.params, kv_params,
+                                                     job.continued)
             except DuplicateRequestIdError:
                 # A client (or a proxy passing client ids through) reused an X-Request-Id while
                 # the engine still holds state for it, e.g. blocks leased to a remote reader.
                 # Like vLLM, serve it under a unique internal id; the answer keeps the header.
                 unique = f"{request_id}-{uuid.uuid4().hex[:12]}"
                 logger.info("request id %s is in use; serving this request as %s", request_id, unique)
-                return await self.engine.add_request(unique, job.prompt_ids, job.params, kv_params)
+                return await self.engine.add_request(unique, job.prompt_ids, job.params, kv_params, job.continued)
         except EngineRequestError as exc:
             raise ApiError(400, str(exc)) from None
         except EngineOverloadedError as exc:
@@ -248,7 +253,7 @@ class CompletionHandlers:
                       watcher: asyncio.Task[None]) -> AsyncIterator[str]:
         chunks = _ChunkMaker(job, self.engine)
         try:
-            if job.chat:
+            if job.chat and not job.continued:
                 yield chunks.delta(p.DeltaMessage(role="assistant", content=""))
             async for output in stream:
                 timer.on_output(output)

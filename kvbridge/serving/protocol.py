@@ -133,6 +133,9 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # parsed by kvbridge.kv_transfer.params
+    # extension: with kv_transfer_params from a prefill instance, the tokens it sampled, which
+    # the proxy already streamed: the answer continues from them (engine.add_request `continued`)
+    continue_from_token_ids: list[TokenId] | None = None
 
     @field_validator("n")
     @classmethod

@@ -9,6 +9,8 @@ Life of a request (docs: ARCHITECTURE.md, "The life of a P/D request"):
   3. POST to D the client's original body plus P's response `kv_transfer_params`;
      D's answer (JSON or SSE, success or error) goes back unchanged, streamed as it comes.
 Both upstream calls carry the same `X-Request-Id` (the client's, else a new one).
+With `stream: true`, P's sampled token goes to the client as soon as D accepted the request,
+and D continues from it (proxy_first_token.py: first token straight from prefill).
 The FastAPI app and the server runner around PDProxy are in proxy_app.py.
 
 Colocated mode (no prefill URLs): each request goes straight to a decode-list instance
@@ -45,6 +47,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvbridge.serving import proxy_first_token as first_token
 from kvbridge.serving.protocol import parse_json_object
 from kvbridge.serving.routing import Upstream, UpstreamKind, UpstreamPool
 
@@ -77,6 +80,12 @@ class ProxyMetrics:
         self.decode_only_fallback = Counter("kvbridge_proxy_decode_only_fallback",
                                             "Requests served by a decode instance alone because no prefill "
                                             "instance could prefill them", registry=r)
+        self.first_token = Counter("kvbridge_proxy_first_token_from_prefill",
+                                   "Streamed requests whose first token came straight from prefill, by whether "
+                                   "decode continued them or prefill's token finished them", ["outcome"],
+                                   registry=r)
+        for outcome in ("continued", "finished_at_prefill"):
+            self.first_token.labels(outcome)  # exported at 0 from the start
         self.circuit = Gauge("kvbridge_proxy_circuit_state", "Circuit breaker per upstream: 0 closed, 1 half-open, "
                              "2 open", ["kind", "url"], registry=r)
         # Gauges are set from the pools at scrape time (PDProxy.refresh_gauges).
@@ -189,15 +198,18 @@ class _PassthroughStream(StreamingResponse):
     """Streams D's bytes as they arrive; closes D's response however the stream ends,
     so a client that goes away makes D abort the request and free its blocks."""
 
-    def __init__(self, exchange: _Exchange, request_id: str) -> None:
+    def __init__(self, exchange: _Exchange, request_id: str, first: bytes = b"") -> None:
         self._exchange = exchange
         self._request_id = request_id
+        self._first = first  # sent before D's bytes: the events for P's token (proxy_first_token)
         super().__init__(self._chunks(), status_code=exchange.response.status_code,
                          media_type=exchange.response.headers.get("content-type", "text/event-stream"),
                          headers={REQUEST_ID_HEADER: request_id})
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         try:
+            if self._first:
+                yield self._first
             async for chunk in self._exchange.response.aiter_raw():
                 yield chunk
         except httpx.HTTPError as exc:
@@ -224,8 +236,9 @@ class PDProxy:
     def __init__(self, prefill: UpstreamPool | None, decode: UpstreamPool, *, health_interval_s: float,
                  health_timeout_s: float, timeout_s: float, connect_timeout_s: float,
                  api_key: str | None, upstream_api_key: str | None, retry: RetryPolicy = RetryPolicy(),
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, first_token_from_prefill: bool = True) -> None:
         self.prefill, self.decode = prefill, decode
+        self.first_token_from_prefill = first_token_from_prefill
         self.retry = retry
         self._rng = random.Random(seed)  # backoff jitter
         self.metrics = ProxyMetrics()
@@ -386,6 +399,7 @@ class PDProxy:
             body = parse_json_object(await request.body())
         except ValueError as exc:
             return openai_error(400, str(exc), "invalid_json", request_id)
+        body.pop(first_token.CONTINUE_FIELD, None)  # like kv_transfer_params: only the proxy sets it
         for pool in self.pools:
             if pool is self.prefill and self.retry.decode_only_fallback:
                 continue  # no healthy P: the decode-only fallback serves it
@@ -415,15 +429,26 @@ class PDProxy:
                 return answer if answer is not None else Response(status_code=499)
             if isinstance(prefilled, Response):
                 return prefilled
+            upstream, params, p_answer = prefilled
+            plan = (first_token.plan(body, route, p_answer, params)
+                    if self.first_token_from_prefill and first_token.eligible(body, route) else None)
+            if plan is not None and plan.finished:
+                self.metrics.first_token.labels("finished_at_prefill").inc()
+                await asyncio.shield(self.release_on_prefill(upstream, params, headers, request_id))
+                return Response(plan.events, media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id})
             # A cancelled D call closes its connection, so D aborts and frees through its own path.
-            answer = await _unless(gone, self._decode(route, body, headers, request_id, prefilled))
+            answer = await _unless(gone, self._decode(
+                route, body if plan is None else plan.decode_body(body), headers, request_id, (upstream, params),
+                plan.events if plan is not None else b""))
+            if plan is not None and isinstance(answer, _PassthroughStream):
+                self.metrics.first_token.labels("continued").inc()
             return answer if answer is not None else Response(status_code=499)
         finally:
             watcher.cancel()
 
     async def _prefill(self, route: str, body: dict, headers: dict[str, str],
-                       request_id: str) -> tuple[Upstream, dict] | Response | _Exhausted:
-        """Step 1: P's upstream and kv_transfer_params; P's 4xx answer for the client; or, when
+                       request_id: str) -> tuple[Upstream, dict, bytes] | Response | _Exhausted:
+        """Step 1: P's upstream, kv_transfer_params and whole answer; P's 4xx answer for the client; or, when
         every attempt failed (connection, timeout, a broken answer, 5xx, no kv_transfer_params)
         or no P could be tried, what the client gets without a fallback."""
         assert self.prefill is not None, "P/D mode only"
@@ -461,18 +486,19 @@ class PDProxy:
                          "--kv-role producer?)", "no_kv_transfer_params", request_id)
                 continue
             self.metrics.prefill_seconds.observe(time.monotonic() - started)
-            return upstream, params
+            return upstream, params, bytes(answer.body)
         if last is None:
             last = openai_error(503, "no healthy prefill instance", "no_healthy_instance", request_id)
         return _Exhausted(last)
 
     async def _decode(self, route: str, body: dict, headers: dict[str, str], request_id: str,
-                      prefilled: tuple[Upstream, dict] | None) -> Response:
+                      prefilled: tuple[Upstream, dict] | None, first: bytes = b"") -> Response:
         """Step 2 (or the whole request in colocated mode and in the decode-only fallback:
         `prefilled` None, the client's body without kv_transfer_params): D's answer, streamed or
         whole. A D that fails before anything reached the client (connection, timeout, a broken
         answer, 5xx) is retried on another D with the same kv_transfer_params; a 4xx and a
-        stream that started are never retried. P's KV is released when no D received the request."""
+        stream that started are never retried. P's KV is released when no D received the request.
+        `first`: bytes a successful stream sends before D's (the first-token path's events)."""
         if prefilled is None:
             forwarded = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         else:
@@ -497,7 +523,7 @@ class PDProxy:
             status = sent.response.status_code
             if status < 400 and body.get("stream"):  # the first byte goes to the client: no retry after it
                 self.decode.record(upstream, True)
-                return _PassthroughStream(sent, request_id)
+                return _PassthroughStream(sent, request_id, first)
             answer = await self._read_all(sent, request_id)
             if isinstance(answer, _Failed) or status >= 500:
                 reason = answer.reason if isinstance(answer, _Failed) else f"status_{status}"

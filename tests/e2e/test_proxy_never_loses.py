@@ -6,7 +6,9 @@ in front of all four, the openai client.
   colocated engine's text (retried on the other P);
 - a D killed with SIGKILL while it computes a request, before its first byte: the request is
   retried on the other D with the same kv_transfer_params and answers the colocated text;
-- both P dead: requests are answered by the surviving D alone, and counted.
+- both P dead: requests are answered by the surviving D alone, and counted;
+- the killed D flaps back (restarted on its address): the breaker its failure opened is
+  probed after the cool-down and closes on the probe's success.
 Afterwards every block is free on every instance still alive.
 """
 
@@ -18,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -47,15 +50,23 @@ def wait_for(what: str, condition, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def circuit(proxy: str, url: str) -> str:
+    """The breaker state of upstream `url` in the proxy's /health report."""
+    report = httpx.get(proxy + "/health", timeout=10, trust_env=False).json()
+    return next(u["circuit"] for kind in ("prefill", "decode") for u in report[kind] if u["url"] == url)
+
+
 def test_killed_prefill_and_decode_processes_lose_no_request(model, tmp_path_factory):
     want = Reference(model)
     served = Path(model).name
     fleet = Fleet(model, "nixl", INSTANCES, tmp_path_factory.mktemp("logs-never-loses"))
     try:
         port = free_ports(1)[0]
-        fleet._spawn("proxy", proxy_command(DEFAULT_CLI, [fleet.urls["p_a"], fleet.urls["p_b"]],
-                                            [fleet.urls["d_a"], fleet.urls["d_b"]], host="127.0.0.1", port=port),
-                     http_url("127.0.0.1", port))
+        argv = proxy_command(DEFAULT_CLI, [fleet.urls["p_a"], fleet.urls["p_b"]],
+                             [fleet.urls["d_a"], fleet.urls["d_b"]], host="127.0.0.1", port=port)
+        # One failure opens a breaker, probed after 2 s: the flapping D below closes it again.
+        argv += ["--breaker-failures", "1", "--breaker-cooldown", "2", "--health-interval", "0.5"]
+        fleet._spawn("proxy", argv, http_url("127.0.0.1", port))
         fleet.wait_healthy(["proxy"])
         proxy = fleet.urls["proxy"]
         prompts = [f"Request {i}: tell me about the sea and the sky." for i in range(16)]
@@ -83,11 +94,23 @@ def test_killed_prefill_and_decode_processes_lose_no_request(model, tmp_path_fac
             os.kill(fleet.child(busy).pid, signal.SIGKILL)
             assert answer.result() == long_want
         assert metric(proxy, "kvbridge_proxy_retries_total", kind="decode", reason="protocol") >= 1
+        assert circuit(proxy, fleet.urls[busy]) == "open"
         alive_d = "d_b" if busy == "d_a" else "d_a"
         # 3. Both P dead: D serves alone, counted.
         os.kill(fleet.child("p_b").pid, signal.SIGKILL)
         assert complete(proxy, served, "Request last: hello") == want("Request last: hello")
         assert metric(proxy, "kvbridge_proxy_decode_only_fallback_total") >= 1
-        assert_settled(fleet, [alive_d])
+        # 4. The killed D comes back on its address: after the cool-down one request probes it and
+        # its success closes the breaker (each check sends a request: they are what probes it).
+        killed = fleet.child(busy)
+        fleet.children.remove(killed)
+        fleet._spawn(busy, killed.argv, fleet.urls[busy])
+        fleet.wait_healthy([busy])
+
+        def probed_and_closed() -> bool:
+            assert complete(proxy, served, "Request flap: hello") == want("Request flap: hello")
+            return circuit(proxy, fleet.urls[busy]) == "closed"
+        wait_for("the restarted decode instance's breaker never closed", probed_and_closed)
+        assert_settled(fleet, [alive_d, busy])
     finally:
         fleet.stop()

@@ -411,6 +411,8 @@ def test_models_health_and_metrics(inst: Instance) -> None:
     ("/v1/completions", {"prompt": "Hi", "kv_transfer_params": {"do_remote_prefill": True}},
      "kv_transfer_params"),
     ("/v1/completions", {"prompt": "Hi", "kv_transfer_params": "yes"}, "kv_transfer_params"),
+    ("/v1/completions", {"prompt": "Hi", "continue_from_token_ids": [-1]}, "continue_from_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "continue_from_token_ids": [5]}, None),  # no prefill's params
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": "Hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),

@@ -18,11 +18,13 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.config import KVRole, LoadFailurePolicy
+from kvbridge.engine.engine import EngineRequestError
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_BAMBA, write_synthetic_folder
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
+from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
@@ -138,3 +140,22 @@ def test_a_one_token_prompt_leaves_p_nothing_to_send(model, want):
     finally:
         for e in (p, d, colocated):
             e.shutdown()
+
+
+def test_a_mamba_prefill_offers_no_token_to_continue_and_decode_refuses_one(model, prompts):
+    """N-1 prefill: P's sampled token follows the prompt's N-1 tokens, not the prompt, so P names
+    none (the proxy's first-token path then takes the ordinary path) and D refuses forged ones."""
+    p = make_engine(model, KVRole.PRODUCER, backend_name="tcp", block_size=BLOCK)
+    d = make_engine(model, KVRole.CONSUMER, backend_name="tcp", block_size=BLOCK)
+    try:
+        params = prefill(p, prompts[0])
+        assert "generated_token_ids" not in params
+        kv = parse_kv_transfer_params(params)
+        with pytest.raises(EngineRequestError, match="Mamba"):
+            d.add_request("d-continue-mamba", prompts[0], GREEDY, kv, continued=[5])
+        d.notify_kv_transfer_rejected("d-continue-mamba", kv)  # what the API server's guard does
+        settle(p, d)
+        assert all_free(p, d) and p.metrics().num_held_for_remote == 0
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -166,3 +166,14 @@ def test_a_check_read_without_a_content_digest_is_refused(control) -> None:
         ControlClient(timeout_s=2.0)._client.request(
             "127.0.0.1", port, "kv_check_read", b'{"rid": "r1", "gen": 7, "blocks": [[3, 4, 5]]}', 2.0)
     assert "r1" in leases and not leases.reads_in_flight()
+
+
+def test_a_lease_with_p_s_tokens_accepts_exactly_that_continuation_too() -> None:
+    t = LeaseTable(30.0, clock=Clock(), read_watch_s=5.0)
+    prompt = list(range(1, 34))
+    t.grant("r1", BLOCKS, 7, content_digest(prompt), content_digest(prompt + [99]))
+    assert t.check_read("r1", 7, BLOCKS, content_digest(prompt + [99])) is None
+    assert t.check_read("r1", 7, BLOCKS, content_digest(prompt)) is None
+    refusal = t.check_read("r1", 7, BLOCKS, content_digest(prompt + [98]))  # another token than P's
+    assert refusal is not None and refusal.kind is Refusal.CONTENT
+    assert "r1" not in t  # a content mismatch ends the lease

@@ -300,3 +300,22 @@ def valid_params(draw: st.DrawFn) -> KVTransferParams:
 def test_valid_params_round_trip_through_json(params: KVTransferParams) -> None:
     wire = json.loads(json.dumps(to_wire(params)))
     assert parse_kv_transfer_params(wire) == params
+
+
+def test_the_tokens_p_sampled_are_parsed_and_written_back() -> None:
+    offered = parse_kv_transfer_params({**P_RESPONSE, "generated_token_ids": [42]})
+    assert offered is not None and offered.generated_token_ids == (42,)
+    assert to_wire(offered) == {**P_RESPONSE, "generated_token_ids": [42]}
+
+
+@pytest.mark.parametrize("raw", [
+    {**P_RESPONSE, "generated_token_ids": 42},
+    {**P_RESPONSE, "generated_token_ids": []},
+    {**P_RESPONSE, "generated_token_ids": [1.5]},
+    {**P_RESPONSE, "generated_token_ids": [True]},
+    {**P_RESPONSE, "generated_token_ids": [-1]},
+    {**P_RESPONSE, "generated_token_ids": list(range(17))},
+])
+def test_bad_generated_tokens_are_refused(raw: dict) -> None:
+    with pytest.raises(KVTransferParamsError):
+        parse_kv_transfer_params(raw)

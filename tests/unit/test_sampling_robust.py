@@ -70,3 +70,16 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     assert result.tokens["ok-2"] == int(torch.argmax(rows[2]))
     again = sampler.sample(logits(1), ["next"], [sp])
     assert again.errors == {} and 0 <= again.tokens["next"] < VOCAB
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.5)])
+def test_a_seeded_generator_skipped_past_earlier_draws_continues_one_sequence(temperature, top_k, top_p) -> None:
+    """The prefill instance samples a seeded request's first token, the decode instance the
+    rest: skipping one draw makes the decode's sequence one engine's whatever the logits were."""
+    rows = logits(6) / 8  # flat enough that the generator's state decides the token
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=77)
+    one = Sampler()
+    want = [one.sample(rows[i:i + 1], ["r"], [sp], [i]).tokens["r"] for i in range(6)]
+    first = Sampler().sample(rows[0:1], ["r"], [sp], [0]).tokens["r"]
+    rest = Sampler()  # a fresh sampler: its generator starts at the request's second draw
+    assert [first] + [rest.sample(rows[i:i + 1], ["r"], [sp], [i]).tokens["r"] for i in range(1, 6)] == want

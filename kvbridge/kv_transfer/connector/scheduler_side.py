@@ -13,6 +13,14 @@ would advance a state that already holds that token. So P computes the prompt bu
 token (`on_new_request` drops it from a do_remote_decode request: P's own one sampled token is
 never used) and D loads the KV and states of those N-1 tokens, then computes token N from them.
 A one-token prompt leaves P nothing to send: D computes it and P only hears it may free.
+
+First token straight from prefill (attention models only): P's params name the tokens it
+sampled (`generated_token_ids`) and its lease also accepts the digest of the prompt + those
+tokens. A D request that continues from them (LLMEngine.add_request's `continued`) starts
+with them as output tokens: D reads the prompt's KV, computes the generated tokens' KV
+itself and samples the next token; it presents the digest of its whole sequence, so P
+refuses any other continuation. A Mamba P never samples from the whole prompt (N-1
+prefill), so it offers no tokens, and a Mamba D refuses to continue (engine.py).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec,
 from kvbridge.kv_transfer.failure import recompute_on_failure
 from kvbridge.kv_transfer.handshake_manager import is_trusted_host
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
-from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError
+from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams, KVTransferParamsError
 from kvbridge.kv_transfer.stats import KVTransferStats
 
 logger = logging.getLogger("kvbridge.kv_transfer")
@@ -149,7 +157,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         tokens = self.remote_tokens(request.num_prompt_tokens)
         self._meta.reqs_to_recv.append(RecvSpec(
             request.request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0, local, remote,
-            content_digest(request.prompt_token_ids[:tokens])))
+            content_digest(request.prompt_token_ids[:tokens] + request.output_token_ids)))
 
     def build_connector_meta(self) -> ConnectorMetadata:
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -183,11 +191,17 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             logger.error("request %s finished while a lease on that id is held; freeing its blocks", rid)
             return False, None
         # Granted now, before the response carrying these params can reach any reader. The
-        # blocks hold the prompt's KV: the lease binds them to its digest.
+        # blocks hold the prompt's KV: the lease binds them to its digest (and to the digest
+        # of the prompt + P's sampled tokens, for a D that continues from them).
+        generated = list(request.output_token_ids)
+        if self.has_mamba or len(generated) > MAX_GENERATED_TOKENS:
+            generated = []
+        continued = content_digest(request.prompt_token_ids + generated) if generated else None
         generation = self.leases.new_generation()
-        self.leases.grant(rid, block_ids, generation, content_digest(request.prompt_token_ids))
+        self.leases.grant(rid, block_ids, generation, content_digest(request.prompt_token_ids), continued)
         host, port = self._side_channel_addr()
-        return True, {
+        extra = {"generated_token_ids": generated} if generated else {}
+        return True, {**extra,
             "do_remote_decode": False, "do_remote_prefill": True,
             "remote_block_ids": list(block_ids[0]) if len(block_ids) == 1 else [list(g) for g in block_ids],
             "remote_engine_id": self.engine_id, "remote_request_id": rid,

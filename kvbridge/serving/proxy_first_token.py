@@ -1,0 +1,156 @@
+"""First token straight from prefill: the proxy streams P's sampled token to the client and
+D continues from it, so a streamed P/D request's first token costs P's prefill, not P's
+prefill plus D's KV read and first step.
+
+The pure half of the path (PDProxy.handle runs it, proxy.py):
+  1. `eligible`: a streamed request with one choice, one prompt and no logprobs (P's token's
+     logprobs would need chunks of their own); anything else takes the ordinary path.
+  2. P answers its one-token request as usual; `plan` reads its text, finish reason, usage
+     and `kv_transfer_params.generated_token_ids` (absent: a P that offers no token, e.g. a
+     Mamba model's N-1 prefill: the ordinary path).
+  3. P's token ended the request (EOS, a stop token id or a stop string: finish "stop"; or
+     the client asked for one token): `Plan.finished` holds the whole stream; no D leg, and P
+     is told to release its KV.
+  4. Else D gets the client's body with P's params and `continue_from_token_ids` (P's
+     token, outside the params: params swapped between requests never carry another
+     request's token): its engine starts with P's token as its first output token
+     (LLMEngine.add_request's `continued`), computes its KV after reading the prompt's from
+     P, and streams only what follows. `Plan.events`, those for P's token, go to the client
+     once D accepted the request (its status line:
+     D's admission, before any KV moves), so a request D refuses still gets D's status and
+     error body and a D that fails before answering is retried as on the ordinary path.
+
+What the client receives equals one engine's stream: the text sent for P's token is what a
+stream emits after its first token (`streamed_text`: a trailing partial UTF-8 character and
+any end that may start a stop string are held back, and D, which counts P's token's text for
+stop strings, emits them), D's sampler skips the draw P's token took (seeded sampling gives
+one engine's sequence), and D's usage counts the original prompt and P's token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from kvbridge.engine.output_processor import stop_holdback
+from kvbridge.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params
+from kvbridge.serving import protocol as p
+
+CHAT_ROUTE = "/v1/chat/completions"
+CONTINUE_FIELD = "continue_from_token_ids"  # only the proxy sets it (PDProxy.handle drops a client's)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # protocol.CompletionRequest's default
+DONE = b"data: [DONE]\n\n"
+
+
+def eligible(body: dict, route: str) -> bool:
+    """Whether the first-token path may serve this request (a pure check on the client's body)."""
+    if body.get("stream") is not True or body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
+        return False
+    logprobs = body.get("logprobs")
+    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs") is not None:  # 0 asks too
+        return False
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return False  # a batch of prompts
+    limit = requested_max_tokens(body, route)
+    return limit is None or (type(limit) is int and limit >= 1)
+
+
+def requested_max_tokens(body: dict, route: str) -> object:
+    """The client's token limit as sent (None: a chat request limited by the context)."""
+    if route == CHAT_ROUTE:
+        return body.get("max_completion_tokens") or body.get("max_tokens")
+    return body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+
+
+def stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(s for s in stop if isinstance(s, str)) if isinstance(stop, list) else ()
+
+
+def streamed_text(text: str, stops: tuple[str, ...]) -> str:
+    """What a stream has sent after its first token, whose whole text (P's finished answer) is
+    `text`: nothing while it ends in a partial character (U+FFFD), else all but an end that
+    may start a stop string (output_processor does the same with the same rule)."""
+    if text.endswith("\ufffd"):
+        return ""
+    return text[:len(text) - stop_holdback(text, stops)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The first-token path for one request, from P's answer. `finished`: P's token ended
+    the request and `events` are the client's whole stream; else `events` go first and D
+    continues from `continued` (P's tokens)."""
+
+    finished: bool
+    events: bytes
+    continued: list[int]
+
+    def decode_body(self, body: dict) -> dict:
+        """The client's body for D, continuing from P's tokens (the proxy adds P's params)."""
+        return {**body, CONTINUE_FIELD: self.continued}
+
+
+def plan(body: dict, route: str, answer: bytes, params: dict) -> Plan | None:
+    """None when P's answer offers no token to continue from (the ordinary path serves it)."""
+    try:
+        kv = parse_kv_transfer_params(params)
+    except KVTransferParamsError:
+        return None
+    if kv is None or not kv.do_remote_prefill or not kv.generated_token_ids:
+        return None
+    try:
+        parsed = json.loads(answer)
+        choice = parsed["choices"][0]
+        text = choice["message"]["content"] if route == CHAT_ROUTE else choice["text"]
+        chunk = _Chunks(route, parsed["id"], parsed["created"], parsed["model"],
+                        bool((body.get("stream_options") or {}).get("include_usage")))
+        usage = p.UsageInfo.model_validate(parsed["usage"])
+        reason = choice["finish_reason"]
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    if not isinstance(text, str):
+        return None
+    finished = reason == "stop" or (reason == "length" and requested_max_tokens(body, route) == 1)
+    sent = text if finished else streamed_text(text, stop_strings(body))
+    events = chunk.first(sent)
+    if finished:
+        events += chunk.finish(reason) + chunk.usage(usage) + DONE
+    return Plan(finished, events, list(kv.generated_token_ids))
+
+
+class _Chunks:
+    """SSE events in the API server's shapes (completions.py's _ChunkMaker) for one request."""
+
+    def __init__(self, route: str, response_id: str, created: int, model: str, include_usage: bool) -> None:
+        self.chat = route == CHAT_ROUTE
+        self.id, self.created, self.model = response_id, created, model
+        self.include_usage = include_usage
+
+    def _event(self, choices: list, usage: p.UsageInfo | None = None) -> bytes:
+        cls = p.ChatCompletionChunk if self.chat else p.CompletionChunk
+        chunk = cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+        exclude = {"kv_transfer_params"} if self.include_usage else {"kv_transfer_params", "usage"}
+        return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n".encode()
+
+    def first(self, text: str) -> bytes:
+        """The events for P's token: the chat role chunk, then its text unless empty."""
+        events = b""
+        if self.chat:
+            events += self._event([p.ChatStreamChoice(delta=p.DeltaMessage(role="assistant", content=""))])
+            if text:
+                events += self._event([p.ChatStreamChoice(delta=p.DeltaMessage(content=text))])
+        elif text:
+            events += self._event([p.CompletionChoice(text=text)])
+        return events
+
+    def finish(self, reason: str) -> bytes:
+        if self.chat:
+            return self._event([p.ChatStreamChoice(delta=p.DeltaMessage(), finish_reason=reason)])
+        return self._event([p.CompletionChoice(text="", finish_reason=reason)])
+
+    def usage(self, usage: p.UsageInfo) -> bytes:
+        return self._event([], usage) if self.include_usage else b""
