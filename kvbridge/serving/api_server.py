@@ -206,13 +206,15 @@ class _Server(uvicorn.Server):
         await asyncio.to_thread(self.engine.shutdown)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket; port 0 lets the OS choose (read it with getsockname())."""
+def bind_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to (host, port), listening unless `listen` is False (call
+    `sock.listen(...)` later); port 0 lets the OS choose (read it with getsockname())."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.setblocking(False)
     return sock
 
@@ -227,8 +229,16 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
     kv = config.kv_transfer
     if kv is not None and kv.backend == "nixl":  # before any NIXL agent (or TP rank) starts: UCX reads it once
         apply_ucx_net_devices(os.environ, kv.public_host)
-    engine = AsyncEngine.from_config(config)
-    sock = bind_socket(host, port)
+    # The port first: a port already in use fails at once, not after the model loaded, and the
+    # ephemeral ports the engine's rank processes and transfer agents open while it starts
+    # (gloo, UCX) cannot take it. Connections are refused until the engine is ready (listen).
+    sock = bind_socket(host, port, listen=False)
+    try:
+        engine = AsyncEngine.from_config(config)
+    except BaseException:
+        sock.close()
+        raise
+    sock.listen(2048)
     server = _Server(uvicorn.Config(build_app(engine, api_key), log_level=log_level,
                                     timeout_graceful_shutdown=10), engine)
     bound_port = sock.getsockname()[1]
