@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -123,7 +124,8 @@ def summarize(runs: list[Run], case_list: list[Case]) -> list[dict]:
             row[metric] = {"kvbridge": statistics.median(kv[r] for r in reps),
                            "vllm": statistics.median(vl[r] for r in reps),
                            "ratio": statistics.median(kv[r] / vl[r] for r in reps if vl[r] > 0)}
-        row["load_avg"] = statistics.median(r.load_avg for r in runs if r.case == case.name)
+        loads = [r.load_avg for r in runs if r.case == case.name]
+        row["load_avg"] = statistics.median(loads) if loads else float("nan")
         rows.append(row)
     return rows
 
@@ -139,6 +141,20 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['case']:<24} {t['kvbridge']:>13.1f} {t['vllm']:>8.1f} {t['ratio']:>5.2f}x   "
               f"{f['kvbridge']:>11.1f} {f['vllm']:>8.1f} {f['ratio']:>5.2f}x   "
               f"{p['kvbridge']:>11.1f} {p['vllm']:>7.1f} {p['ratio']:>5.2f}x  {row['load_avg']:.1f}")
+
+
+def runs_from_dir(result_dir: Path, case_list: list[Case]) -> list[Run]:
+    """The runs whose `vllm bench serve` results lie in `result_dir` (an interrupted run's log
+    directory), for the same case options; their load average is unknown (nan)."""
+    runs = []
+    for path in sorted(result_dir.glob("r*-c*-*.json")):
+        match = re.fullmatch(r"r(\d+)-c(\d+)-(\w+)\.json", path.name)
+        if match is None:
+            continue
+        rep, case, server = int(match[1]), int(match[2]), match[3]
+        data = json.loads(path.read_text())
+        runs.append(Run(case_list[case].name, server, rep, *(float(data[m]) for m in METRICS), float("nan")))
+    return runs
 
 
 def parse_args() -> argparse.Namespace:
@@ -163,6 +179,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared per check prompt")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 rep, concurrency 1 and 16, no TTFT case")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--summarize", type=Path, default=None, metavar="DIR",
+                   help="only print the table of the results in DIR (an interrupted run's log directory; "
+                        "pass the same case options)")
     args = p.parse_args()
     if args.quick:
         args.reps, args.concurrency, args.rounds, args.ttft_input_len = 1, [1, 16], 1, 0
@@ -171,6 +190,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.summarize is not None:
+        print_table(summarize(runs_from_dir(args.summarize, cases(args)), cases(args)))
+        return
     vllm = ensure_vllm_venv(args.venv, args.vllm_version)
     folder = export_hf_folder(args.model, args.workdir / "smollm2-135m-instruct-fp32")
     common = (args.threads, args.kv_cache_gb, args.max_num_seqs, args.max_model_len)
