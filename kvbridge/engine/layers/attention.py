@@ -32,10 +32,23 @@ class DecodeGroup:
     """The step's decode sequences (one new token each), attended by one padded SDPA call."""
 
     token_index: torch.Tensor | None  # [Bd] rows of the step's tokens; None = all T tokens, in order
-    block_index: torch.Tensor  # [Bd * max_blocks] each sequence's blocks, padded with its first block
+    block_index: torch.Tensor  # [Bd, max_blocks] each sequence's blocks, padded with its first block
     max_blocks: int
     max_context: int  # keys per sequence after dropping the padded tail of the last block
     mask: torch.Tensor | None  # [Bd, 1, 1, max_context], True = attend; None when nothing is padding
+    _head_block_index: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    def head_block_index(self, kv_heads: int) -> torch.Tensor:
+        """[Bd * kv_heads * max_blocks]: row `block * kv_heads + head` of a [blocks * kv_heads,
+        block_size, head_dim] view of one layer's K (or V), sequence-major, then head, then block:
+        gathered rows are SDPA's [Bd, kv_heads, keys, head_dim] with no second copy. Built once
+        per step (every layer of a model has the same KV heads)."""
+        index = self._head_block_index.get(kv_heads)
+        if index is None:
+            heads = torch.arange(kv_heads, device=self.block_index.device)
+            index = (self.block_index[:, None, :] * kv_heads + heads[None, :, None]).flatten()
+            self._head_block_index[kv_heads] = index
+        return index
 
 
 @dataclass(frozen=True)
@@ -171,7 +184,7 @@ class AttentionMetadata:
         token_index = None
         if len(seqs) != len(self.context_lens):
             token_index = torch.tensor([self.query_start_loc[i] for i in seqs], dtype=torch.int64).to(device)
-        block_index = torch.tensor(blocks, dtype=torch.int64).to(device)
+        block_index = torch.tensor(blocks, dtype=torch.int64).view(len(seqs), max_blocks).to(device)
         return DecodeGroup(token_index, block_index, max_blocks, max_context, mask)
 
 
@@ -222,9 +235,13 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         num_seqs = q.shape[0]
         _, _, block_size, kv_heads, head_dim = kv_layer.shape
-        shape = (num_seqs, group.max_blocks * block_size, kv_heads, head_dim)
-        k, v = (kv_layer[:, i].index_select(0, group.block_index).view(shape)[:, :group.max_context]
-                .transpose(1, 2).to(q.dtype) for i in (0, 1))  # [Bd, kv_heads, S, D]
+        # The cache's own order, [blocks, kv_heads, 2, block_size, D]: one (block, head) of K is one
+        # contiguous [block_size, D] run, so gathering runs in (sequence, head, block) order gives
+        # K and V directly as [Bd, kv_heads, keys, D] (view() raises if the layout is not the cache's).
+        by_head = kv_layer.permute(0, 3, 1, 2, 4)
+        index = group.head_block_index(kv_heads)
+        k, v = (by_head[:, :, i].view(-1, block_size, head_dim).index_select(0, index)
+                .view(num_seqs, kv_heads, -1, head_dim)[:, :, :group.max_context].to(q.dtype) for i in (0, 1))
         if self.fold_gqa_decode:
             group_size = self.num_heads // kv_heads
             out = F.scaled_dot_product_attention(q.view(num_seqs, kv_heads, group_size, head_dim), k, v,

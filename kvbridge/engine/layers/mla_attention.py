@@ -71,8 +71,8 @@ class MLAPagedAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [Bd, heads, lora]
         q = torch.cat((q_latent, q_pe), dim=-1)  # [Bd, heads, latent]
         block_size = cache.shape[1]
-        k = (cache.index_select(0, group.block_index).view(num_seqs, 1, group.max_blocks * block_size,
-                                                          self.latent_dim)[:, :, :group.max_context].to(q.dtype))
+        k = (cache.index_select(0, group.block_index.flatten())
+             .view(num_seqs, 1, group.max_blocks * block_size, self.latent_dim)[:, :, :group.max_context].to(q.dtype))
         # One KV head: the heads ride the query-length axis, so one plain SDPA call serves all.
         out = F.scaled_dot_product_attention(q.unsqueeze(1), k, k[..., :self.kv_lora_rank],
                                              attn_mask=group.mask, scale=self.scale)
