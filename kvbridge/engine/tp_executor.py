@@ -370,10 +370,9 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
             from kvbridge.kv_transfer.backends import create_backend
             from kvbridge.kv_transfer.connector.rank_agent import RankAgent
             engine_id, backend_name, serves = agent_spec
-            options = config.kv_transfer.backend_options() if config.kv_transfer is not None else {}
-            timeout = config.kv_transfer.transfer_timeout_s if config.kv_transfer is not None else None
-            agent = RankAgent(create_backend(backend_name, agent_name=f"{engine_id}-tp{rank}", **options), serves,
-                              timeout)
+            kv = config.kv_transfer  # an agent spec exists only for an engine with a KV transfer config
+            agent = RankAgent(create_backend(backend_name, agent_name=f"{engine_id}-tp{rank}", **kv.backend_options()),
+                              serves, kv.transfer_timeout_s)
         loaded = load_model(config.model)
         shard = rank_shard(loaded.arch.num_heads, loaded.arch.cache_kv_heads, tp, rank)
         runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, device, config.cache.block_size,

@@ -21,6 +21,7 @@ from functools import lru_cache
 from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
                                             HandshakeLayoutMismatch, HandshakeMetadata,
                                             HandshakeRefused, RankLayout, decode_payload)
+from kvbridge.kv_transfer.net import IPAddress, parse_ip
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 
 logger = logging.getLogger(__name__)
@@ -213,20 +214,20 @@ def is_trusted_host(host: str, trusted: Sequence[str] = ()) -> bool:
         return False
     if trusted:
         return any(_matches(name, _normalise_host(entry)) for entry in trusted)
-    ip = _parse_ip(name)
+    ip = parse_ip(name)
     if ip is not None:
         return ip.is_loopback or ip in _own_addresses()
     return name in _LOOPBACK_NAMES or name == _own_hostname()
 
 
 def _matches(name: str, entry: str) -> bool:
-    ip = _parse_ip(name)
+    ip = parse_ip(name)
     if ip is not None and "/" in entry:
         try:
             return ip in ipaddress.ip_network(entry, strict=False)
         except ValueError:
             return False
-    entry_ip = _parse_ip(entry)
+    entry_ip = parse_ip(entry)
     if ip is not None and entry_ip is not None:
         return ip == entry_ip
     return bool(entry) and name == entry
@@ -241,27 +242,17 @@ def _normalise_host(host: object) -> str:
     return name.rstrip(".")
 
 
-def _parse_ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        ip = ipaddress.ip_address(name)
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
-    return ip
-
-
 @lru_cache(maxsize=1)
 def _own_hostname() -> str:
     return _normalise_host(socket.gethostname())
 
 
 @lru_cache(maxsize=1)
-def _own_addresses() -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+def _own_addresses() -> frozenset[IPAddress]:
     """Addresses this host's own name resolves to (from /etc/hosts, usually); cached once."""
     try:
         infos = socket.getaddrinfo(socket.gethostname(), None)
     except (OSError, UnicodeError):
         return frozenset()
-    found = (_parse_ip(str(info[4][0]).split("%")[0]) for info in infos)
+    found = (parse_ip(str(info[4][0]).split("%")[0]) for info in infos)
     return frozenset(ip for ip in found if ip is not None)

@@ -27,11 +27,15 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 def parse_ip(host: str) -> IPAddress | None:
-    """`host` as an address ("[::1]" too), or None for a name or garbage."""
+    """`host` as an address ("[::1]" too; an IPv4-mapped IPv6 address as its IPv4 one:
+    ::ffff:127.0.0.1 is 127.0.0.1), or None for a name or garbage."""
     try:
-        return ipaddress.ip_address(host.strip().strip("[]"))
+        ip = ipaddress.ip_address(host.strip().strip("[]"))
     except ValueError:
         return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
 
 
 def is_unspecified(host: str) -> bool:

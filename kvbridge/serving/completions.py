@@ -69,10 +69,6 @@ def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] |
     return Response(model.model_dump_json(), status, headers, media_type="application/json")
 
 
-def _sse(model: BaseModel, exclude: set[str] | None = None) -> str:
-    return f"data: {model.model_dump_json(exclude=exclude)}\n\n"
-
-
 @dataclass
 class _Job:
     """One validated request, ready for the engine."""
@@ -268,7 +264,7 @@ class CompletionHandlers:
             yield "data: [DONE]\n\n"
         except Exception as exc:
             error = exc if isinstance(exc, ApiError) else as_api_error(exc, job.response_id)
-            yield _sse(p.ErrorResponse(error=error.info))
+            yield p.sse_event(p.ErrorResponse(error=error.info))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
@@ -294,7 +290,7 @@ class _ChunkMaker:
         exclude = set() if self.job.request.include_usage_chunk else {"usage"}
         if chunk.kv_transfer_params is None:
             exclude.add("kv_transfer_params")
-        return _sse(chunk, exclude)
+        return p.sse_event(chunk, exclude)
 
     def delta(self, delta: p.DeltaMessage, reason: str | None = None, **extra: Any) -> str:
         return self._chunk([p.ChatStreamChoice(delta=delta, logprobs=None, finish_reason=reason)],

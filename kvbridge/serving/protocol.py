@@ -454,3 +454,8 @@ def chat_logprobs(entries: Sequence[TokenLogprob],
         content.append(ChatTokenLogprob(**chosen.model_dump(),
                                         top_logprobs=[top(t, lp) for t, lp in entry.top]))
     return ChatLogprobs(content=content)
+
+
+def sse_event(model: BaseModel, exclude: set[str] | None = None) -> str:
+    """One server-sent event carrying `model` as JSON (a stream chunk), `exclude`d fields left out."""
+    return f"data: {model.model_dump_json(exclude=exclude)}\n\n"

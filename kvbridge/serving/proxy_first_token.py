@@ -134,7 +134,7 @@ class _Chunks:
         cls = p.ChatCompletionChunk if self.chat else p.CompletionChunk
         chunk = cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         exclude = {"kv_transfer_params"} if self.include_usage else {"kv_transfer_params", "usage"}
-        return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n".encode()
+        return p.sse_event(chunk, exclude).encode()
 
     def first(self, text: str) -> bytes:
         """The events for P's token: the chat role chunk, then its text unless empty."""
