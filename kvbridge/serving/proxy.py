@@ -38,17 +38,18 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import TypeVar
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbridge.serving import proxy_first_token as first_token
 from kvbridge.serving.protocol import parse_json_object
+from kvbridge.serving.proxy_exchange import (REQUEST_ID_HEADER, Exchange, Exhausted, Failed, PassthroughStream,
+                                             RetryPolicy)
 from kvbridge.serving.routing import Upstream, UpstreamKind, UpstreamPool
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,6 @@ T = TypeVar("T")
 
 RELEASE_PATH = "/kvbridge/release_kv"
 UPSTREAM_KEEPALIVE_S = 2.0
-REQUEST_ID_HEADER = "X-Request-Id"
 # The same rule as completions.py: printable ASCII without spaces, else the server makes its own id.
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")
 BAD_KEY_MESSAGE = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
@@ -111,43 +111,6 @@ def prefill_body(body: dict) -> dict:
     return out
 
 
-@dataclass(frozen=True)
-class _Failed:
-    """One upstream attempt failed before anything reached the client."""
-
-    reason: str  # connect | timeout | protocol | status_5xx | ... (the retry metric's label)
-    received: bool  # the upstream may have received the request
-    response: Response  # the client's answer if no further attempt succeeds
-
-
-@dataclass(frozen=True)
-class _Exhausted:
-    """Every prefill attempt failed, or no P could be tried: `response` unless a fallback serves."""
-
-    response: Response
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How the proxy retries a leg (prefill or decode) on another instance. `retries` attempts
-    after the first at most, none starting later than `budget_s` after the leg began; before
-    retry k (0-based) it waits uniform(0, min(backoff_max_s, backoff_s * 2**k)) ("full jitter").
-    `decode_only_fallback`: when no P could prefill, D serves the request as an ordinary one."""
-
-    retries: int = 3
-    budget_s: float = 30.0
-    backoff_s: float = 0.05
-    backoff_max_s: float = 1.0
-    decode_only_fallback: bool = True
-
-    def __post_init__(self) -> None:
-        if self.retries < 0 or self.budget_s < 0 or self.backoff_s < 0 or self.backoff_max_s < 0:
-            raise ValueError("retries, budget and backoff must be >= 0")
-
-    def delay(self, retry: int, rng: random.Random) -> float:
-        return rng.uniform(0.0, min(self.backoff_max_s, self.backoff_s * 2 ** retry))
-
-
 def prompt_text(body: dict) -> str:
     """The request's prompt as text, for prefix-affinity routing: a completion's prompt (token
     ids as their decimal list; the first of a batch), or a chat's messages as `role: content`
@@ -177,56 +140,6 @@ def _kv_transfer_params(body: bytes) -> dict | None:
     except (ValueError, AttributeError):
         return None
     return params if isinstance(params, dict) else None
-
-
-class _Exchange:
-    """One open upstream response; close() is idempotent and frees the outstanding slot."""
-
-    def __init__(self, pool: UpstreamPool, upstream: Upstream, response: httpx.Response) -> None:
-        self.pool, self.upstream, self.response = pool, upstream, response
-        self._closed = False
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.upstream.outstanding -= 1
-        await self.response.aclose()
-
-
-class _PassthroughStream(StreamingResponse):
-    """Streams D's bytes as they arrive; closes D's response however the stream ends,
-    so a client that goes away makes D abort the request and free its blocks."""
-
-    def __init__(self, exchange: _Exchange, request_id: str, first: bytes = b"") -> None:
-        self._exchange = exchange
-        self._request_id = request_id
-        self._first = first  # sent before D's bytes: the events for P's token (proxy_first_token)
-        super().__init__(self._chunks(), status_code=exchange.response.status_code,
-                         media_type=exchange.response.headers.get("content-type", "text/event-stream"),
-                         headers={REQUEST_ID_HEADER: request_id})
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        try:
-            if self._first:
-                yield self._first
-            async for chunk in self._exchange.response.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as exc:
-            # Headers are gone already: tell the client in-band instead of truncating silently.
-            logger.warning("request %s: decode stream from %s broke: %r", self._request_id,
-                           self._exchange.upstream.url, exc)
-            error = {"error": {"message": f"decode instance stream failed: {exc!r}",
-                               "type": "server_error", "param": None, "code": "upstream_failed"}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
-        finally:
-            await self._exchange.close()
-
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._exchange.close()
 
 
 class PDProxy:
@@ -327,7 +240,7 @@ class PDProxy:
         return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
 
     async def _attempt(self, pool: UpstreamPool, upstream: Upstream, path: str, body: dict,
-                       headers: dict[str, str], request_id: str) -> _Exchange | _Failed:
+                       headers: dict[str, str], request_id: str) -> Exchange | Failed:
         """POST `body` to `upstream` once: its open response, or why it failed (a connection that
         was refused marks the upstream unhealthy, as a failed health probe does)."""
         assert self.client is not None
@@ -342,13 +255,13 @@ class PDProxy:
             if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
                 self.metrics.upstream_errors.labels(pool.kind.value, "connect").inc()
                 pool.set_health(upstream, False, f"connection failed: {exc!r}")
-                return _Failed("connect", False, openai_error(
+                return Failed("connect", False, openai_error(
                     502, f"could not connect to {pool.kind.value} instance {upstream.url}", "upstream_unreachable",
                     request_id))
             return self._failed(pool.kind, exc, request_id)
-        return _Exchange(pool, upstream, response)
+        return Exchange(pool, upstream, response)
 
-    def _failed(self, kind: UpstreamKind, exc: httpx.HTTPError, request_id: str) -> _Failed:
+    def _failed(self, kind: UpstreamKind, exc: httpx.HTTPError, request_id: str) -> Failed:
         """An upstream that may have received the request failed: the client's answer if it is
         the last attempt (504 for a timeout, else 502)."""
         timed_out = isinstance(exc, httpx.TimeoutException)
@@ -356,12 +269,12 @@ class PDProxy:
         self.metrics.upstream_errors.labels(kind.value, reason).inc()
         logger.warning("request %s: %s instance failed: %r", request_id, kind.value, exc)
         if timed_out:
-            return _Failed(reason, True, openai_error(504, f"{kind.value} instance timed out", "upstream_timeout",
+            return Failed(reason, True, openai_error(504, f"{kind.value} instance timed out", "upstream_timeout",
                                                       request_id))
-        return _Failed(reason, True, openai_error(502, f"{kind.value} instance failed: {exc!r}", "upstream_failed",
+        return Failed(reason, True, openai_error(502, f"{kind.value} instance failed: {exc!r}", "upstream_failed",
                                                   request_id))
 
-    async def _read_all(self, exchange: _Exchange, request_id: str) -> Response | _Failed:
+    async def _read_all(self, exchange: Exchange, request_id: str) -> Response | Failed:
         """The upstream's complete answer, status and body unchanged, or why reading it failed."""
         try:
             content = await exchange.response.aread()
@@ -420,7 +333,7 @@ class PDProxy:
             if prefilled is None or gone.is_set():
                 logger.info("request %s: client went away before decode started", request_id)
                 return Response(status_code=499)
-            if isinstance(prefilled, _Exhausted):
+            if isinstance(prefilled, Exhausted):
                 if not self.retry.decode_only_fallback:
                     return prefilled.response
                 self.metrics.decode_only_fallback.inc()
@@ -440,14 +353,14 @@ class PDProxy:
             answer = await _unless(gone, self._decode(
                 route, body if plan is None else plan.decode_body(body), headers, request_id, (upstream, params),
                 plan.events if plan is not None else b""))
-            if plan is not None and isinstance(answer, _PassthroughStream):
+            if plan is not None and isinstance(answer, PassthroughStream):
                 self.metrics.first_token.labels("continued").inc()
             return answer if answer is not None else Response(status_code=499)
         finally:
             watcher.cancel()
 
     async def _prefill(self, route: str, body: dict, headers: dict[str, str],
-                       request_id: str) -> tuple[Upstream, dict, bytes] | Response | _Exhausted:
+                       request_id: str) -> tuple[Upstream, dict, bytes] | Response | Exhausted:
         """Step 1: P's upstream, kv_transfer_params and whole answer; P's 4xx answer for the client; or, when
         every attempt failed (connection, timeout, a broken answer, 5xx, no kv_transfer_params)
         or no P could be tried, what the client gets without a fallback."""
@@ -464,8 +377,8 @@ class PDProxy:
                 break
             tried.append(upstream)
             sent = await self._attempt(self.prefill, upstream, route, prefill_body(body), headers, request_id)
-            answer = await self._read_all(sent, request_id) if isinstance(sent, _Exchange) else sent
-            if isinstance(answer, _Failed):
+            answer = await self._read_all(sent, request_id) if isinstance(sent, Exchange) else sent
+            if isinstance(answer, Failed):
                 reason, last = answer.reason, answer.response
                 self.prefill.record(upstream, False, reason)
                 continue
@@ -489,7 +402,7 @@ class PDProxy:
             return upstream, params, bytes(answer.body)
         if last is None:
             last = openai_error(503, "no healthy prefill instance", "no_healthy_instance", request_id)
-        return _Exhausted(last)
+        return Exhausted(last)
 
     async def _decode(self, route: str, body: dict, headers: dict[str, str], request_id: str,
                       prefilled: tuple[Upstream, dict] | None, first: bytes = b"") -> Response:
@@ -514,7 +427,7 @@ class PDProxy:
                 break
             tried.append(upstream)
             sent = await self._attempt(self.decode, upstream, route, forwarded, headers, request_id)
-            if isinstance(sent, _Failed):
+            if isinstance(sent, Failed):
                 received |= sent.received
                 reason, last = sent.reason, sent.response
                 self.decode.record(upstream, False, reason)
@@ -523,12 +436,12 @@ class PDProxy:
             status = sent.response.status_code
             if status < 400 and body.get("stream"):  # the first byte goes to the client: no retry after it
                 self.decode.record(upstream, True)
-                return _PassthroughStream(sent, request_id, first)
+                return PassthroughStream(sent, request_id, first)
             answer = await self._read_all(sent, request_id)
-            if isinstance(answer, _Failed) or status >= 500:
-                reason = answer.reason if isinstance(answer, _Failed) else f"status_{status}"
-                last = answer.response if isinstance(answer, _Failed) else answer
-                if not isinstance(answer, _Failed):
+            if isinstance(answer, Failed) or status >= 500:
+                reason = answer.reason if isinstance(answer, Failed) else f"status_{status}"
+                last = answer.response if isinstance(answer, Failed) else answer
+                if not isinstance(answer, Failed):
                     self.metrics.upstream_errors.labels(UpstreamKind.DECODE.value, "status").inc()
                 self.decode.record(upstream, False, reason)
                 continue

@@ -1,0 +1,108 @@
+"""The proxy's pieces around one upstream exchange: how an attempt failed (`Failed`), a leg with
+no attempt left (`Exhausted`), how a leg is retried (`RetryPolicy`), an open upstream response
+(`Exchange`), and D's stream passed through to the client (`PassthroughStream`). PDProxy
+(proxy.py) decides what to do with them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from kvbridge.serving.routing import Upstream, UpstreamPool
+
+logger = logging.getLogger("kvbridge.serving.proxy")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """One upstream attempt failed before anything reached the client."""
+
+    reason: str  # connect | timeout | protocol | status_5xx | ... (the retry metric's label)
+    received: bool  # the upstream may have received the request
+    response: Response  # the client's answer if no further attempt succeeds
+
+
+@dataclass(frozen=True)
+class Exhausted:
+    """Every prefill attempt failed, or no P could be tried: `response` unless a fallback serves."""
+
+    response: Response
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the proxy retries a leg (prefill or decode) on another instance. `retries` attempts
+    after the first at most, none starting later than `budget_s` after the leg began; before
+    retry k (0-based) it waits uniform(0, min(backoff_max_s, backoff_s * 2**k)) ("full jitter").
+    `decode_only_fallback`: when no P could prefill, D serves the request as an ordinary one."""
+
+    retries: int = 3
+    budget_s: float = 30.0
+    backoff_s: float = 0.05
+    backoff_max_s: float = 1.0
+    decode_only_fallback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or self.budget_s < 0 or self.backoff_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("retries, budget and backoff must be >= 0")
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        return rng.uniform(0.0, min(self.backoff_max_s, self.backoff_s * 2 ** retry))
+
+
+class Exchange:
+    """One open upstream response; close() is idempotent and frees the outstanding slot."""
+
+    def __init__(self, pool: UpstreamPool, upstream: Upstream, response: httpx.Response) -> None:
+        self.pool, self.upstream, self.response = pool, upstream, response
+        self._closed = False
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.upstream.outstanding -= 1
+        await self.response.aclose()
+
+
+class PassthroughStream(StreamingResponse):
+    """Streams D's bytes as they arrive; closes D's response however the stream ends,
+    so a client that goes away makes D abort the request and free its blocks."""
+
+    def __init__(self, exchange: Exchange, request_id: str, first: bytes = b"") -> None:
+        self._exchange = exchange
+        self._request_id = request_id
+        self._first = first  # sent before D's bytes: the events for P's token (proxy_first_token)
+        super().__init__(self._chunks(), status_code=exchange.response.status_code,
+                         media_type=exchange.response.headers.get("content-type", "text/event-stream"),
+                         headers={REQUEST_ID_HEADER: request_id})
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        try:
+            if self._first:
+                yield self._first
+            async for chunk in self._exchange.response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            # Headers are gone already: tell the client in-band instead of truncating silently.
+            logger.warning("request %s: decode stream from %s broke: %r", self._request_id,
+                           self._exchange.upstream.url, exc)
+            error = {"error": {"message": f"decode instance stream failed: {exc!r}",
+                               "type": "server_error", "param": None, "code": "upstream_failed"}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+        finally:
+            await self._exchange.close()
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._exchange.close()
