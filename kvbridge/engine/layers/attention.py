@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbridge.engine.layers import cpu_kernels
+
 
 @dataclass(frozen=True)
 class DecodeGroup:
@@ -36,6 +38,8 @@ class DecodeGroup:
     max_blocks: int
     max_context: int  # keys per sequence after dropping the padded tail of the last block
     mask: torch.Tensor | None  # [Bd, 1, 1, max_context], True = attend; None when nothing is padding
+    context_lens: torch.Tensor  # [Bd] int64: keys of each sequence (the in-place CPU kernel's bound)
+    sliding_window: int | None
     _head_block_index: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     def head_block_index(self, kv_heads: int) -> torch.Tensor:
@@ -185,7 +189,8 @@ class AttentionMetadata:
         if len(seqs) != len(self.context_lens):
             token_index = torch.tensor([self.query_start_loc[i] for i in seqs], dtype=torch.int64).to(device)
         block_index = torch.tensor(blocks, dtype=torch.int64).view(len(seqs), max_blocks).to(device)
-        return DecodeGroup(token_index, block_index, max_blocks, max_context, mask)
+        context_lens = torch.tensor(ctxs, dtype=torch.int64).to(device)
+        return DecodeGroup(token_index, block_index, max_blocks, max_context, mask, context_lens, window)
 
 
 def _check_sequence(q_len: int, ctx: int, table: list[int], block_size: int) -> None:
@@ -211,14 +216,24 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.fold_gqa_decode = fold_gqa_decode
+        self.in_place_decode = True  # the CPU kernel where it applies; False: always gather + SDPA
+
+    def reads_in_place(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+        """Decode reads K/V in place (cpu_kernels) for fp32 on CPU when the kernels are built."""
+        return (self.in_place_decode and q.device.type == "cpu" and q.dtype == kv_layer.dtype == torch.float32
+                and cpu_kernels.available())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D], kv_layer [blocks, 2, block_size, kv_heads, D] (a strided
         view of the block-major cache) -> [T, heads*D]."""
-        where = (attn.slot_blocks, attn.slot_offsets)
-        kv_layer[:, 0].index_put_(where, k.to(kv_layer.dtype))
-        kv_layer[:, 1].index_put_(where, v.to(kv_layer.dtype))
+        if (kv_layer.device.type == "cpu" and k.dtype == v.dtype == kv_layer.dtype == torch.float32
+                and cpu_kernels.available()):
+            torch.ops.kvbridge.write_kv_(kv_layer, k, v, attn.slot_mapping)  # one pass, no index tensors
+        else:
+            where = (attn.slot_blocks, attn.slot_offsets)
+            kv_layer[:, 0].index_put_(where, k.to(kv_layer.dtype))
+            kv_layer[:, 1].index_put_(where, v.to(kv_layer.dtype))
         decode = attn.decode
         if decode is not None and decode.token_index is None:
             return self._decode(q, kv_layer, decode)
@@ -234,6 +249,10 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         num_seqs = q.shape[0]
+        if self.reads_in_place(q, kv_layer):
+            return cpu_kernels.paged_decode_attention(q, kv_layer, group.block_index, group.context_lens,
+                                                      group.sliding_window, self.head_dim ** -0.5
+                                                      ).view(num_seqs, self.num_heads * self.head_dim)
         _, _, block_size, kv_heads, head_dim = kv_layer.shape
         # The cache's own order, [blocks, kv_heads, 2, block_size, D]: one (block, head) of K is one
         # contiguous [block_size, D] run, so gathering runs in (sequence, head, block) order gives

@@ -6,16 +6,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbridge.engine.layers import cpu_kernels
+
+
+def _one_pass(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The CPU kernel applies: fp32 rows [tokens, hidden] with one weight per column."""
+    return (x.dim() == 2 and x.stride(1) == 1 and weight.shape == x.shape[-1:] and x.device.type == "cpu"
+            and x.dtype == weight.dtype == torch.float32 and cpu_kernels.available())
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise the last dimension of x and scale by weight (broadcastable to x).
 
     Below fp32 the statistics are taken in fp32 and the scale is applied after the cast
-    back to x's dtype, as the reference implementation does.
+    back to x's dtype, as the reference implementation does. fp32 rows on CPU take one pass
+    (cpu_kernels); torch's rms_norm makes several there.
     """
+    if _one_pass(x, weight):
+        return torch.ops.kvbridge.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+
+
+def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta (in place), then rms_norm(residual): one pass on CPU in fp32."""
+    if residual.is_contiguous() and delta.shape == residual.shape and delta.stride(-1) == 1 and _one_pass(
+            residual, weight):
+        return torch.ops.kvbridge.add_rms_norm_(residual, delta, weight, eps)
+    residual += delta
+    return rms_norm(residual, weight, eps)
 
 
 class RMSNorm(nn.Module):

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from kvbridge.engine.layers import cpu_kernels
+
 from kvbridge.engine.models.config import YarnScaling
 
 
@@ -82,3 +84,15 @@ class RotaryEmbedding(nn.Module):
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] (any head count) by the looked-up angles."""
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+    @staticmethod
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the first rope_dim (cos.shape[-1]) dims of each head of x [T, heads, head_dim] in
+        place, the rest unchanged; returns x. One pass on CPU in fp32 (cpu_kernels)."""
+        rope = cos.shape[-1]
+        if (x.device.type == "cpu" and x.dtype == cos.dtype == torch.float32 and x.stride(-1) == 1
+                and cos.is_contiguous() and sin.is_contiguous() and cpu_kernels.available()):
+            torch.ops.kvbridge.rotary_(x, cos, sin)
+        else:
+            x[..., :rope] = RotaryEmbedding.apply(x[..., :rope], cos, sin)
+        return x

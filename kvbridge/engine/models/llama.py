@@ -23,7 +23,7 @@ from torch import nn
 
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention
 from kvbridge.engine.layers.linear import Linear, packed_linear, prepack_weight
-from kvbridge.engine.layers.norm import RMSNorm, rms_norm
+from kvbridge.engine.layers.norm import RMSNorm, add_rms_norm_, rms_norm
 from kvbridge.engine.kv_groups import layer_groups, layer_slots
 from kvbridge.engine.layers.rotary import RotaryEmbedding
 from kvbridge.engine.models import CausalLM
@@ -68,10 +68,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, :qk_width].view(num_tokens, -1, self.head_dim)  # Q and K heads side by side
         if self.q_norm is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.eps)
-        if self.rope_dim == self.head_dim:
-            qk = RotaryEmbedding.apply(qk, cos, sin)
-        else:
-            qk = torch.cat((RotaryEmbedding.apply(qk[..., :self.rope_dim], cos, sin), qk[..., self.rope_dim:]), -1)
+        qk = RotaryEmbedding.apply_(qk, cos, sin)  # in place: qk is this step's own projection
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.o_proj(self.attn(q, k, v, kv_layer, attn))
@@ -105,8 +102,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
         """Updates the residual stream h in place and returns it."""
-        h += self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, attn)
-        h += self.mlp(self.post_attention_layernorm(h))
+        delta = self.self_attn(self.input_layernorm(h), cos, sin, kv_layer, attn)
+        h += self.mlp(add_rms_norm_(h, delta, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps))
         return h
 
 

@@ -1,0 +1,84 @@
+"""kvbridge's own CPU kernels (csrc/*.cpp), compiled once per machine with torch's C++ extension
+builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
+
+- `paged_decode_attention`: decode attention straight from the paged KV cache (no gather of
+  each sequence's K/V into a temporary tensor every layer; see csrc/paged_decode.cpp).
+
+The build needs g++ and ninja (both on the machines kvbridge installs on; `scripts/install.sh`
+builds it, so a server never compiles at start-up) and goes to `$KVBRIDGE_CACHE_DIR/cpu-kernels`.
+It is compiled for the CPU that builds it (-march=native); the CPU's flags are part of the
+build's identity, so another CPU gets its own build. Where the build fails the engine logs why
+once and attends with the gather + SDPA path (the path CUDA and non-fp32 caches always use).
+`KVBRIDGE_CPU_KERNELS=0` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "elementwise.cpp")]
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cpu_identity() -> str:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    from kvbridge.engine.loader.cache import default_cache_dir  # here: the loader package imports the models
+
+    return default_cache_dir() / "cpu-kernels" / f"torch-{torch.__version__}-{_cpu_identity()}"
+
+
+def load(verbose: bool = False) -> None:
+    """Compile (if needed) and load the kernels into this process. Raises on failure."""
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name="kvbridge_cpu_kernels", sources=[str(s) for s in SOURCES],
+                       build_directory=str(directory), is_python_module=False, verbose=verbose,
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVBRIDGE_CPU_ID={_cpu_identity()}"])
+
+
+def available() -> bool:
+    """True when the kernels are loaded in this process (loading them on first call)."""
+    if os.environ.get("KVBRIDGE_CPU_KERNELS") == "0":
+        return False
+    with _lock:
+        if "ok" not in _state:
+            try:
+                load()
+                _state["ok"] = True
+            except Exception as e:  # noqa: BLE001 - any build or load failure means: use the fallback
+                logger.warning("kvbridge CPU kernels unavailable (%s: %s); decode attention gathers K/V instead",
+                               type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+                _state["ok"] = False
+        return _state["ok"]
+
+
+def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,
+                           context_lens: torch.Tensor, sliding_window: int | None, scale: float) -> torch.Tensor:
+    """q [B, H, D] fp32 CPU, kv_layer [blocks, 2, block_size, kv_heads, D] (the cache's strided
+    layer view), block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D]."""
+    return torch.ops.kvbridge.paged_decode_attention(q, kv_layer, block_table, context_lens,
+                                                     sliding_window or 0, scale)
+
+
+if __name__ == "__main__":  # scripts/install.sh: build once, loudly
+    logging.basicConfig(level=logging.INFO)
+    load(verbose=False)
+    print(f"kvbridge CPU kernels ready in {build_dir()}")

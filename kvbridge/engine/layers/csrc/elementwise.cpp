@@ -1,0 +1,169 @@
+// One-pass CPU (fp32) versions of the small per-layer ops that torch runs as several passes, each
+// a parallel region: RMSNorm (with the residual add before it), rotary embedding in place, and
+// the write of a step's K/V into the paged cache. (SiLU stays torch's: its vectorised exp beats
+// a scalar one here.) They run on the
+// calling thread unless a tensor is large (kSerialBelow elements), so a decode step's [batch,
+// hidden] rows wake no OpenMP threads. Registered in the `kvbridge` op namespace
+// (paged_decode.cpp defines it); kvbridge/engine/layers/cpu_kernels.py builds and loads them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSerialBelow = 1 << 16;  // elements; below this one thread does the whole op
+
+int64_t grain(int64_t rows, int64_t row_elems) {
+  return rows * row_elems < kSerialBelow ? rows : std::max<int64_t>(1, kSerialBelow / std::max<int64_t>(1, row_elems));
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int64_t l = 0; l < 8; ++l) lanes[l] += x[i + l] * x[i + l];
+  }
+  for (int64_t l = 0; i < n; ++i, ++l) lanes[l] += x[i] * x[i];
+  float sum = 0.f;
+  for (float lane : lanes) sum += lane;
+  const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * scale * w[j];
+}
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm: x");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+              weight.size(0) == x.size(1), "rms_norm: weight must be a contiguous float32 [hidden]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* xd = x.data_ptr<float>();
+  const float* wd = weight.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(xd + r * stride, wd, od + r * n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += delta (in place), then rms_norm(residual): a decoder layer's add and norm in one pass.
+at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check_rows(residual, "add_rms_norm_: residual");
+  check_rows(delta, "add_rms_norm_: delta");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == delta.sizes(),
+              "add_rms_norm_: residual must be contiguous and shaped like delta");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+              weight.size(0) == residual.size(1), "add_rms_norm_: weight must be a contiguous float32 [hidden]");
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  at::Tensor out = at::empty({rows, n}, residual.options());
+  float* hd = residual.data_ptr<float>();
+  const float* dd = delta.data_ptr<float>();
+  const float* wd = weight.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const int64_t dstride = delta.stride(0);
+  at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* h = hd + r * n;
+      const float* d = dd + r * dstride;
+      for (int64_t j = 0; j < n; ++j) h[j] += d[j];
+      norm_row(h, wd, od + r * n, n, static_cast<float>(eps));
+    }
+  });
+  return out;
+}
+
+// In place on x [T, heads, head_dim] (head_dim contiguous; any token and head strides): the first
+// rope_dim dims of each head become x * cos + rotate_half(x) * sin, where signed_sin carries
+// rotate_half's sign (RotaryEmbedding's tables: cos and signed_sin [T, 1, rope_dim] rows).
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+              "rotary_: x must be a float32 CPU [T, heads, head_dim] with head_dim contiguous");
+  const int64_t tokens = x.size(0), heads = x.size(1), rope = cos.size(-1);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && signed_sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              signed_sin.is_contiguous() && cos.numel() == tokens * rope && signed_sin.numel() == tokens * rope,
+              "rotary_: cos and signed_sin must be contiguous float32 with rope_dim values per token");
+  TORCH_CHECK(rope % 2 == 0 && rope <= x.size(2), "rotary_: rope_dim must be even and <= head_dim");
+  const int64_t half = rope / 2;
+  float* xd = x.data_ptr<float>();
+  const float* cd = cos.data_ptr<float>();
+  const float* sd = signed_sin.data_ptr<float>();
+  const int64_t ts = x.stride(0), hs = x.stride(1);
+  at::parallel_for(0, tokens, grain(tokens, heads * rope), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cd + t * rope;
+      const float* s = sd + t * rope;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xd + t * ts + h * hs;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c[i] + b * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// kv_layer [blocks, 2, block_size, kv_heads, head_dim] (the cache's strided layer view) at
+// slot_mapping[t] (block * block_size + offset) gets k[t] (index 0) and v[t] (index 1).
+void write_kv_(at::Tensor kv_layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_layer.device().is_cpu() && kv_layer.scalar_type() == at::kFloat && kv_layer.dim() == 5 &&
+              kv_layer.size(1) == 2 && kv_layer.stride(4) == 1,
+              "write_kv_: kv_layer must be a float32 CPU [blocks, 2, block_size, kv_heads, head_dim]");
+  const int64_t num_blocks = kv_layer.size(0), block_size = kv_layer.size(2);
+  const int64_t heads = kv_layer.size(3), dim = kv_layer.size(4);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(1) == heads && t->size(2) == dim &&
+                t->stride(2) == 1, "write_kv_: k and v must be float32 [T, kv_heads, head_dim]");
+  }
+  const int64_t tokens = k.size(0);
+  TORCH_CHECK(v.size(0) == tokens && slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+              slot_mapping.is_contiguous() && slot_mapping.size(0) == tokens,
+              "write_kv_: one int64 slot per token");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block_size, "write_kv_: slot ", slots[t],
+                " outside the cache's ", num_blocks * block_size, " slots");
+  }
+  float* cache = kv_layer.data_ptr<float>();
+  const float* kd = k.data_ptr<float>();
+  const float* vd = v.data_ptr<float>();
+  const int64_t s_block = kv_layer.stride(0), s_value = kv_layer.stride(1), s_token = kv_layer.stride(2);
+  const int64_t s_head = kv_layer.stride(3);
+  const int64_t k_t = k.stride(0), k_h = k.stride(1), v_t = v.stride(0), v_h = v.stride(1);
+  at::parallel_for(0, tokens, grain(tokens, 2 * heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* base = cache + (slots[t] / block_size) * s_block + (slots[t] % block_size) * s_token;
+      for (int64_t h = 0; h < heads; ++h) {
+        std::copy(kd + t * k_t + h * k_h, kd + t * k_t + h * k_h + dim, base + h * s_head);
+        std::copy(vd + t * v_t + h * v_h, vd + t * v_t + h * v_h + dim, base + s_value + h * s_head);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
+  m.def("write_kv_(Tensor(a!) kv_layer, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvbridge, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rotary_", &rotary_);
+  m.impl("write_kv_", &write_kv_);
+}
