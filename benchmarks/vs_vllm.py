@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -178,6 +178,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ports", type=int, nargs=2, default=[8311, 8312])
     p.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared per check prompt")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 rep, concurrency 1 and 16, no TTFT case")
+    p.add_argument("--kvbridge-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment for kvbridge serve (repeatable), e.g. OMP_WAIT_POLICY=ACTIVE")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--summarize", type=Path, default=None, metavar="DIR",
                    help="only print the table of the results in DIR (an interrupted run's log directory; "
@@ -196,7 +198,9 @@ def main() -> None:
     vllm = ensure_vllm_venv(args.venv, args.vllm_version)
     folder = export_hf_folder(args.model, args.workdir / "smollm2-135m-instruct-fp32")
     common = (args.threads, args.kv_cache_gb, args.max_num_seqs, args.max_model_len)
-    specs = [kvbridge_spec(folder, args.ports[0], *common), vllm_spec(vllm, folder, args.ports[1], *common)]
+    kvb = kvbridge_spec(folder, args.ports[0], *common)
+    extra = dict(item.split("=", 1) for item in args.kvbridge_env)
+    specs = [replace(kvb, env={**kvb.env, **extra}), vllm_spec(vllm, folder, args.ports[1], *common)]
     case_list = cases(args)
     log_dir = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
     servers: list[Server] = []

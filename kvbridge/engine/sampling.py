@@ -58,10 +58,16 @@ class Sampler:
         before = sampled_before if sampled_before is not None else [0] * len(request_ids)
         out = SamplerOutput()
         greedy = torch.argmax(logits, dim=-1).tolist()
+        drawn = self._sample_plain_rows(logits, params)
         for row, (rid, sp) in enumerate(zip(request_ids, params)):
             try:
-                out.tokens[rid] = (greedy[row] if sp.greedy else self._sample_row(
-                    logits[row], sp, self._generator(rid, sp, before[row], logits.shape[-1])))
+                if sp.greedy:
+                    out.tokens[rid] = greedy[row]
+                elif row in drawn:
+                    out.tokens[rid] = drawn[row]
+                else:
+                    out.tokens[rid] = self._sample_row(logits[row], sp,
+                                                       self._generator(rid, sp, before[row], logits.shape[-1]))
             except Exception as exc:  # this request's failure, not the batch's
                 logger.warning("request %s: sampling failed: %s", rid, exc)
                 out.errors[rid] = f"sampling the next token failed: {exc}"
@@ -76,6 +82,28 @@ class Sampler:
                     token_id=out.tokens[rid], logprob=float(lp[j, out.tokens[rid]]),
                     top=tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
         return out
+
+    def _sample_plain_rows(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> dict[int, int]:
+        """Row -> token for the rows that draw from the shared generator with temperature only (no
+        seed, top-k or top-p: e.g. every request of `vllm bench serve`), all at once: one softmax
+        over those rows and one uniform per row, inverted through the row's cumulative
+        probabilities. Sampling them one by one (`torch.multinomial` draws one exponential per
+        vocabulary entry) took a sixth of a 64-sequence decode step. A row whose probabilities
+        are not finite is left out, for `_sample_row` to fail alone."""
+        vocab = logits.shape[-1]
+        rows = [i for i, sp in enumerate(params)
+                if not sp.greedy and sp.seed is None and not 0 < sp.top_k < vocab and sp.top_p >= 1.0]
+        if not rows:
+            return {}
+        temperatures = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
+        probs = torch.softmax(logits[rows] / temperatures[:, None], dim=-1)
+        cumulative = probs.double().cumsum_(dim=-1)
+        total = cumulative[:, -1]
+        targets = torch.rand(len(rows), dtype=torch.float64, generator=self._default) * total
+        # The first entry whose cumulative mass exceeds the target: zero-probability entries never are.
+        tokens = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
+        ok = (torch.isfinite(total) & (total > 0)).tolist()
+        return {i: t for i, t, good in zip(rows, tokens.tolist(), ok) if good}
 
     @staticmethod
     def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:

@@ -83,3 +83,28 @@ def test_a_seeded_generator_skipped_past_earlier_draws_continues_one_sequence(te
     first = Sampler().sample(rows[0:1], ["r"], [sp], [0]).tokens["r"]
     rest = Sampler()  # a fresh sampler: its generator starts at the request's second draw
     assert [first] + [rest.sample(rows[i:i + 1], ["r"], [sp], [i]).tokens["r"] for i in range(1, 6)] == want
+
+
+def test_unseeded_rows_drawn_together_follow_the_distribution() -> None:
+    """Rows with temperature only and no seed are drawn at once (one uniform per row through
+    the cumulative probabilities): their frequencies match softmax(logits / T), and a token of
+    zero probability is never drawn."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
+    rows = torch.log(probs).repeat(64, 1) * 2.0  # at temperature 2 the softmax gives `probs` back
+    sp = SamplingParams(temperature=2.0)
+    sampler, counts = Sampler(seed=1), torch.zeros(5)
+    for i in range(100):
+        result = sampler.sample(rows, [f"r{j}" for j in range(64)], [sp] * 64)
+        assert result.errors == {}
+        for token in result.tokens.values():
+            counts[token] += 1
+    assert counts[4] == 0
+    torch.testing.assert_close(counts / counts.sum(), probs, atol=0.01, rtol=0)
+
+
+def test_an_unseeded_row_that_cannot_be_sampled_fails_alone() -> None:
+    rows = logits(3)
+    rows[0] = math.nan
+    sp = SamplingParams(temperature=0.9)
+    result = Sampler().sample(rows, ["broken", "ok-1", "ok-2"], [sp, sp, SamplingParams(temperature=1.1, top_k=4)])
+    assert set(result.errors) == {"broken"} and set(result.tokens) == {"ok-1", "ok-2"}

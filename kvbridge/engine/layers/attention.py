@@ -4,8 +4,11 @@ One step's batch is flattened sequence-major into T tokens. `AttentionMetadata` 
 and precomputes, once per step, every index and mask tensor the layers need, so each layer
 does no Python work beyond a loop over prefill sequences:
 
-- sequences with one new token (decode) are attended together in ONE padded SDPA call per
-  layer over K/V gathered block by block from the cache, with a boolean padding mask;
+- sequences with one new token (decode) are attended together in one call per layer: on CPU
+  in fp32 by kvbridge's kernel that reads K/V in place from the cache's blocks
+  (cpu_kernels.paged_decode_attention: each byte of K/V read once, nothing copied); elsewhere
+  (CUDA, bf16/fp16, or without the kernels) by ONE padded SDPA call over K/V gathered block by
+  block from the cache, with a boolean padding mask;
 - sequences with several new tokens (prefill, or a prefill chunk) are attended one by one:
   causally over the new K/V when they start at position 0, otherwise over their whole
   context read back from the cache with a causal mask shifted by the tokens computed before.
