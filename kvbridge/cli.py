@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvbridge.config import EngineConfig
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported anywhere
+# The OpenMP wait policy, set before torch is imported anywhere (its thread pool reads it once).
+# `kvbridge serve` of one rank owns its cores and keeps OpenMP's default, as vLLM does: threads
+# spin briefly between ops, then sleep. A decode step at batch 1 took 36-44 ms so, 47-61 ms with
+# PASSIVE (threads sleep at once; benchmarks/README.md, roofline). ACTIVE spins forever: as fast,
+# but an idle server then burns a core. Every other command sleeps (PASSIVE): `kvbridge up` runs
+# P, D and the proxy on the same cores, where spinning threads made small ops take 7-8 ms instead
+# of under 0.5. A value in the environment always wins (several `serve`s on one machine:
+# OMP_WAIT_POLICY=PASSIVE).
+_WAIT_POLICY_GIVEN = "OMP_WAIT_POLICY" in os.environ
+if sys.argv[1:2] != ["serve"]:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -144,6 +154,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = _checked_engine_config(a)
     if config is None:
         return 2
+    if config.tensor_parallel_size > 1 and not _WAIT_POLICY_GIVEN:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the rank processes (spawned later) share the cores
     return run_server(config, a.host, a.port, a.api_key, log_level=a.log_level)
 
 

@@ -5,6 +5,9 @@ replaced by a recorder here; tests/e2e/test_up_command.py starts a real cluster.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -92,3 +95,34 @@ def test_children_get_the_api_key_in_their_environment() -> None:
     assert cluster.child_env({"KVBRIDGE_API_KEY": "k"}, loopback_only=True, num_threads=1)["KVBRIDGE_API_KEY"] == "k"
     assert "KVBRIDGE_API_KEY" not in cluster.child_env({"KVBRIDGE_API_KEY": "k"}, loopback_only=True, num_threads=1,
                                                        api_key="")  # `up --api-key ""`: no key
+
+
+@pytest.mark.parametrize("argv,env,expected", [
+    (["serve"], {}, "unset"),  # one engine that owns its cores: OpenMP's default (spin briefly, then sleep)
+    (["up"], {}, "PASSIVE"),  # P, D and the proxy share the cores
+    (["proxy"], {}, "PASSIVE"),
+    (["serve"], {"OMP_WAIT_POLICY": "PASSIVE"}, "PASSIVE"),  # the environment always wins
+])
+def test_openmp_wait_policy_is_chosen_per_command_before_torch_loads(
+        argv: list[str], env: dict[str, str], expected: str) -> None:
+    code = ("import sys; sys.argv = ['kvbridge', *sys.argv[1:]]; import kvbridge.cli, os; "
+            "print(os.environ.get('OMP_WAIT_POLICY', 'unset'), 'torch' in sys.modules)")
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code, *argv], env={**clean, **env}, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out == [expected, "False"]
+
+
+@pytest.mark.parametrize("given,tp,expected", [(False, 1, "unset"), (False, 2, "PASSIVE"), (True, 2, "ACTIVE")])
+def test_serve_with_rank_processes_makes_them_sleep_unless_told(
+        monkeypatch: pytest.MonkeyPatch, given: bool, tp: int, expected: str) -> None:
+    from kvbridge.serving import api_server
+    seen: list[str] = []
+    if given:
+        monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    else:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(cli, "_WAIT_POLICY_GIVEN", given)
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **k: seen.append(os.environ.get("OMP_WAIT_POLICY", "unset")) or 0)
+    assert run_cli(["serve", "--tensor-parallel-size", str(tp)]) == 0
+    assert seen == [expected]

@@ -1,0 +1,87 @@
+"""The fp32 linear layers of a decode step: torch's oneDNN (what kvbridge calls) vs vLLM CPU's
+own oneDNN matmul, in one process, same weights, same inputs, same threads.
+
+kvbridge's decode step is mostly these four matmuls per layer (SmolLM2-135M shapes: fused
+Q/K/V 576 -> 960, o_proj 576 -> 576, fused gate/up 576 -> 3072, down 1536 -> 576). kvbridge runs
+them through torch's bundled oneDNN with prepacked weights (`torch.ops.mkldnn._linear_pointwise`,
+kvbridge/engine/layers/linear.py); vLLM CPU runs them through the oneDNN it builds into its `_C`
+extension (`vllm._custom_ops.create_onednn_mm` / `onednn_mm`, what its
+`dispatch_cpu_unquantized_gemm` picks for these shapes). Also timed: MKL's sgemm (`F.linear`).
+The script re-runs itself with the python of vLLM's virtualenv (benchmarks/vllm_peer.py
+installs it on first use), where both torch and vLLM's ops load. Medians of --reps calls,
+for each batch size M (rows = sequences in a decode step).
+
+    .venv/bin/python benchmarks/linear_vs_vllm.py --rows 1 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def median_us(fn, reps: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def measure(rows: list[int], reps: int, threads: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    import vllm._custom_ops as vllm_ops
+
+    torch.set_num_threads(threads)
+    print(f"torch {torch.__version__}, {threads} threads; microseconds per call, median of {reps}")
+    print(f"{'M':>3} {'layer':<8} {'torch oneDNN':>12} {'vLLM oneDNN':>11} {'MKL':>8} {'torch/vLLM':>10}")
+    gen = torch.Generator().manual_seed(0)
+    for m in rows:
+        total = {"torch": 0.0, "vllm": 0.0, "mkl": 0.0}
+        for name, (out_f, in_f) in SHAPES.items():
+            w, x = torch.randn(out_f, in_f, generator=gen), torch.randn(m, in_f, generator=gen)
+            packed = w.to_mkldnn()
+            handler = vllm_ops.create_onednn_mm(w.t(), 32)
+            ours = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+            theirs = lambda: vllm_ops.onednn_mm(handler, x, None)  # noqa: E731
+            torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-4)  # the same fp32 product
+            t = {"torch": median_us(ours, reps), "vllm": median_us(theirs, reps), "mkl": median_us(lambda: F.linear(x, w), reps)}
+            for k in total:
+                total[k] += t[k]
+            print(f"{m:>3} {name:<8} {t['torch']:>12.1f} {t['vllm']:>11.1f} {t['mkl']:>8.1f} {t['torch'] / t['vllm']:>9.2f}x")
+        print(f"{m:>3} {'a layer':<8} {total['torch']:>12.1f} {total['vllm']:>11.1f} {total['mkl']:>8.1f} "
+              f"{total['torch'] / total['vllm']:>9.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--reps", type=int, default=60)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-version", default="0.32.0")
+    p.add_argument("--in-vllm-venv", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.in_vllm_venv:
+        measure(args.rows, args.reps, args.threads)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vllm_peer import DEFAULT_VENV, ensure_vllm_venv
+
+    ensure_vllm_venv(DEFAULT_VENV, args.vllm_version)
+    python = str(DEFAULT_VENV / "bin" / "python")
+    os.execv(python, [python, __file__, "--in-vllm-venv", "--rows", *map(str, args.rows), "--reps", str(args.reps),
+                      "--threads", str(args.threads)])
+
+
+if __name__ == "__main__":
+    main()
