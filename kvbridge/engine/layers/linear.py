@@ -5,7 +5,8 @@ by `load_weights`, so parameters start as `torch.empty`.
 
 On CPU in fp32 the weight can be prepacked once for oneDNN (`prepack`): MKL's fp32
 matmul here costs about 9x more at 16 rows than at 1, oneDNN's prepacked one about
-half of MKL's at batch sizes 16-64 (benchmarks/README.md). KVBRIDGE_ONEDNN=0 turns it off.
+half of MKL's at batch sizes 16-64, and reordered into oneDNN's blocked layout another
+1.2-1.5x less (benchmarks/README.md). KVBRIDGE_ONEDNN=0 turns it off.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+_LAYOUT_ROWS_HINT = 16
 
 
 class Linear(nn.Module):
@@ -44,7 +48,11 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or os.environ.get("KVBRIDGE_ONEDNN") == "0"
             or not torch.backends.mkldnn.is_available()):
         return None
-    return weight.detach().to_mkldnn()
+    # Reordered into oneDNN's blocked layout for its matmul kernel (AB16b64a here), not merely
+    # converted (`to_mkldnn()` keeps the plain layout): 1.46x faster at 16 rows, 1.16x at 64, as
+    # fast from 1 row to prefill's 2048 (benchmarks/README.md, linear_vs_vllm). The hint is the
+    # decode batch the layout is chosen for; any row count works.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_ROWS_HINT)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
