@@ -3,9 +3,11 @@ own oneDNN matmul, in one process, same weights, same inputs, same threads.
 
 kvbridge's decode step is mostly these four matmuls per layer (SmolLM2-135M shapes: fused
 Q/K/V 576 -> 960, o_proj 576 -> 576, fused gate/up 576 -> 3072, down 1536 -> 576). kvbridge runs
-them through torch's bundled oneDNN with prepacked weights (`torch.ops.mkldnn._linear_pointwise`,
-kvbridge/engine/layers/linear.py); vLLM CPU runs them through the oneDNN it builds into its `_C`
-extension (`vllm._custom_ops.create_onednn_mm` / `onednn_mm`, what its
+them through torch's bundled oneDNN (`torch.ops.mkldnn._linear_pointwise`,
+kvbridge/engine/layers/linear.py) with weights reordered into oneDNN's blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`; "torch blocked"); before 2026-11-25 it converted
+them in their plain layout (`to_mkldnn()`; "torch plain"). vLLM CPU runs them through the oneDNN
+it builds into its `_C` extension (`vllm._custom_ops.create_onednn_mm` / `onednn_mm`, what its
 `dispatch_cpu_unquantized_gemm` picks for these shapes). Also timed: MKL's sgemm (`F.linear`).
 The script re-runs itself with the python of vLLM's virtualenv (benchmarks/vllm_peer.py
 installs it on first use), where both torch and vLLM's ops load. Medians of --reps calls,
@@ -44,23 +46,30 @@ def measure(rows: list[int], reps: int, threads: int) -> None:
 
     torch.set_num_threads(threads)
     print(f"torch {torch.__version__}, {threads} threads; microseconds per call, median of {reps}")
-    print(f"{'M':>3} {'layer':<8} {'torch oneDNN':>12} {'vLLM oneDNN':>11} {'MKL':>8} {'torch/vLLM':>10}")
+    names = ("torch blocked", "torch plain", "vLLM oneDNN", "MKL")
+    print(f"{'M':>3} {'layer':<8} " + " ".join(f"{n:>13}" for n in names) + f" {'blocked/vLLM':>12}")
     gen = torch.Generator().manual_seed(0)
     for m in rows:
-        total = {"torch": 0.0, "vllm": 0.0, "mkl": 0.0}
+        total = dict.fromkeys(names, 0.0)
         for name, (out_f, in_f) in SHAPES.items():
             w, x = torch.randn(out_f, in_f, generator=gen), torch.randn(m, in_f, generator=gen)
-            packed = w.to_mkldnn()
+            blocked, plain = torch.ops.mkldnn._reorder_linear_weight(w, 16), w.to_mkldnn()
             handler = vllm_ops.create_onednn_mm(w.t(), 32)
-            ours = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
-            theirs = lambda: vllm_ops.onednn_mm(handler, x, None)  # noqa: E731
-            torch.testing.assert_close(ours(), theirs(), rtol=1e-4, atol=1e-4)  # the same fp32 product
-            t = {"torch": median_us(ours, reps), "vllm": median_us(theirs, reps), "mkl": median_us(lambda: F.linear(x, w), reps)}
-            for k in total:
-                total[k] += t[k]
-            print(f"{m:>3} {name:<8} {t['torch']:>12.1f} {t['vllm']:>11.1f} {t['mkl']:>8.1f} {t['torch'] / t['vllm']:>9.2f}x")
-        print(f"{m:>3} {'a layer':<8} {total['torch']:>12.1f} {total['vllm']:>11.1f} {total['mkl']:>8.1f} "
-              f"{total['torch'] / total['vllm']:>9.2f}x")
+            calls = {
+                "torch blocked": lambda: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], ""),
+                "torch plain": lambda: torch.ops.mkldnn._linear_pointwise(x, plain, None, "none", [], ""),
+                "vLLM oneDNN": lambda: vllm_ops.onednn_mm(handler, x, None),
+                "MKL": lambda: F.linear(x, w),
+            }
+            for call in calls.values():  # the same fp32 product
+                torch.testing.assert_close(call(), calls["MKL"](), rtol=1e-4, atol=1e-4)
+            t = {n: median_us(call, reps) for n, call in calls.items()}
+            for n in names:
+                total[n] += t[n]
+            print(f"{m:>3} {name:<8} " + " ".join(f"{t[n]:>13.1f}" for n in names)
+                  + f" {t['torch blocked'] / t['vLLM oneDNN']:>11.2f}x")
+        print(f"{m:>3} {'a layer':<8} " + " ".join(f"{total[n]:>13.1f}" for n in names)
+              + f" {total['torch blocked'] / total['vLLM oneDNN']:>11.2f}x")
 
 
 def main() -> None:
