@@ -223,15 +223,13 @@ class PagedAttention(nn.Module):
 
     def reads_in_place(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
         """Decode reads K/V in place (cpu_kernels) for fp32 on CPU when the kernels are built."""
-        return (self.in_place_decode and q.device.type == "cpu" and q.dtype == kv_layer.dtype == torch.float32
-                and cpu_kernels.available())
+        return self.in_place_decode and cpu_kernels.applies(q, kv_layer)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D], kv_layer [blocks, 2, block_size, kv_heads, D] (a strided
         view of the block-major cache) -> [T, heads*D]."""
-        if (kv_layer.device.type == "cpu" and k.dtype == v.dtype == kv_layer.dtype == torch.float32
-                and cpu_kernels.available()):
+        if cpu_kernels.applies(kv_layer, k, v):
             torch.ops.kvbridge.write_kv_(kv_layer, k, v, attn.slot_mapping)  # one pass, no index tensors
         else:
             where = (attn.slot_blocks, attn.slot_offsets)

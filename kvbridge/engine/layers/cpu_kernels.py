@@ -2,7 +2,9 @@
 builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
 
 - `paged_decode_attention`: decode attention straight from the paged KV cache (no gather of
-  each sequence's K/V into a temporary tensor every layer; see csrc/paged_decode.cpp).
+  each sequence's K/V into a temporary tensor every layer; see csrc/paged_decode.cpp);
+- `rms_norm`, `add_rms_norm_`, `rotary_`, `write_kv_`: one-pass versions of small per-layer
+  ops (csrc/elementwise.cpp). Call sites ask `applies(...)` and keep their torch path.
 
 The build needs g++ and ninja (both on the machines kvbridge installs on; `scripts/install.sh`
 builds it, so a server never compiles at start-up) and goes to `$KVBRIDGE_CACHE_DIR/cpu-kernels`.
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "elementwise.cpp")]
 _lock = threading.Lock()
-_state: dict[str, bool] = {}
+_available: bool | None = None  # decided once per process, by the first available()
 
 
 def _cpu_identity() -> str:
@@ -51,23 +53,36 @@ def load(verbose: bool = False) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name="kvbridge_cpu_kernels", sources=[str(s) for s in SOURCES],
                        build_directory=str(directory), is_python_module=False, verbose=verbose,
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVBRIDGE_CPU_ID={_cpu_identity()}"])
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"])
 
 
 def available() -> bool:
-    """True when the kernels are loaded in this process (loading them on first call)."""
+    """True when the kernels are loaded in this process. The first call decides (it loads them,
+    or logs why not, or finds KVBRIDGE_CPU_KERNELS=0); later calls, one per op of a step, only
+    read the answer."""
+    global _available
+    if _available is None:
+        with _lock:
+            if _available is None:
+                _available = _load_or_explain()
+    return _available
+
+
+def _load_or_explain() -> bool:
     if os.environ.get("KVBRIDGE_CPU_KERNELS") == "0":
         return False
-    with _lock:
-        if "ok" not in _state:
-            try:
-                load()
-                _state["ok"] = True
-            except Exception as e:  # noqa: BLE001 - any build or load failure means: use the fallback
-                logger.warning("kvbridge CPU kernels unavailable (%s: %s); decode attention gathers K/V instead",
-                               type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
-                _state["ok"] = False
-        return _state["ok"]
+    try:
+        load()
+        return True
+    except Exception as e:  # noqa: BLE001 - any build or load failure means: use the fallback
+        logger.warning("kvbridge CPU kernels unavailable (%s: %s); decode attention gathers K/V instead",
+                       type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return False
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """The kernels take these tensors: every one fp32 on the CPU, and the kernels are loaded."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,

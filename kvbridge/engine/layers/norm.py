@@ -11,8 +11,7 @@ from kvbridge.engine.layers import cpu_kernels
 
 def _one_pass(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The CPU kernel applies: fp32 rows [tokens, hidden] with one weight per column."""
-    return (x.dim() == 2 and x.stride(1) == 1 and weight.shape == x.shape[-1:] and x.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.float32 and cpu_kernels.available())
+    return x.dim() == 2 and x.stride(1) == 1 and weight.shape == x.shape[-1:] and cpu_kernels.applies(x, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from kvbridge.engine.layers import cpu_kernels
-
 from kvbridge.engine.models.config import YarnScaling
 
 
@@ -90,8 +89,7 @@ class RotaryEmbedding(nn.Module):
         """Rotate the first rope_dim (cos.shape[-1]) dims of each head of x [T, heads, head_dim] in
         place, the rest unchanged; returns x. One pass on CPU in fp32 (cpu_kernels)."""
         rope = cos.shape[-1]
-        if (x.device.type == "cpu" and x.dtype == cos.dtype == torch.float32 and x.stride(-1) == 1
-                and cos.is_contiguous() and sin.is_contiguous() and cpu_kernels.available()):
+        if x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and cpu_kernels.applies(x, cos, sin):
             torch.ops.kvbridge.rotary_(x, cos, sin)
         else:
             x[..., :rope] = RotaryEmbedding.apply(x[..., :rope], cos, sin)

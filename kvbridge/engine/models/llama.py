@@ -39,7 +39,6 @@ class LlamaAttention(nn.Module):
                  fold_gqa_decode: bool, shard: RankShard, all_reduce: AllReduce | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_q_heads, shard.num_kv_heads, arch.head_dim
-        self.rope_dim = arch.rope_dim  # < head_dim: partial rotary (Bamba), the rest passes unrotated
         self.eps = arch.rms_norm_eps
         self.all_reduce = all_reduce
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * arch.head_dim
