@@ -4,9 +4,11 @@ The engine process (global rank 0 of a gloo process group of N + 1) spawns N ran
 processes with `torch.multiprocessing` (spawn). Rank process i (global rank i + 1, TP
 rank i) loads the model, keeps its shard of the weights and of the KV cache (its KV
 heads; `engine/tp.py`) and sums partial layer outputs with `all_reduce` over a group of
-the N ranks (gloo on CPU, NCCL on CUDA). Each engine step is ONE `broadcast_object_list`
-of the step's inputs (the scheduler output, which carries the connector metadata) and ONE
-`gather_object` of the ranks' outputs; TP rank 0 samples.
+the N ranks (gloo on CPU, NCCL on CUDA). Each engine step is ONE broadcast of the step's
+inputs (the scheduler output, which carries the connector metadata) and ONE gather of the
+ranks' outputs over the default gloo group (`tp_channel.StepChannel`: a fixed-size frame
+each way, so a step is two collectives, not the four of torch's object collectives); TP
+rank 0 samples.
 
 With a KV connector each rank also owns a transfer agent (rank_agent.RankAgent) and
 registers its KV shard with it at start-up (the registrations come back with the ready
@@ -50,6 +52,7 @@ import torch.multiprocessing as mp
 from kvbridge.config import EngineConfig
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp import rank_shard
+from kvbridge.engine.tp_channel import StepChannel
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +184,7 @@ class TPExecutor:
         self._last_round = time.monotonic()
         self._stopping = threading.Event()
         self._procs: list[Any] = []
+        self._channel: StepChannel | None = None
         self.registrations: list[Any] = []  # each rank's rank_agent.RankRegistration (with an agent_spec)
         self._timings: collections.deque[TPStepTiming] = collections.deque(maxlen=_PROFILE_STEPS)
         self._timings_lock = threading.Lock()  # step_profile() may be called from another thread
@@ -231,7 +235,8 @@ class TPExecutor:
         if self._failure is None:
             try:
                 with self._lock:
-                    dist.broadcast_object_list([_Stop()], src=0)
+                    assert self._channel is not None
+                    self._channel.broadcast(_Stop())
             except Exception:  # a rank is gone: reaping below kills the rest
                 logger.debug("stopping the TP ranks failed", exc_info=True)
         self._reap()
@@ -263,6 +268,7 @@ class TPExecutor:
         errors = [f"rank {i}: {msg}" for i, (msg, _) in enumerate(ready[1:]) if msg is not None]
         if errors:
             raise TPExecutorError("tensor-parallel ranks failed to start: " + "; ".join(errors))
+        self._channel = StepChannel(0, world)
         self.registrations = [reg for _, reg in ready[1:] if reg is not None]
         logger.info("tensor parallel: %d rank processes (pids %s)", self.tp_size, self.pids)
 
@@ -272,9 +278,9 @@ class TPExecutor:
         with self._lock:
             self._step_deadline = time.monotonic() + timeout_s
             try:
-                dist.broadcast_object_list([command], src=0)
-                outputs: list[Any] = [None] * (self.tp_size + 1)
-                dist.gather_object(None, outputs, dst=0)
+                assert self._channel is not None
+                self._channel.broadcast(command)
+                outputs = self._channel.gather()
             except Exception as exc:
                 self._fail(self._explain(exc))
                 raise TPExecutorError(self._failure) from exc
@@ -386,13 +392,12 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
         if agent is not None:
             agent.shutdown()
         return
+    channel = StepChannel(rank + 1, world)
     while True:
-        box: list[Any] = [None]
         try:
-            dist.broadcast_object_list(box, src=0)
+            command = channel.broadcast()
         except Exception:  # the engine process is gone
             os._exit(1)
-        command = box[0]
         if isinstance(command, _Stop):
             break
         result: _RankReply | None = None
@@ -411,7 +416,7 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
                 traceback.print_exc()
                 os._exit(1)
         try:
-            dist.gather_object(result, dst=0)
+            channel.gather(result)
         except Exception:
             os._exit(1)
     if agent is not None:
