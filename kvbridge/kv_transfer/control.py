@@ -1,10 +1,13 @@
 """Control messages between D and P over P's side channel (no read involved).
 
-  kv_check_read  {"rid", "gen", "blocks", "content"}  before reading: is the lease live,
-                 are these P's blocks granted to that request (the granted sequence or a
-                 suffix of it), and do they hold the KV of D's prompt ("content": the
-                 content_digest of D's prompt tokens)? Renews the lease. A content
-                 mismatch ends the lease and frees the blocks at once.
+  kv_check_read  {"rid", "gen", "blocks", "content", "connect"}  before reading: is the
+                 lease live, are these P's blocks granted to that request (the granted
+                 sequence or a suffix of it), and do they hold the KV of D's prompt
+                 ("content": the content_digest of D's prompt tokens)? Renews the lease. A
+                 content mismatch ends the lease and frees the blocks at once. "connect"
+                 (optional, default true): D has not completed a read from this P since it
+                 connected, so the read may need P's agents to progress (UCX wire-up): P
+                 then polls promptly until the read is done (lease.py).
   kv_read_done   {"rid", "gen"}            D's read of the request's blocks completed
   kv_release     {"rid", "gen"}            D will not read (abort, rejection, full hit)
   kv_heartbeat   {"items": [[rid, gen], ...]}  D still waits; renew these leases
@@ -75,8 +78,8 @@ class ControlServer:
     def __init__(self, server: SideChannelServer, leases: LeaseTable, stats: KVTransferStats) -> None:
         self.leases = leases
         self.stats = stats
-        # Called (on the side-channel thread) when a read is granted: a read is about to
-        # start, and a first one from a new peer completes only once P's agent progresses.
+        # Called (on the side-channel thread) when a read from a reader that may still need
+        # UCX wire-up is granted: that read completes only once P's agent progresses.
         self.on_read_granted: Callable[[], None] | None = None
         self._released: "queue.SimpleQueue[str]" = queue.SimpleQueue()
         # Identifies this process's transfer agent; D compares it with the agent it
@@ -97,14 +100,17 @@ class ControlServer:
         content = obj.get("content")
         if not isinstance(content, str) or not 0 < len(content) <= 128:
             raise HandlerRefusal("content must be the digest of the reader's prompt")
-        refusal = self.leases.check_read(rid, gen, tuple(blocks), content)
+        connect = obj.get("connect", True)
+        if not isinstance(connect, bool):
+            raise HandlerRefusal("connect must be a boolean")
+        refusal = self.leases.check_read(rid, gen, tuple(blocks), content, watch=connect)
         if refusal is not None:
             self.stats.incr("refused_reads")
             if refusal.kind is Refusal.CONTENT:  # the table ended the lease: free the blocks now
                 self.stats.incr("content_mismatches")
                 self._released.put(rid)
             raise HandlerRefusal(refusal.reason)
-        if self.on_read_granted is not None:
+        if connect and self.on_read_granted is not None:
             try:
                 self.on_read_granted()
             except Exception:  # a wake-up is an optimisation: never refuse a read over it
@@ -154,11 +160,12 @@ class ControlClient:
         self._client = client or HandshakeClient()
 
     def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...],
-                   content: str) -> str:
+                   content: str, connect: bool = True) -> str:
         """Returns P's incarnation (see ControlServer.incarnation). `content`: the
-        content_digest of the reader's own prompt tokens."""
+        content_digest of the reader's own prompt tokens; `connect`: this reader has not yet
+        completed a read from P since it connected (P then polls promptly for the read)."""
         body = json.dumps({"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks],
-                           "content": content}).encode()
+                           "content": content, "connect": connect}).encode()
         return self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s).decode("ascii", "replace")
 
     def read_done(self, host: str, port: int, rid: str, gen: int) -> None:

@@ -7,11 +7,17 @@ still waits for. Every lease has a generation; D names it in each message, and a
 message naming a generation P no longer holds is refused, so a late reader never
 gets blocks that were freed and reused by someone else.
 
-A granted check_read also marks the lease as being read until the read-done
-message ends it (or ``read_watch_s`` passes). While one is in flight P's engine
-loop polls its transfer agent promptly instead of backing off (``reads_in_flight``):
-the first NIXL read from a new peer completes only once P's agent has progressed
-(UCX wire-up), and so would any read carrying a NIXL notification.
+A granted check_read that says it may need P's progress (``watch``: D has not yet
+completed a read from this P since it connected) also marks the lease as being read
+until the read-done message ends it (or ``read_watch_s`` passes). While one is in
+flight P's engine loop polls its transfer agent promptly instead of backing off
+(``reads_in_flight``): the first NIXL read from a new peer completes only once P's
+agent has progressed (UCX wire-up), and so would any read carrying a NIXL
+notification. Later reads from a connected peer need nothing from P (the reader's
+agent copies), and prompt polling would only take CPU from that copy (at TP N each
+poll is a round through N + 1 processes), so they are not watched; P still steps at
+its back-off (at most 10 ms) while it holds leases, so a read of a pair of agents
+that did need wire-up after all completes anyway.
 
 A lease also binds the blocks to their content: the digest of the prompt tokens whose
 KV they hold (`content_digest`). D sends the digest of its own prompt with the
@@ -147,10 +153,11 @@ class LeaseTable:
             return True
 
     def check_read(self, request_id: str, generation: int, block_ids: BlockIds,
-                   content: str) -> ReadRefusal | None:
+                   content: str, watch: bool = True) -> ReadRefusal | None:
         """Before D reads: None if the lease is live, grants these blocks and holds the KV of
         the prompt whose digest is `content`, or that prompt followed by exactly the tokens P
-        sampled (Lease.holds; the lease is renewed); else why not. A content
+        sampled (Lease.holds; the lease is renewed); else why not. `watch`: count the granted
+        read in ``reads_in_flight`` until it ends. A content
         mismatch also ends the lease (the caller frees the blocks): the params that named it
         were swapped or replayed, and the KV is no use to the reader that presented them."""
         with self._lock:
@@ -171,7 +178,8 @@ class LeaseTable:
             now = self._clock()
             lease.expiry = max(lease.expiry, now + self.lease_seconds * 2 / 3)
             heapq.heappush(self._heap, (lease.expiry, request_id, generation))
-            self._reading[request_id] = now + self.read_watch_s
+            if watch:
+                self._reading[request_id] = now + self.read_watch_s
             return None
 
     def reads_in_flight(self) -> bool:

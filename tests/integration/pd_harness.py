@@ -22,12 +22,12 @@ def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBacke
                 policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE, backend_name: str = "fake",
                 handshake_timeout_s: float = 5.0, engine_id: str | None = None,
                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, tp: int = 1,
-                prefix_caching: bool = True) -> LLMEngine:
+                prefix_caching: bool = True, transfer_timeout_s: float = 30.0) -> LLMEngine:
     kv = None
     if role is not None:
         kv = KVTransferConfig(role=role, backend=backend_name, engine_id=engine_id or f"{role.value}-{next(_ids)}",
                               lease_seconds=lease_s, load_failure_policy=policy,
-                              handshake_timeout_s=handshake_timeout_s)
+                              handshake_timeout_s=handshake_timeout_s, transfer_timeout_s=transfer_timeout_s)
     scheduler = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs),
                                                      ("max_num_batched_tokens", max_num_batched_tokens))
                                    if v is not None})

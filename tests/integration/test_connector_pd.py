@@ -9,7 +9,7 @@ from kvbridge.config import KVRole
 from kvbridge.engine.engine import EngineRequestError
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.kv_transfer.backends.fake import FakeFabric
+from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
@@ -234,3 +234,51 @@ def test_full_prefix_hit_on_d_sends_only_a_release(loaded, colocated, pd):
     settle(p, d)
     assert d.connectors[1].stats.transfers == 0 and d.connectors[1].stats.bytes == 0
     assert p.connectors[1].stats.early_releases == 1 and p.metrics().num_held_for_remote == 0
+
+
+def test_p_polls_promptly_for_reads_only_until_one_from_d_completed(loaded, colocated):
+    """A read may need P's agents to progress only until D's agents are wired up to P's (NIXL
+    without a progress thread): D's check_read asks P to poll promptly (``connect``) until a
+    read from P completed, and again after D dropped P's agents (here: a read timed out)."""
+    fabric = FakeFabric(seed=3)
+    p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P")
+    d_agent = fabric.create_agent("D")
+    d = make_engine(loaded, KVRole.CONSUMER, d_agent, engine_id="D", transfer_timeout_s=0.5)
+    leases = p.connectors[1].leases
+    asked: list[bool] = []
+    in_flight_after_check: list[bool] = []
+    check_read = leases.check_read
+
+    def recording_check_read(*args, watch: bool = True):
+        refusal = check_read(*args, watch=watch)
+        asked.append(watch)
+        in_flight_after_check.append(leases.reads_in_flight())
+        return refusal
+    leases.check_read = recording_check_read
+    prompts = [prompt_of(loaded, f"Name {n} rivers of Europe.") for n in (2, 3, 4, 5)]
+    try:
+        for prompt in prompts[:2]:
+            params = prefill(p, prompt)
+            assert tokens(decode(d, p, prompt, params, GREEDY)) == colocated.generate([prompt], GREEDY)[0]
+            settle(p, d)
+        assert asked == [True, False]
+        assert in_flight_after_check == [True, False]  # only a watched read keeps P polling promptly
+
+        d_agent.set_faults(FaultConfig(delay_polls=10**9))  # the next read never completes
+        params = prefill(p, prompts[2])
+        outs = decode(d, p, prompts[2], params, GREEDY)  # times out, then recomputes (the policy)
+        assert tokens(outs) == colocated.generate([prompts[2]], GREEDY)[0]
+        assert d.connectors[1].stats.failed_transfers.get("transfer_timeout") == 1
+        assert asked == [True, False, False]
+        settle(p, d)
+
+        d_agent.set_faults(FaultConfig())
+        params = prefill(p, prompts[3])
+        assert tokens(decode(d, p, prompts[3], params, GREEDY)) == colocated.generate([prompts[3]], GREEDY)[0]
+        assert asked == [True, False, False, True]  # the timed-out read dropped P's agents: connect again
+        settle(p, d)
+        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
+    finally:
+        leases.check_read = check_read
+        p.shutdown()
+        d.shutdown()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvbridge.kv_transfer.control import ControlClient, ControlServer
@@ -42,6 +44,15 @@ def test_a_granted_read_is_in_flight_until_the_lease_is_released(table) -> None:
     assert t.reads_in_flight()
     assert t.release("r1", 7)
     assert not t.reads_in_flight()
+
+
+def test_an_unwatched_read_is_granted_and_renews_but_is_not_in_flight(table) -> None:
+    t, clock = table
+    clock.now += 29.0
+    assert t.check_read("r1", 7, BLOCKS, PROMPT, watch=False) is None
+    assert not t.reads_in_flight()
+    clock.now += 19.0
+    assert t.pop_expired() == []  # renewed like a watched read
 
 
 @pytest.mark.parametrize("rid, gen, blocks", [("r1", 8, BLOCKS), ("r2", 7, BLOCKS), ("r1", 7, ([9],)),
@@ -104,6 +115,28 @@ def test_a_granted_check_read_wakes_the_engine_once(control) -> None:
     assert woken == [1] and leases.reads_in_flight()
     client.release("127.0.0.1", port, "r1", 7)
     assert not leases.reads_in_flight() and cs.drain_released() == ["r1"]
+
+
+def test_a_check_read_from_a_connected_reader_neither_wakes_nor_watches(control) -> None:
+    cs, leases, port = control
+    woken = []
+    cs.on_read_granted = lambda: woken.append(1)
+    cs.incarnation = "inc-1"
+    leases.grant("r1", BLOCKS, 7, PROMPT)
+    assert ControlClient(timeout_s=2.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT,
+                                                   connect=False) == "inc-1"
+    assert woken == [] and not leases.reads_in_flight() and "r1" in leases
+
+
+@pytest.mark.parametrize("connect", ["yes", 1, None])
+def test_a_check_read_whose_connect_is_not_a_boolean_is_refused(control, connect) -> None:
+    cs, leases, port = control
+    leases.grant("r1", BLOCKS, 7, PROMPT)
+    body = json.dumps({"rid": "r1", "gen": 7, "blocks": [list(g) for g in BLOCKS], "content": PROMPT,
+                       "connect": connect}).encode()
+    with pytest.raises(HandshakeError, match="connect must be a boolean"):
+        ControlClient(timeout_s=2.0)._client.request("127.0.0.1", port, "kv_check_read", body, 2.0)
+    assert not leases.reads_in_flight()
 
 
 def test_a_failing_wake_hook_does_not_refuse_the_read(control) -> None:

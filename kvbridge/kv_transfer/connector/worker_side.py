@@ -159,6 +159,9 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._xfer_ids = itertools.count()
         self._xfers: dict[str, str] = {}  # live xfer id -> D's request id
         self._peers: dict[RemoteEngine, _Peer] = {}
+        # Peers (by key) from which a read completed since D connected: their agents are wired
+        # up, so check_read tells P it need not poll promptly for the next reads.
+        self._connected: set[str] = set()
         self._recvs: dict[str, _Recv] = {}
         self._done_recv: set[str] = set()
         self._side_requests: list[tuple[str, Future]] = []  # (what, future) of releases and heartbeats
@@ -314,7 +317,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         recv.phase = _Phase.CHECK
         recv.futures = [self._executor.submit(self.control.check_read, s.remote.host, s.remote.port,
                                               s.remote_request_id, s.lease_generation, s.remote_block_ids,
-                                              s.content)]
+                                              s.content, peer.key not in self._connected)]
 
     def _peer(self, remote: RemoteEngine, metas: list[HandshakeMetadata]) -> _Peer:
         """The peer for P's ranks' payloads; raises HandshakeLayoutMismatch / TPMappingError with
@@ -344,6 +347,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
 
     def _drop_peer(self, remote: RemoteEngine) -> None:
         peer = self._peers.pop(remote, None)
+        if peer is not None:
+            self._connected.discard(peer.key)
         if self._handshakes is not None:
             self._handshakes.forget(remote.engine_id)
         if peer is not None:  # every rank removes its agents for the peer's ranks
@@ -423,6 +428,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
             return
         self.stats.record_transfer(time.perf_counter() - recv.started, sum(r.nbytes for r in reads),
                                    sum(r.ndescs for r in reads))
+        if reads and recv.peer is not None and self._peers.get(recv.spec.remote) is recv.peer:
+            self._connected.add(recv.peer.key)  # its agents are wired up: P need not poll promptly
         self._release_handles(recv)
         del self._recvs[rid]
         self._done_recv.add(rid)
