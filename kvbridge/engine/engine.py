@@ -24,6 +24,7 @@ from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
+from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS
@@ -223,7 +224,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if self.connectors is not None:
             sched.kv_rank_commands = self.connectors[1].start_load_kv(sched.kv_connector_metadata)
-        result = self.runner.execute(sched)
+        result = self.runner.execute(sched) if self._ranks_have_work(sched) else ModelRunnerOutput()
         if self.connectors is not None:
             result.kv_connector_output = self.connectors[1].get_finished(result.kv_rank_reports)
         touched = self.scheduler.update_from_output(sched, result)
@@ -242,6 +243,12 @@ class LLMEngine:
         if not sched.scheduled and not outputs and not self.transfers_in_flight():
             time.sleep(IDLE_SLEEP_S)
         return outputs
+
+    def _ranks_have_work(self, sched: SchedulerOutput) -> bool:
+        """Tokens to compute, finished requests to forget, transfer commands, or transfers to poll:
+        otherwise the step is the engine's alone (scheduling, leases, connector messages)."""
+        return bool(sched.scheduled or sched.finished_req_ids or sched.kv_rank_commands
+                    or (self.connectors is not None and self.connectors[1].needs_rank_poll()))
 
     def transfers_in_flight(self) -> bool:
         """KV transfers under way (loads on D, reads of this engine's blocks on P): the loop's

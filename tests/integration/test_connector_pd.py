@@ -282,3 +282,41 @@ def test_p_polls_promptly_for_reads_only_until_one_from_d_completed(loaded, colo
         leases.check_read = check_read
         p.shutdown()
         d.shutdown()
+
+
+def _count_runner_calls(engine) -> list:
+    calls: list = []
+    execute = engine.runner.execute
+
+    def counting(sched):
+        calls.append(sched)
+        return execute(sched)
+    engine.runner.execute = counting
+    return calls
+
+
+def test_the_ranks_run_only_for_tokens_commands_or_reads_that_need_polling(loaded, colocated, pd):
+    """At TP N every runner call is a round through N + 1 processes. A P holding a lease steps
+    to advance it without its ranks; they run for a read that may need their agents' progress
+    (D's first read, "connect"), not for later reads, which need nothing of P."""
+    _, p, d = pd
+    p_calls = _count_runner_calls(p)
+    first, second = (prompt_of(loaded, f"Describe {x} in two sentences.") for x in ("Paris", "Lisbon"))
+
+    params = prefill(p, first)
+    p.step()  # the step after a prefill tells the runner to forget the finished request
+    held = len(p_calls)
+    for _ in range(5):
+        p.step()
+    assert len(p_calls) == held and p.metrics().num_held_for_remote == 1  # the lease alone: no rank work
+    assert tokens(decode(d, p, first, params, GREEDY)) == colocated.generate([first], GREEDY)[0]
+    assert len(p_calls) > held  # D's first read was watched: P's ranks polled their agents
+    settle(p, d)
+
+    params = prefill(p, second)
+    p.step()
+    held = len(p_calls)
+    assert tokens(decode(d, p, second, params, GREEDY)) == colocated.generate([second], GREEDY)[0]
+    settle(p, d)
+    assert len(p_calls) == held  # a connected reader's read, read-done and release: none ran P's ranks
+    assert p.metrics().num_held_for_remote == 0

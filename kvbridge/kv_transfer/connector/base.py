@@ -112,6 +112,11 @@ class WorkerConnector(ABC):
         """Transfers whose completion this engine must poll for promptly (not back off)."""
         return False
 
+    def needs_rank_poll(self) -> bool:
+        """Must the ranks run a step that schedules nothing and carries no commands, to poll their
+        transfer agents? (At TP N each such step is a round through N + 1 processes.)"""
+        return True
+
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """Install a thread-safe callback that wakes the engine loop when a transfer starts."""
 

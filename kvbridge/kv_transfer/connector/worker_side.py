@@ -510,6 +510,14 @@ class KVBridgeWorkerConnector(WorkerConnector):
         return (bool(self._recvs) or any(self._commands)
                 or (self.control_server is not None and self.leases.reads_in_flight()))
 
+    def needs_rank_poll(self) -> bool:
+        """D: a read handed to a rank has not settled (its poll reports it). P: a granted read may
+        need its agents' progress (UCX wire-up, `LeaseTable.reads_in_flight`). Otherwise a step
+        with nothing scheduled and no commands leaves the ranks alone: a P holding leases steps
+        every few ms to expire them, and nothing of that needs its ranks."""
+        return (any(read.result is None for recv in self._recvs.values() for read in recv.reads.values())
+                or (self.control_server is not None and self.leases.reads_in_flight()))
+
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """P: call ``wake`` (from the side-channel thread) when a read of leased blocks is granted,
         so that an engine loop sleeping between idle steps polls again at once."""
