@@ -5,9 +5,10 @@
                  sequence or a suffix of it), and do they hold the KV of D's prompt
                  ("content": the content_digest of D's prompt tokens)? Renews the lease. A
                  content mismatch ends the lease and frees the blocks at once. "connect"
-                 (optional, default true): D has not completed a read from this P since it
-                 connected, so the read may need P's agents to progress (UCX wire-up): P
-                 then polls promptly until the read is done (lease.py).
+                 (optional, default true): D has not completed a read from this P lately
+                 (since it connected, or for a while), so the read may need P's agents to
+                 progress (UCX wire-up): P then steps promptly until the read is done
+                 (lease.py).
   kv_read_done   {"rid", "gen"}            D's read of the request's blocks completed
   kv_release     {"rid", "gen"}            D will not read (abort, rejection, full hit)
   kv_heartbeat   {"items": [[rid, gen], ...]}  D still waits; renew these leases
@@ -162,8 +163,8 @@ class ControlClient:
     def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...],
                    content: str, connect: bool = True) -> str:
         """Returns P's incarnation (see ControlServer.incarnation). `content`: the
-        content_digest of the reader's own prompt tokens; `connect`: this reader has not yet
-        completed a read from P since it connected (P then polls promptly for the read)."""
+        content_digest of the reader's own prompt tokens; `connect`: this reader has not
+        completed a read from P lately (P then steps promptly for the read)."""
         body = json.dumps({"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks],
                            "content": content, "connect": connect}).encode()
         return self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s).decode("ascii", "replace")

@@ -7,17 +7,18 @@ still waits for. Every lease has a generation; D names it in each message, and a
 message naming a generation P no longer holds is refused, so a late reader never
 gets blocks that were freed and reused by someone else.
 
-A granted check_read that says it may need P's progress (``watch``: D has not yet
-completed a read from this P since it connected) also marks the lease as being read
-until the read-done message ends it (or ``read_watch_s`` passes). While one is in
-flight P's engine loop polls its transfer agent promptly instead of backing off
-(``reads_in_flight``): the first NIXL read from a new peer completes only once P's
-agent has progressed (UCX wire-up), and so would any read carrying a NIXL
-notification. Later reads from a connected peer need nothing from P (the reader's
-agent copies), and prompt polling would only take CPU from that copy (at TP N each
-poll is a round through N + 1 processes), so they are not watched; P still steps at
-its back-off (at most 10 ms) while it holds leases, so a read of a pair of agents
-that did need wire-up after all completes anyway.
+A granted check_read also marks the lease as being read until the read-done message
+ends it (or ``read_watch_s`` passes): while one is in flight P's ranks poll their
+transfer agents at every step (``reads_in_flight()``), since without a progress thread
+a NIXL read may complete only once the target's agent has progressed: the first read
+from a new peer (UCX wire-up), the first after an idle spell (measured: after 20 s
+without traffic between them a read stayed in progress until P's agent progressed), and
+any read carrying a NIXL notification. A read D asks to be watched (``watch``: D has not
+completed a read from this P lately) also makes P's engine loop step promptly instead of
+backing off (``reads_in_flight(watched=True)``). Reads from a reader that read a moment
+ago are not watched: they complete as the reader's agent copies, and prompt polling took
+CPU from that copy (at TP N each poll is a round through N + 1 processes); P's back-off
+(at most 10 ms while it holds leases) still progresses its agents if one does need it.
 
 A lease also binds the blocks to their content: the digest of the prompt tokens whose
 KV they hold (`content_digest`). D sends the digest of its own prompt with the
@@ -109,7 +110,8 @@ class LeaseTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        self._reading: dict[str, float] = {}  # request id -> until when its granted read counts as in flight
+        # request id -> (until when its granted read counts as in flight, whether it is watched)
+        self._reading: dict[str, tuple[float, bool]] = {}
         self._heap: list[tuple[float, str, int]] = []  # (expiry, request id, generation); stale entries skipped
         # A random base: a P restarted under the same address never reissues a generation
         # that a D may still hold from before the restart.
@@ -156,8 +158,8 @@ class LeaseTable:
                    content: str, watch: bool = True) -> ReadRefusal | None:
         """Before D reads: None if the lease is live, grants these blocks and holds the KV of
         the prompt whose digest is `content`, or that prompt followed by exactly the tokens P
-        sampled (Lease.holds; the lease is renewed); else why not. `watch`: count the granted
-        read in ``reads_in_flight`` until it ends. A content
+        sampled (Lease.holds; the lease is renewed); else why not. `watch`: the granted read
+        counts in ``reads_in_flight(watched=True)`` too. A content
         mismatch also ends the lease (the caller frees the blocks): the params that named it
         were swapped or replayed, and the KV is no use to the reader that presented them."""
         with self._lock:
@@ -178,20 +180,19 @@ class LeaseTable:
             now = self._clock()
             lease.expiry = max(lease.expiry, now + self.lease_seconds * 2 / 3)
             heapq.heappush(self._heap, (lease.expiry, request_id, generation))
-            if watch:
-                self._reading[request_id] = now + self.read_watch_s
+            self._reading[request_id] = (now + self.read_watch_s, watch)
             return None
 
-    def reads_in_flight(self) -> bool:
-        """Has a read of leased blocks been granted and not ended (read done, release, expiry)
-        within the last ``read_watch_s``?"""
+    def reads_in_flight(self, watched: bool = False) -> bool:
+        """Has a read of leased blocks been granted (and watched, with `watched`) and not ended
+        (read done, release, expiry) within the last ``read_watch_s``?"""
         with self._lock:
             if not self._reading:
                 return False
             now = self._clock()
-            for rid in [rid for rid, until in self._reading.items() if until <= now]:
+            for rid in [rid for rid, (until, _) in self._reading.items() if until <= now]:
                 del self._reading[rid]
-            return bool(self._reading)
+            return any(watch for _, watch in self._reading.values()) if watched else bool(self._reading)
 
     def release(self, request_id: str, generation: int) -> bool:
         """End the lease (read done or not wanted). True if this call ended it."""

@@ -10,6 +10,7 @@ from kvbridge.engine.engine import EngineRequestError
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
+from kvbridge.kv_transfer.connector import worker_side
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
@@ -236,10 +237,12 @@ def test_full_prefix_hit_on_d_sends_only_a_release(loaded, colocated, pd):
     assert p.connectors[1].stats.early_releases == 1 and p.metrics().num_held_for_remote == 0
 
 
-def test_p_polls_promptly_for_reads_only_until_one_from_d_completed(loaded, colocated):
-    """A read may need P's agents to progress only until D's agents are wired up to P's (NIXL
-    without a progress thread): D's check_read asks P to poll promptly (``connect``) until a
-    read from P completed, and again after D dropped P's agents (here: a read timed out)."""
+def test_p_polls_promptly_only_for_reads_after_none_lately(loaded, colocated, monkeypatch):
+    """A read may need P's agents to progress while D's agents are not wired up to P's (NIXL
+    without a progress thread): D's check_read asks P to step promptly (``connect``) until a
+    read from P completed, again after D dropped P's agents (here: a read timed out), and
+    after READ_LATELY_S without a completed read."""
+    monkeypatch.setattr(worker_side, "READ_LATELY_S", 3600.0)  # no pause in this test is "long"
     fabric = FakeFabric(seed=3)
     p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P")
     d_agent = fabric.create_agent("D")
@@ -252,17 +255,17 @@ def test_p_polls_promptly_for_reads_only_until_one_from_d_completed(loaded, colo
     def recording_check_read(*args, watch: bool = True):
         refusal = check_read(*args, watch=watch)
         asked.append(watch)
-        in_flight_after_check.append(leases.reads_in_flight())
+        in_flight_after_check.append(leases.reads_in_flight(watched=True))
         return refusal
     leases.check_read = recording_check_read
-    prompts = [prompt_of(loaded, f"Name {n} rivers of Europe.") for n in (2, 3, 4, 5)]
+    prompts = [prompt_of(loaded, f"Name {n} rivers of Europe.") for n in (2, 3, 4, 5, 6)]
     try:
         for prompt in prompts[:2]:
             params = prefill(p, prompt)
             assert tokens(decode(d, p, prompt, params, GREEDY)) == colocated.generate([prompt], GREEDY)[0]
             settle(p, d)
         assert asked == [True, False]
-        assert in_flight_after_check == [True, False]  # only a watched read keeps P polling promptly
+        assert in_flight_after_check == [True, False]  # only a watched read keeps P stepping promptly
 
         d_agent.set_faults(FaultConfig(delay_polls=10**9))  # the next read never completes
         params = prefill(p, prompts[2])
@@ -276,6 +279,12 @@ def test_p_polls_promptly_for_reads_only_until_one_from_d_completed(loaded, colo
         params = prefill(p, prompts[3])
         assert tokens(decode(d, p, prompts[3], params, GREEDY)) == colocated.generate([prompts[3]], GREEDY)[0]
         assert asked == [True, False, False, True]  # the timed-out read dropped P's agents: connect again
+        settle(p, d)
+
+        monkeypatch.setattr(worker_side, "READ_LATELY_S", 0.0)  # every completed read is long ago
+        params = prefill(p, prompts[4])
+        assert tokens(decode(d, p, prompts[4], params, GREEDY)) == colocated.generate([prompts[4]], GREEDY)[0]
+        assert asked == [True, False, False, True, True]
         settle(p, d)
         assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
     finally:
@@ -297,26 +306,30 @@ def _count_runner_calls(engine) -> list:
 
 def test_the_ranks_run_only_for_tokens_commands_or_reads_that_need_polling(loaded, colocated, pd):
     """At TP N every runner call is a round through N + 1 processes. A P holding a lease steps
-    to advance it without its ranks; they run for a read that may need their agents' progress
-    (D's first read, "connect"), not for later reads, which need nothing of P."""
+    to advance it without its ranks; they run while a read of its blocks is granted (it may
+    need their agents' progress), and a D's ranks run for its reads, not while it waits for
+    P's answers."""
     _, p, d = pd
-    p_calls = _count_runner_calls(p)
-    first, second = (prompt_of(loaded, f"Describe {x} in two sentences.") for x in ("Paris", "Lisbon"))
+    p_calls, d_calls = _count_runner_calls(p), _count_runner_calls(d)
+    prompt = prompt_of(loaded, "Describe Lisbon in two sentences.")
 
-    params = prefill(p, first)
+    params = prefill(p, prompt)
     p.step()  # the step after a prefill tells the runner to forget the finished request
     held = len(p_calls)
     for _ in range(5):
         p.step()
     assert len(p_calls) == held and p.metrics().num_held_for_remote == 1  # the lease alone: no rank work
-    assert tokens(decode(d, p, first, params, GREEDY)) == colocated.generate([first], GREEDY)[0]
-    assert len(p_calls) > held  # D's first read was watched: P's ranks polled their agents
+    assert tokens(decode(d, p, prompt, params, GREEDY)) == colocated.generate([prompt], GREEDY)[0]
+    assert len(p_calls) > held  # the granted read: P's ranks polled their agents
     settle(p, d)
-
-    params = prefill(p, second)
-    p.step()
-    held = len(p_calls)
-    assert tokens(decode(d, p, second, params, GREEDY)) == colocated.generate([second], GREEDY)[0]
-    settle(p, d)
-    assert len(p_calls) == held  # a connected reader's read, read-done and release: none ran P's ranks
     assert p.metrics().num_held_for_remote == 0
+    # D's runner ran for its read and its tokens only, never for a step that waited on P's
+    # handshake or check_read answer (the fake read completes at its first poll, in the step
+    # that started it, so no step was needed to poll it either).
+    assert d_calls and not [c for c in d_calls if not (c.scheduled or c.finished_req_ids or c.kv_rank_commands)]
+    p.step(), d.step()  # the runners forget the finished requests
+    done = len(p_calls), len(d_calls)
+    for _ in range(5):
+        p.step()
+        d.step()
+    assert (len(p_calls), len(d_calls)) == done  # nothing to do: neither engine's ranks run

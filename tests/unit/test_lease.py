@@ -46,13 +46,23 @@ def test_a_granted_read_is_in_flight_until_the_lease_is_released(table) -> None:
     assert not t.reads_in_flight()
 
 
-def test_an_unwatched_read_is_granted_and_renews_but_is_not_in_flight(table) -> None:
+def test_an_unwatched_read_is_in_flight_but_not_watched(table) -> None:
     t, clock = table
     clock.now += 29.0
     assert t.check_read("r1", 7, BLOCKS, PROMPT, watch=False) is None
-    assert not t.reads_in_flight()
+    assert t.reads_in_flight() and not t.reads_in_flight(watched=True)
     clock.now += 19.0
     assert t.pop_expired() == []  # renewed like a watched read
+    assert t.release("r1", 7)
+    assert not t.reads_in_flight()
+
+
+def test_a_watched_read_is_in_flight_both_ways_until_it_ends(table) -> None:
+    t, clock = table
+    assert t.check_read("r1", 7, BLOCKS, PROMPT, watch=True) is None
+    assert t.reads_in_flight() and t.reads_in_flight(watched=True)
+    clock.now += 5.1  # past read_watch_s
+    assert not t.reads_in_flight() and not t.reads_in_flight(watched=True)
 
 
 @pytest.mark.parametrize("rid, gen, blocks", [("r1", 8, BLOCKS), ("r2", 7, BLOCKS), ("r1", 7, ([9],)),
@@ -125,7 +135,8 @@ def test_a_check_read_from_a_connected_reader_neither_wakes_nor_watches(control)
     leases.grant("r1", BLOCKS, 7, PROMPT)
     assert ControlClient(timeout_s=2.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT,
                                                    connect=False) == "inc-1"
-    assert woken == [] and not leases.reads_in_flight() and "r1" in leases
+    assert woken == [] and not leases.reads_in_flight(watched=True)
+    assert leases.reads_in_flight() and "r1" in leases  # P's ranks still poll while it is read
 
 
 @pytest.mark.parametrize("connect", ["yes", 1, None])

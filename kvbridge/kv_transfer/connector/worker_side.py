@@ -64,6 +64,10 @@ from kvbridge.kv_transfer.tp_mapping import (RankBlocks, RankKV, ReadPlan, Relea
 logger = logging.getLogger("kvbridge.kv_transfer")
 
 MAX_REMOTE_TP_SIZE = 256  # the most ranks D will shake hands with for one prefill engine
+# A read from a P this recent means the agents of both are wired up and in use: the next
+# read does not ask P to poll promptly. After a longer pause it does (UCX may need P's
+# progress again, as after 20 s without traffic here). A module attribute, so tests can move it.
+READ_LATELY_S = 1.0
 # Failures after which D tells P to release: the read failed, but P's side channel answered
 # (so does any failure once P granted the read: a rank failing to add P's agent, too).
 _RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL,
@@ -159,9 +163,9 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._xfer_ids = itertools.count()
         self._xfers: dict[str, str] = {}  # live xfer id -> D's request id
         self._peers: dict[RemoteEngine, _Peer] = {}
-        # Peers (by key) from which a read completed since D connected: their agents are wired
-        # up, so check_read tells P it need not poll promptly for the next reads.
-        self._connected: set[str] = set()
+        # Peer key -> when (monotonic) a read from it last completed: while that is recent, its
+        # agents are wired up and in use, so check_read tells P it need not poll promptly.
+        self._last_read: dict[str, float] = {}
         self._recvs: dict[str, _Recv] = {}
         self._done_recv: set[str] = set()
         self._side_requests: list[tuple[str, Future]] = []  # (what, future) of releases and heartbeats
@@ -317,7 +321,13 @@ class KVBridgeWorkerConnector(WorkerConnector):
         recv.phase = _Phase.CHECK
         recv.futures = [self._executor.submit(self.control.check_read, s.remote.host, s.remote.port,
                                               s.remote_request_id, s.lease_generation, s.remote_block_ids,
-                                              s.content, peer.key not in self._connected)]
+                                              s.content, not self._read_lately(peer))]
+
+    def _read_lately(self, peer: _Peer) -> bool:
+        """Did a read from `peer` complete within READ_LATELY_S? Then the next one needs no prompt
+        progress from P (kvbridge/kv_transfer/lease.py)."""
+        last = self._last_read.get(peer.key)
+        return last is not None and time.monotonic() - last <= READ_LATELY_S
 
     def _peer(self, remote: RemoteEngine, metas: list[HandshakeMetadata]) -> _Peer:
         """The peer for P's ranks' payloads; raises HandshakeLayoutMismatch / TPMappingError with
@@ -348,7 +358,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
     def _drop_peer(self, remote: RemoteEngine) -> None:
         peer = self._peers.pop(remote, None)
         if peer is not None:
-            self._connected.discard(peer.key)
+            self._last_read.pop(peer.key, None)
         if self._handshakes is not None:
             self._handshakes.forget(remote.engine_id)
         if peer is not None:  # every rank removes its agents for the peer's ranks
@@ -429,7 +439,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.stats.record_transfer(time.perf_counter() - recv.started, sum(r.nbytes for r in reads),
                                    sum(r.ndescs for r in reads))
         if reads and recv.peer is not None and self._peers.get(recv.spec.remote) is recv.peer:
-            self._connected.add(recv.peer.key)  # its agents are wired up: P need not poll promptly
+            self._last_read[recv.peer.key] = time.monotonic()
         self._release_handles(recv)
         del self._recvs[rid]
         self._done_recv.add(rid)
@@ -508,13 +518,14 @@ class KVBridgeWorkerConnector(WorkerConnector):
         """D: loads under way. P: a read of its leased blocks granted and not yet done (the read
         completes only after P's agent progresses, so P must keep polling promptly)."""
         return (bool(self._recvs) or any(self._commands)
-                or (self.control_server is not None and self.leases.reads_in_flight()))
+                or (self.control_server is not None and self.leases.reads_in_flight(watched=True)))
 
     def needs_rank_poll(self) -> bool:
-        """D: a read handed to a rank has not settled (its poll reports it). P: a granted read may
-        need its agents' progress (UCX wire-up, `LeaseTable.reads_in_flight`). Otherwise a step
-        with nothing scheduled and no commands leaves the ranks alone: a P holding leases steps
-        every few ms to expire them, and nothing of that needs its ranks."""
+        """D: a read handed to a rank has not settled (its poll reports it). P: a read of its
+        blocks was granted and has not ended (it may need its agents' progress,
+        `LeaseTable.reads_in_flight`). Otherwise a step with nothing scheduled and no commands
+        leaves the ranks alone: a P holding leases steps every few ms to expire them, and
+        nothing of that needs its ranks."""
         return (any(read.result is None for recv in self._recvs.values() for read in recv.reads.values())
                 or (self.control_server is not None and self.leases.reads_in_flight()))
 
