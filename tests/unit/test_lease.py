@@ -111,32 +111,24 @@ def control():
         yield cs, leases, server.port
 
 
-def test_a_granted_check_read_wakes_the_engine_once(control) -> None:
+@pytest.mark.parametrize("connect", [True, False])
+def test_a_granted_check_read_wakes_the_engine_once_if_the_reader_is_connecting(control, connect) -> None:
+    """connect=False: the reader read from P a moment ago; P's ranks still poll while the read
+    is in flight, but P's loop is neither woken nor kept stepping promptly."""
     cs, leases, port = control
     woken = []
     cs.on_read_granted = lambda: woken.append(1)
     cs.incarnation = "inc-1"
     leases.grant("r1", BLOCKS, 7, PROMPT)
     client = ControlClient(timeout_s=2.0)
-    with pytest.raises(HandshakeError):
-        client.check_read("127.0.0.1", port, "r1", 6, BLOCKS, PROMPT)  # stale generation: refused, no wake
+    with pytest.raises(HandshakeError):  # stale generation: refused, no wake
+        client.check_read("127.0.0.1", port, "r1", 6, BLOCKS, PROMPT, connect=connect)
     assert woken == [] and not leases.reads_in_flight()
-    assert client.check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT) == "inc-1"
-    assert woken == [1] and leases.reads_in_flight()
+    assert client.check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT, connect=connect) == "inc-1"
+    assert woken == ([1] if connect else []) and leases.reads_in_flight()
+    assert leases.reads_in_flight(watched=True) is connect
     client.release("127.0.0.1", port, "r1", 7)
     assert not leases.reads_in_flight() and cs.drain_released() == ["r1"]
-
-
-def test_a_check_read_from_a_connected_reader_neither_wakes_nor_watches(control) -> None:
-    cs, leases, port = control
-    woken = []
-    cs.on_read_granted = lambda: woken.append(1)
-    cs.incarnation = "inc-1"
-    leases.grant("r1", BLOCKS, 7, PROMPT)
-    assert ControlClient(timeout_s=2.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT,
-                                                   connect=False) == "inc-1"
-    assert woken == [] and not leases.reads_in_flight(watched=True)
-    assert leases.reads_in_flight() and "r1" in leases  # P's ranks still poll while it is read
 
 
 @pytest.mark.parametrize("connect", ["yes", 1, None])
@@ -221,3 +213,12 @@ def test_a_lease_with_p_s_tokens_accepts_exactly_that_continuation_too() -> None
     refusal = t.check_read("r1", 7, BLOCKS, content_digest(prompt + [98]))  # another token than P's
     assert refusal is not None and refusal.kind is Refusal.CONTENT
     assert "r1" not in t  # a content mismatch ends the lease
+
+
+def test_a_check_read_without_connect_is_watched(control) -> None:
+    """A reader that does not say (an older D) gets what every read got before: P steps promptly."""
+    cs, leases, port = control
+    leases.grant("r1", BLOCKS, 7, PROMPT)
+    body = json.dumps({"rid": "r1", "gen": 7, "blocks": [list(g) for g in BLOCKS], "content": PROMPT}).encode()
+    ControlClient(timeout_s=2.0)._client.request("127.0.0.1", port, "kv_check_read", body, 2.0)
+    assert leases.reads_in_flight(watched=True)
