@@ -515,8 +515,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
             logger.error("transfer backend of %s failed on engine %s: %s", where, self.engine_id, error)
 
     def has_transfers_in_flight(self) -> bool:
-        """D: loads under way. P: a read of its leased blocks granted and not yet done (the read
-        completes only after P's agent progresses, so P must keep polling promptly)."""
+        """D: loads under way. P: a watched read of its leased blocks granted and not yet done
+        (one that may complete only after P's agent progresses: the loop must step promptly)."""
         return (bool(self._recvs) or any(self._commands)
                 or (self.control_server is not None and self.leases.reads_in_flight(watched=True)))
 
