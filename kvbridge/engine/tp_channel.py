@@ -4,8 +4,8 @@
 `broadcast_object_list` is two broadcasts (the sizes, then the bytes) and `gather_object` is an
 `all_gather` of the sizes (a ring through every process) and then a gather. Over gloo each of
 those is a round of wake-ups of N + 1 processes. Measured on this 2-core machine with two rank
-processes and a 2 KB message (benchmarks/README.md, "tp_channel"): about 5.5 ms a step for the
-object collectives, 0.8 ms for this channel.
+processes and a 2 KB message (benchmarks/README.md, "tp_channel"): 5.2 ms a step for the
+object collectives, 0.63 ms for this channel.
 
 A `StepChannel` instead keeps one fixed-size frame per process (`frame_bytes`, 64 KiB): an
 8-byte little-endian length, then the message's pickle. The engine process's message is ONE
