@@ -14,6 +14,11 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
+# RequestOutput.error_code of a request that failed because its KV could not be loaded from
+# the prefill instance (load-failure policy "fail"): the request's own failure, not the engine's.
+KV_LOAD_FAILED = "kv_transfer_failed"
+
+
 @dataclass
 class RequestOutput:
     """Incremental output of one request for one engine step.
@@ -22,7 +27,8 @@ class RequestOutput:
     `finished` is set exactly once per request; then `finish_reason` is not None.
     `kv_transfer_params` is set only on the finishing output of a request whose
     connector returned parameters (P side: where D can read the KV).
-    `error` is a human-readable cause when finish_reason is ERROR.
+    `error` is a human-readable cause when finish_reason is ERROR; `error_code` says what
+    kind of failure it was where the API answers it differently (KV_LOAD_FAILED).
     """
 
     request_id: str
@@ -37,3 +43,4 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
     error: str | None = None
     stop_reason: str | int | None = None
+    error_code: str | None = None

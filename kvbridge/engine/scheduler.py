@@ -15,6 +15,7 @@ from collections import deque
 
 from kvbridge.config import SchedulerConfig
 from kvbridge.engine.kv_cache_manager import KVCacheManager
+from kvbridge.engine.outputs import KV_LOAD_FAILED
 from kvbridge.engine.request import FinishReason, Request, RequestStatus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConnector
@@ -294,6 +295,6 @@ class Scheduler:
             logger.warning("request %s: %s; recomputing locally from token %d",
                            req.request_id, cause, req.num_computed_tokens)
             return True
-        req.finish(FinishReason.ERROR, error=f"{cause}. The request may be retried.")
+        req.finish(FinishReason.ERROR, error=f"{cause}. The request may be retried.", error_code=KV_LOAD_FAILED)
         self._free_request(req)
         return False

@@ -377,7 +377,7 @@ def as_api_error(exc: BaseException, request_id: str) -> ApiError:
 def _raise_if_failed(output: RequestOutput) -> None:
     if output.finish_reason is FinishReason.ERROR:
         raise ApiError(500, output.error or "the engine failed to serve this request",
-                       code="engine_error")
+                       code=output.error_code or "engine_error")
     if output.finish_reason is FinishReason.ABORT:
         raise ApiError(503, "the request was aborted before it completed", code="aborted")
 

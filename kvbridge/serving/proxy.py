@@ -46,6 +46,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvbridge.engine.outputs import KV_LOAD_FAILED
 from kvbridge.serving import proxy_first_token as first_token
 from kvbridge.serving.protocol import parse_json_object
 from kvbridge.serving.proxy_exchange import (REQUEST_ID_HEADER, Exchange, Exhausted, Failed, PassthroughStream,
@@ -100,6 +101,15 @@ def openai_error(status: int, message: str, code: str, request_id: str | None = 
                       "param": None, "code": code}}
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _error_code(answer: Response) -> str | None:
+    """The `error.code` of an upstream's OpenAI-style error body, or None."""
+    try:
+        error = json.loads(answer.body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def prefill_body(body: dict) -> dict:
@@ -438,6 +448,11 @@ class PDProxy:
                 self.decode.record(upstream, True)
                 return PassthroughStream(sent, request_id, first)
             answer = await self._read_all(sent, request_id)
+            if not isinstance(answer, Failed) and status >= 500 and _error_code(answer) == KV_LOAD_FAILED:
+                # D is fine; the request's KV could not be loaded and P has released it, so
+                # another D could not load it either: the client gets D's answer, D's breaker a success.
+                self.decode.record(upstream, True)
+                return answer
             if isinstance(answer, Failed) or status >= 500:
                 reason = answer.reason if isinstance(answer, Failed) else f"status_{status}"
                 last = answer.response if isinstance(answer, Failed) else answer

@@ -129,6 +129,7 @@ def test_killed_prefill_and_wrong_port_follow_each_policy(procs, decoders, spare
     assert decode(d_re, bad).json()["choices"][0]["text"] == want
     r = decode(d_fail, {**prefill(p), "remote_port": bad["remote_port"]})
     assert r.status_code == 500 and "KV transfer failed" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "kv_transfer_failed"  # the proxy tells it from D's own failures
 
     # P dies with SIGKILL after answering, before D reads.
     params_re, params_fail = prefill(p), prefill(p)

@@ -116,6 +116,20 @@ async def test_a_decode_failing_again_and_again_opens_its_circuit_then_a_probe_c
         assert len(pd.decode[0].received) == 3 and (await pd.health())["decode"][0]["circuit"] == "closed"
 
 
+async def test_a_decode_that_could_not_load_the_kv_answers_the_client_and_stays_closed():
+    """D's 500 with code kv_transfer_failed (load-failure policy "fail") is the request's failure:
+    P released the KV, so no other D is tried, and D's breaker counts it as served."""
+    kv_failed = (b'{"error": {"message": "KV transfer failed (transfer_state): the read failed. The request '
+                 b'may be retried.", "type": "server_error", "param": null, "code": "kv_transfer_failed"}}')
+    async with pd_cluster(num_decode=2, decode_policy="round_robin", breaker_failures=2) as pd:
+        pd.decode[0].error = (500, kv_failed)
+        answers = [await pd.http.post("/v1/completions", json=COMPLETION) for _ in range(6)]
+        assert [(r.status_code, r.content) for r in answers[::2]] == [(500, kv_failed)] * 3
+        assert all(r.status_code == 200 for r in answers[1::2])
+        assert len(pd.decode[0].received) == 3 and len(pd.decode[1].received) == 3  # no retry, never skipped
+        assert (await pd.health())["decode"][0]["circuit"] == "closed"
+
+
 # ---- the breaker alone, on a clock of our own ---------------------------------------------
 
 def test_breaker_opens_after_consecutive_failures_only():
