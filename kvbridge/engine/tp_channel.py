@@ -89,7 +89,7 @@ class StepChannel:
         self._frame_view[_HEADER:_HEADER + head] = data[:head]
         if len(data) == head:
             return None
-        return torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(memoryview(data)[head:]), dtype=torch.uint8)
 
     def _unpack(self, frame: memoryview, receive_rest) -> Any:
         """The message in `frame`, receiving the rest of a long one with `receive_rest(tensor)`."""

@@ -106,8 +106,8 @@ def openai_error(status: int, message: str, code: str, request_id: str | None = 
 def _error_code(answer: Response) -> str | None:
     """The `error.code` of an upstream's OpenAI-style error body, or None."""
     try:
-        error = json.loads(answer.body).get("error")
-    except (ValueError, AttributeError):
+        error = parse_json_object(answer.body).get("error")
+    except ValueError:
         return None
     return error.get("code") if isinstance(error, dict) else None
 

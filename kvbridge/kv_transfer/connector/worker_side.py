@@ -357,11 +357,10 @@ class KVBridgeWorkerConnector(WorkerConnector):
 
     def _drop_peer(self, remote: RemoteEngine) -> None:
         peer = self._peers.pop(remote, None)
-        if peer is not None:
-            self._last_read.pop(peer.key, None)
         if self._handshakes is not None:
             self._handshakes.forget(remote.engine_id)
         if peer is not None:  # every rank removes its agents for the peer's ranks
+            self._last_read.pop(peer.key, None)
             for commands in self._commands:
                 commands.drop_peers += [peer.rank_key(r) for r in range(len(peer.ranks))]
 
