@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import SamplingParams
@@ -31,6 +32,13 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._default = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._buffer = torch.empty(0)
+
+    def _scratch(self, shape: torch.Size) -> torch.Tensor:
+        """A float32 CPU tensor of `shape` over memory reused from step to step."""
+        if self._buffer.numel() < shape.numel():
+            self._buffer = torch.empty(shape.numel())
+        return self._buffer[:shape.numel()].view(shape)
 
     def forget(self, request_ids: Sequence[str] | set[str]) -> None:
         for rid in request_ids:
@@ -89,7 +97,7 @@ class Sampler:
         """Row -> token for the rows that draw from the shared generator with temperature only (no
         seed, top-k or top-p: e.g. every request of `vllm bench serve`), all at once: one softmax
         over those rows and one uniform per row, inverted through the row's cumulative
-        probabilities. Sampling them one by one (`torch.multinomial` draws one exponential per
+        probabilities (`inverse_cdf`). Sampling them one by one (`torch.multinomial` draws one exponential per
         vocabulary entry) took a sixth of a 64-sequence decode step. A row whose probabilities
         are not finite is left out, for `_sample_row` to fail alone."""
         vocab = logits.shape[-1]
@@ -97,15 +105,19 @@ class Sampler:
                 if not sp.greedy and sp.seed is None and not 0 < sp.top_k < vocab and sp.top_p >= 1.0]
         if not rows:
             return {}
-        temperatures = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
-        probs = torch.softmax(logits[rows] / temperatures[:, None], dim=-1)
-        cumulative = probs.double().cumsum_(dim=-1)
-        total = cumulative[:, -1]
-        targets = torch.rand(len(rows), dtype=torch.float64, generator=self._default) * total
-        # The first entry whose cumulative mass exceeds the target: zero-probability entries never are.
-        tokens = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
-        ok = (torch.isfinite(total) & (total > 0)).tolist()
-        return {i: t for i, t, good in zip(rows, tokens.tolist(), ok) if good}
+        src = logits if len(rows) == logits.shape[0] else logits[rows]
+        # Unnormalised probabilities exp((logit - max) / T), in a buffer kept across steps (a fresh
+        # 12 MB tensor every step cost more than the arithmetic); a NaN or +inf logit makes its
+        # row's mass NaN.
+        weights = self._scratch(src.shape)
+        torch.sub(src, src.amax(dim=-1, keepdim=True), out=weights)
+        temperatures = [params[i].temperature for i in rows]
+        if any(t != 1.0 for t in temperatures):
+            weights.mul_(1.0 / torch.tensor(temperatures, dtype=torch.float32)[:, None])
+        weights.exp_()
+        uniforms = torch.rand(len(rows), dtype=torch.float64, generator=self._default)
+        tokens, ok = inverse_cdf(weights, uniforms)
+        return {i: t for i, t, good in zip(rows, tokens.tolist(), ok.tolist()) if good}
 
     @staticmethod
     def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
@@ -123,6 +135,42 @@ class Sampler:
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+INVERSE_CDF_CHUNK = 1024  # vocabulary entries summed per chunk (49,152 = 48 chunks)
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor,
+                chunk: int = INVERSE_CDF_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of non-negative `weights` [N, V] (unnormalised probabilities), the first entry
+    whose cumulative weight exceeds uniforms[row] x the row's total, and whether the row could
+    be sampled (a finite, positive total). Two levels, in float64: the chunks' cumulative sums
+    pick a chunk, then that one chunk's cumulative sum picks the entry, so the vocabulary is
+    read once (a sum per chunk) instead of being converted and cumulatively summed whole. An
+    entry of zero weight is never picked, whatever the rounding: a target at or past the total
+    falls to the last entry of positive weight."""
+    n, vocab = weights.shape
+    pad = -vocab % chunk
+    chunks = (F.pad(weights, (0, pad)) if pad else weights).view(n, -1, chunk)  # padding weighs 0
+    chunk_mass = chunks.sum(dim=-1).double()  # [N, chunks]; summed in fp32 (a float64 sum casts a copy first)
+    cumulative = chunk_mass.cumsum(dim=-1)
+    total = cumulative[:, -1]
+    targets = uniforms.to(torch.float64) * total
+    rows = torch.arange(n)
+    picked = torch.minimum(torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0],
+                           _last_positive(chunk_mass))
+    before = torch.where(picked > 0, cumulative[rows, (picked - 1).clamp_(min=0)], 0.0)
+    inside = chunks[rows, picked]  # [N, chunk]: the picked chunk of every row
+    offset = torch.minimum(torch.searchsorted(inside.double().cumsum_(dim=-1), (targets - before)[:, None],
+                                              right=True)[:, 0], _last_positive(inside))
+    ok = torch.isfinite(total) & (total > 0)
+    return (picked * chunk + offset).clamp_(max=vocab - 1), ok  # clamped: a row that is not ok
+
+
+def _last_positive(values: torch.Tensor) -> torch.Tensor:
+    """Per row of [N, M], the index of the last positive entry (0 in a row without one)."""
+    m = values.shape[-1]
+    return (m - 1) - torch.flip(values > 0, dims=(-1,)).to(torch.uint8).argmax(dim=-1)
 
 
 def skip_draw(gen: torch.Generator, vocab: int) -> None:

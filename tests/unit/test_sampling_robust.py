@@ -108,3 +108,83 @@ def test_an_unseeded_row_that_cannot_be_sampled_fails_alone() -> None:
     sp = SamplingParams(temperature=0.9)
     result = Sampler().sample(rows, ["broken", "ok-1", "ok-2"], [sp, sp, SamplingParams(temperature=1.1, top_k=4)])
     assert set(result.errors) == {"broken"} and set(result.tokens) == {"ok-1", "ok-2"}
+
+
+def reference_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """One level, entry by entry: the first entry whose running sum exceeds u x total, or the
+    last entry of positive weight when the target is not below the total."""
+    tokens = []
+    for row, u in zip(weights.double().tolist(), uniforms.tolist()):
+        total, running = sum(row), 0.0
+        target, pick = u * total, max(i for i, w in enumerate(row) if w > 0)
+        for i, w in enumerate(row):
+            running += w
+            if running > target:
+                pick = i
+                break
+        tokens.append(pick)
+    return tokens
+
+
+@pytest.mark.parametrize("vocab, chunk", [(1, 4), (5, 4), (8, 4), (13, 4), (64, 8), (100, 7), (3000, 1024)])
+def test_inverse_cdf_picks_what_one_cumulative_sum_picks(vocab: int, chunk: int) -> None:
+    """Integer weights (exact in float64) with zeros sprinkled in, whole zero chunks, and the
+    uniforms that land exactly on every boundary, on either side of it, at 0 and just below 1."""
+    from kvbridge.engine.sampling import inverse_cdf
+
+    gen = torch.Generator().manual_seed(vocab * 31 + chunk)
+    base = torch.randint(0, 4, (vocab,), generator=gen).float()
+    base[-1] = 0.0  # the last entry (and, below, the padding after it) weighs nothing
+    if vocab > 2 * chunk:
+        base[chunk:2 * chunk] = 0.0  # a whole chunk of zero weight
+    base[vocab // 2] = 1.0  # at least one positive entry
+    total = float(base.double().sum())
+    edges = torch.cumsum(base.double(), 0)
+    us = {0.0, 1.0 - 2.0 ** -53}
+    for edge in edges.tolist():
+        for u in (edge / total, math.nextafter(edge / total, 0.0), math.nextafter(edge / total, 1.0)):
+            if 0.0 <= u < 1.0:
+                us.add(u)
+    uniforms = torch.tensor(sorted(us), dtype=torch.float64)
+    weights = base.repeat(len(uniforms), 1)
+    tokens, ok = inverse_cdf(weights, uniforms, chunk=chunk)
+    assert ok.all()
+    assert tokens.tolist() == reference_inverse_cdf(weights, uniforms)
+    assert all(base[t] > 0 for t in tokens.tolist())
+
+
+def test_inverse_cdf_over_random_float_weights_matches_the_reference() -> None:
+    from kvbridge.engine.sampling import inverse_cdf
+
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.rand(16, 2500, generator=gen) * (torch.rand(16, 2500, generator=gen) > 0.3)
+    uniforms = torch.rand(16, dtype=torch.float64, generator=gen)
+    tokens, ok = inverse_cdf(weights, uniforms, chunk=256)
+    assert ok.all() and tokens.tolist() == reference_inverse_cdf(weights, uniforms)
+
+
+def test_inverse_cdf_flags_rows_without_a_finite_positive_mass() -> None:
+    from kvbridge.engine.sampling import inverse_cdf
+
+    weights = torch.tensor([[0.0, 0.0, 0.0], [1.0, math.nan, 1.0], [math.inf, 1.0, 0.0], [0.0, 2.0, 0.0]])
+    tokens, ok = inverse_cdf(weights, torch.full((4,), 0.5, dtype=torch.float64), chunk=2)
+    assert ok.tolist() == [False, False, False, True]
+    assert tokens[3] == 1 and all(0 <= t < 3 for t in tokens.tolist())  # every index valid, even unused
+
+
+def test_unseeded_rows_over_a_many_chunk_vocabulary_follow_the_distribution() -> None:
+    """A vocabulary of several chunks (the last one padded): the frequencies of the batched draw
+    match softmax(logits / T) and tokens of zero probability are never drawn."""
+    vocab = 2 * 1024 + 100
+    probs = torch.zeros(vocab)
+    hot = [0, 1023, 1024, 1500, 2147]  # both sides of a chunk boundary and the last entry
+    probs[hot] = torch.tensor([0.1, 0.25, 0.15, 0.3, 0.2])
+    rows = torch.log(probs).repeat(64, 1) * 0.5  # temperature 0.5 gives `probs` back
+    sampler, counts = Sampler(seed=2), torch.zeros(vocab)
+    for i in range(60):
+        result = sampler.sample(rows, [f"r{j}" for j in range(64)], [SamplingParams(temperature=0.5)] * 64)
+        assert result.errors == {}
+        for token in result.tokens.values():
+            counts[token] += 1
+    assert counts.sum() == counts[hot].sum()
+    torch.testing.assert_close(counts[hot] / counts.sum(), probs[hot], atol=0.015, rtol=0)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbridge.engine.layers.activation import silu_and_mul
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.linear import Linear
 from kvbridge.engine.layers.mla_attention import MLAPagedAttention
@@ -134,7 +135,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[:, :self.size]) * gate_up[:, self.size:])
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DenseMLP(nn.Module):
@@ -216,7 +217,7 @@ class MoE(nn.Module):
                 continue
             rows = token_of[start:start + count]
             h = F.linear(x.index_select(0, rows), self.w_gate_up[expert])
-            h = F.linear(F.silu(h[:, :self.size]) * h[:, self.size:], self.w_down[expert])
+            h = F.linear(silu_and_mul(h), self.w_down[expert])
             out.index_add_(0, rows, h * weight_of[start:start + count, None])
             start += count
         return out if self.all_reduce is None else self.all_reduce(out)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbridge.engine.layers.activation import silu_and_mul
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention
 from kvbridge.engine.layers.linear import Linear, packed_linear, prepack_weight
 from kvbridge.engine.layers.norm import RMSNorm, add_rms_norm_, rms_norm
@@ -85,7 +86,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        out = self.down_proj(F.silu(gate_up[:, :self.intermediate_size]) * gate_up[:, self.intermediate_size:])
+        out = self.down_proj(silu_and_mul(gate_up))
         return out if self.all_reduce is None else self.all_reduce(out)
 
 

@@ -1,7 +1,6 @@
 // One-pass CPU (fp32) versions of the small per-layer ops that torch runs as several passes, each
 // a parallel region: RMSNorm (with the residual add before it), rotary embedding in place, and
-// the write of a step's K/V into the paged cache. (SiLU stays torch's: its vectorised exp beats
-// a scalar one here.) They run on the
+// the write of a step's K/V into the paged cache, and the MLP's SiLU(gate) * up. They run on the
 // calling thread unless a tensor is large (kSerialBelow elements), so a decode step's [batch,
 // hidden] rows wake no OpenMP threads. Registered in the `kvbridge` op namespace
 // (paged_decode.cpp defines it); kvbridge/engine/layers/cpu_kernels.py builds and loads them.
@@ -11,6 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -78,6 +79,49 @@ at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& delta, const at:
       for (int64_t j = 0; j < n; ++j) h[j] += d[j];
       norm_row(h, wd, od + r * n, n, static_cast<float>(eps));
     }
+  });
+  return out;
+}
+
+// e^x for the SiLU below, in a form the compiler vectorises (no libm call): x = n ln2 + r with
+// |r| <= ln2/2, e^r by Cephes' degree-7 polynomial (about 1 ulp), 2^n put into the exponent bits.
+// The reduction is clamped to [-87, 88], where 2^n stays a normal float; above 88 the result is
+// +inf (so SiLU of a very negative gate is -0, as torch's), below -87 about 1e-38; NaN stays NaN.
+inline float vector_exp(float x) {
+  const float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 x 2^23)
+  const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const float e = p * __builtin_bit_cast(float, bits);
+  return x > 88.0f ? std::numeric_limits<float>::infinity() : e;
+}
+
+void silu_mul_row(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.f + vector_exp(-g)) * up[i];
+  }
+}
+
+// gate_up [T, 2 * I] (gate then up, as the fused projection writes them) -> SiLU(gate) * up [T, I]:
+// one pass instead of torch's three (SiLU, product, and the temporaries in between).
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_and_mul: gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up must have an even number of columns");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, gate_up.options());
+  const float* gd = gate_up.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const int64_t stride = gate_up.stride(0);
+  at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(gd + r * stride, gd + r * stride + n, od + r * n, n);
   });
   return out;
 }
@@ -159,6 +203,7 @@ TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
   m.def("write_kv_(Tensor(a!) kv_layer, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvbridge, CPU, m) {
@@ -166,4 +211,5 @@ TORCH_LIBRARY_IMPL(kvbridge, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rotary_", &rotary_);
   m.impl("write_kv_", &write_kv_);
+  m.impl("silu_and_mul", &silu_and_mul);
 }
