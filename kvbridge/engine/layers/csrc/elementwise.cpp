@@ -8,10 +8,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -83,30 +84,10 @@ at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& delta, const at:
   return out;
 }
 
-// e^x for the SiLU below, in a form the compiler vectorises (no libm call): x = n ln2 + r with
-// |r| <= ln2/2, e^r by Cephes' degree-7 polynomial (about 1 ulp), 2^n put into the exponent bits.
-// The reduction is clamped to [-87, 88], where 2^n stays a normal float; above 88 the result is
-// +inf (so SiLU of a very negative gate is -0, as torch's), below -87 about 1e-38; NaN stays NaN.
-inline float vector_exp(float x) {
-  const float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 x 2^23)
-  const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  const float e = p * __builtin_bit_cast(float, bits);
-  return x > 88.0f ? std::numeric_limits<float>::infinity() : e;
-}
-
 void silu_mul_row(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
-    out[i] = g / (1.f + vector_exp(-g)) * up[i];
+    out[i] = g / (1.f + kvbridge::vector_exp(-g)) * up[i];
   }
 }
 
