@@ -138,28 +138,72 @@ class AsyncEngine:
     """Owns an LLMEngine and its thread. Constructing one starts the thread.
 
     All methods may be called from any thread; the coroutine ones need a running loop.
+
+    `from_config` builds the engine on the engine thread itself, so that one thread runs every
+    torch op of the engine (loading, prepacking, steps): OpenMP keeps a team of worker threads per
+    thread that ever ran a parallel region, and when the teams together outnumber the cores its
+    threads stop spinning between ops and sleep at once. A model built on the main thread and
+    stepped on this one made a 16-sequence decode step 52 -> 62 ms here, with 18x the context
+    switches (benchmarks/README.md, vs_vllm).
     """
 
-    def __init__(self, engine: LLMEngine, *, thread_name: str = "kvbridge-engine") -> None:
-        self._engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_name: str = engine.model_name
-        self.max_model_len: int = engine.max_model_len
+    def __init__(self, engine: LLMEngine | None = None, *, build: Callable[[], LLMEngine] | None = None,
+                 thread_name: str = "kvbridge-engine") -> None:
+        """Give the engine, or `build`, which the engine thread calls first to make it (what it
+        raises, this raises; a KeyboardInterrupt while it runs leaves the thread to shut down
+        what it builds)."""
+        if (engine is None) == (build is None):
+            raise TypeError("AsyncEngine needs an engine or a build function, not both")
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _state and _stop_posted
         self._state = EngineState.RUNNING
         self._stop_posted = False
         self.dead_reason: str | None = None
         self._sinks: dict[str, _Sink] = {}  # engine thread only
-        engine.set_wakeup(lambda: self._commands.put(_WAKE))
-        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._abandoned = False  # the constructor gave up waiting for `build` (Ctrl-C)
+        if engine is not None:
+            self._adopt(engine)
+            self._built.set()
+        self._thread = threading.Thread(target=self._build_and_run, args=(build,), name=thread_name, daemon=True)
         self._thread.start()
+        try:
+            self._built.wait()
+        except BaseException:
+            self._abandoned = True
+            raise
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+
+    def _adopt(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        engine.set_wakeup(lambda: self._commands.put(_WAKE))
+
+    def _build_and_run(self, build: Callable[[], LLMEngine] | None) -> None:
+        if build is not None:
+            try:
+                engine = build()
+            except BaseException as exc:  # the constructor raises it
+                self._build_error = exc
+                self._built.set()
+                return
+            self._adopt(engine)
+            self._built.set()
+            if self._abandoned:
+                engine.shutdown()
+                return
+        self._run()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         from kvbridge.engine.engine import LLMEngine  # heavy: torch and the model
 
-        return cls(LLMEngine.from_config(config))
+        return cls(build=lambda: LLMEngine.from_config(config))
 
     # ------------------------------------------------------------ public API
 
