@@ -95,11 +95,11 @@ class Sampler:
 
     def _sample_plain_rows(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> dict[int, int]:
         """Row -> token for the rows that draw from the shared generator with temperature only (no
-        seed, top-k or top-p: e.g. every request of `vllm bench serve`), all at once: one softmax
-        over those rows and one uniform per row, inverted through the row's cumulative
-        probabilities (`inverse_cdf`). Sampling them one by one (`torch.multinomial` draws one exponential per
-        vocabulary entry) took a sixth of a 64-sequence decode step. A row whose probabilities
-        are not finite is left out, for `_sample_row` to fail alone."""
+        seed, top-k or top-p: e.g. every request of `vllm bench serve`), all at once: the rows'
+        unnormalised probabilities and one uniform per row, inverted through the row's cumulative
+        weights (`inverse_cdf`). Sampling them one by one (`torch.multinomial` draws one
+        exponential per vocabulary entry) took a sixth of a 64-sequence decode step. A row whose
+        probabilities are not finite is left out, for `_sample_row` to fail alone."""
         vocab = logits.shape[-1]
         rows = [i for i, sp in enumerate(params)
                 if not sp.greedy and sp.seed is None and not 0 < sp.top_k < vocab and sp.top_p >= 1.0]

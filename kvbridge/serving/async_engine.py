@@ -139,19 +139,15 @@ class AsyncEngine:
 
     All methods may be called from any thread; the coroutine ones need a running loop.
 
-    `from_config` builds the engine on the engine thread itself, so that one thread runs every
-    torch op of the engine (loading, prepacking, steps): OpenMP keeps a team of worker threads per
-    thread that ever ran a parallel region, and when the teams together outnumber the cores its
-    threads stop spinning between ops and sleep at once. A model built on the main thread and
-    stepped on this one made a 16-sequence decode step 52 -> 62 ms here, with 18x the context
-    switches (benchmarks/README.md, vs_vllm).
+    `from_config` builds the engine on the engine thread, so one thread runs all its torch ops:
+    OpenMP keeps a worker team per thread that ran a parallel region, and with more team threads
+    than cores they sleep between ops (a 16-sequence decode step 52 -> 62 ms; benchmarks/README.md).
     """
 
     def __init__(self, engine: LLMEngine | None = None, *, build: Callable[[], LLMEngine] | None = None,
                  thread_name: str = "kvbridge-engine") -> None:
-        """Give the engine, or `build`, which the engine thread calls first to make it (what it
-        raises, this raises; a KeyboardInterrupt while it runs leaves the thread to shut down
-        what it builds)."""
+        """Give the engine, or `build` for the engine thread to make it (what it raises, this raises;
+        after a KeyboardInterrupt here the thread shuts down what it builds)."""
         if (engine is None) == (build is None):
             raise TypeError("AsyncEngine needs an engine or a build function, not both")
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -202,7 +198,6 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         from kvbridge.engine.engine import LLMEngine  # heavy: torch and the model
-
         return cls(build=lambda: LLMEngine.from_config(config))
 
     # ------------------------------------------------------------ public API
