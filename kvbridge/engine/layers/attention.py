@@ -10,8 +10,9 @@ does no Python work beyond a loop over prefill sequences:
   (CUDA, bf16/fp16, or without the kernels) by ONE padded SDPA call over K/V gathered block by
   block from the cache, with a boolean padding mask;
 - sequences with several new tokens (prefill, or a prefill chunk) are attended one by one:
-  causally over the new K/V when they start at position 0, otherwise over their whole
-  context read back from the cache with a causal mask shifted by the tokens computed before.
+  causally over the new K/V when they start at position 0 (on CPU in fp32 by kvbridge's tiled
+  kernel, cpu_kernels.prefill_attention; elsewhere SDPA), otherwise over their whole context
+  read back from the cache with a causal mask shifted by the tokens computed before.
 
 KV cache layout (fixed by the transfer code, which copies whole blocks or head slices of
 them): one tensor [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim],
@@ -275,6 +276,11 @@ class PagedAttention(nn.Module):
                  seq: PrefillSeq) -> torch.Tensor:
         qs = q[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
         gqa = self.num_kv_heads != self.num_heads
+        if (seq.block_index is None and seq.mask is None and self.head_dim in cpu_kernels.PREFILL_HEAD_DIMS
+                and q.shape[-1] == k.shape[-1] == v.shape[-1] == self.head_dim and cpu_kernels.applies(q, k, v)):
+            out = cpu_kernels.prefill_attention(q[seq.start:seq.end], k[seq.start:seq.end], v[seq.start:seq.end],
+                                                self.head_dim ** -0.5)
+            return out.view(seq.end - seq.start, self.num_heads * self.head_dim)
         if seq.block_index is None:
             ks = k[seq.start:seq.end].transpose(0, 1).unsqueeze(0)
             vs = v[seq.start:seq.end].transpose(0, 1).unsqueeze(0)

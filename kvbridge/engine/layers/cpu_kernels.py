@@ -3,6 +3,8 @@ builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
 
 - `paged_decode_attention`: decode attention straight from the paged KV cache (no gather of
   each sequence's K/V into a temporary tensor every layer; see csrc/paged_decode.cpp);
+- `prefill_attention`: causal attention of a prompt over its own new K/V, in 16 x 32 tiles
+  (csrc/prefill_attention.cpp);
 - `rms_norm`, `add_rms_norm_`, `rotary_`, `write_kv_`: one-pass versions of small per-layer
   ops (csrc/elementwise.cpp). Call sites ask `applies(...)` and keep their torch path.
 
@@ -26,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "elementwise.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "prefill_attention.cpp", "elementwise.cpp")]
 _lock = threading.Lock()
 _available: bool | None = None  # decided once per process, by the first available()
 
@@ -91,6 +93,15 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table:
     layer view), block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D]."""
     return torch.ops.kvbridge.paged_decode_attention(q, kv_layer, block_table, context_lens,
                                                      sliding_window or 0, scale)
+
+
+PREFILL_HEAD_DIMS = range(16, 257, 16)  # head sizes prefill_attention takes
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention over the prompt's own keys: q [L, heads, D], k and v [L, kv_heads, D] fp32
+    CPU, D contiguous (any row strides), D in PREFILL_HEAD_DIMS -> [L, heads, D]."""
+    return torch.ops.kvbridge.prefill_attention(q, k, v, scale)
 
 
 if __name__ == "__main__":  # scripts/install.sh: build once, loudly
