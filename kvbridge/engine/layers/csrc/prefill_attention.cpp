@@ -120,7 +120,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   float* out_data = out.data_ptr<float>();
   const int64_t q_tok = q.stride(0), q_head = q.stride(1);
   const int64_t k_tok = k.stride(0), k_head = k.stride(1), v_tok = v.stride(0), v_head = v.stride(1);
-  // K transposed once per call, [kv_heads][D][tiles * kTile] (padding keys: 0, always masked), so
+  // K transposed once per call, [kv_heads][D][L_pad] (L rounded up to kKeys; padding keys 0, never visible), so
   // that a tile's keys are one vector per d for every query tile that reads them.
   const int64_t L_pad = (L + kKeys - 1) / kKeys * kKeys;
   std::vector<float> k_t(kv_heads * D * L_pad, 0.f);
