@@ -277,7 +277,7 @@ class PagedAttention(nn.Module):
         qs = q[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
         gqa = self.num_kv_heads != self.num_heads
         if (seq.block_index is None and seq.mask is None and self.head_dim in cpu_kernels.PREFILL_HEAD_DIMS
-                and q.shape[-1] == k.shape[-1] == v.shape[-1] == self.head_dim and cpu_kernels.applies(q, k, v)):
+                and cpu_kernels.applies(q, k, v)):
             out = cpu_kernels.prefill_attention(q[seq.start:seq.end], k[seq.start:seq.end], v[seq.start:seq.end],
                                                 self.head_dim ** -0.5)
             return out.view(seq.end - seq.start, self.num_heads * self.head_dim)

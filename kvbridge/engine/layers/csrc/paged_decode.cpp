@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -41,35 +40,11 @@ inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64
   return lanes[0] + lanes[1];
 }
 
-// 16 floats as one value: a zmm register with AVX-512, two ymm with AVX2 (GCC's vector extension;
-// the compiler picks the instructions for the -march it builds for). aligned(4): loads and stores
-// through memcpy may be unaligned.
-typedef float vfloat __attribute__((vector_size(64), aligned(4)));
-constexpr int64_t kVec = 16;
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-
-// Lanes i and i + half added, half = 8, 4, 2, 1 (vector shuffles; a scalar tree was 1.6x slower
-// for the whole kernel): a fixed order, so the result does not depend on the build.
-inline float hsum(vfloat v) {
-#if defined(__clang__)
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-#else
-  typedef int32_t vint __attribute__((vector_size(64)));
-  v += __builtin_shuffle(v, vint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, vint{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-#endif
-  return v[0] + v[1];
-}
+using kvbridge::hsum;
+using kvbridge::kVec;
+using kvbridge::load;
+using kvbridge::store;
+using kvbridge::vfloat;
 
 // out[i] = q . k[i * D ..] for kTile keys at once, D a multiple of kVec: kTile independent chains
 // of vector FMAs (one key at a time waits on each FMA's latency; the scores were most of the time).

@@ -19,36 +19,21 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-typedef float vfloat __attribute__((vector_size(64), aligned(4)));
-constexpr int64_t kVec = 16;   // floats in a vfloat
+using kvbridge::hsum;
+using kvbridge::kVec;
+using kvbridge::load;
+using kvbridge::splat;
+using kvbridge::store;
+using kvbridge::vfloat;
+
 constexpr int64_t kTile = 16;  // queries per tile
 constexpr int64_t kKeys = 32;  // keys per tile: two vfloats of scores per query row
 constexpr int64_t kRows = 8;   // query rows scored together (independent FMA chains)
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-
-inline vfloat splat(float x) { return vfloat{} + x; }
-
-// Lanes i and i + half added, half = 8, 4, 2, 1 (a fixed order: deterministic).
-inline float hsum(vfloat v) {
-  float x[kVec];
-  store(x, v);
-  for (int64_t i = 0; i < 8; ++i) x[i] += x[i + 8];
-  for (int64_t i = 0; i < 4; ++i) x[i] += x[i + 4];
-  return (x[0] + x[2]) + (x[1] + x[3]);
-}
 
 // The largest of 16 floats, as a tree.
 inline float max16(const float* p) {
