@@ -255,6 +255,11 @@ class LLMEngine:
         owner should step again promptly, or their completion waits for its back-off."""
         return self.connectors is not None and self.connectors[1].has_transfers_in_flight()
 
+    def has_rank_commands(self) -> bool:
+        """Transfer commands wait to ride the next step to the ranks (reads D planned after the
+        ranks ran): the loop's owner should step again at once, not back off."""
+        return self.connectors is not None and self.connectors[1].has_rank_commands()
+
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """``wake`` is called from another thread when a transfer starts that needs this engine
         to step promptly (a remote reader was granted a read). It must be cheap and thread-safe."""

@@ -183,16 +183,18 @@ class LeaseTable:
             self._reading[request_id] = (now + self.read_watch_s, watch)
             return None
 
-    def reads_in_flight(self, watched: bool = False) -> bool:
-        """Has a read of leased blocks been granted (and watched, with `watched`) and not ended
-        (read done, release, expiry) within the last ``read_watch_s``?"""
+    def reads_in_flight(self, watched: bool = False, min_age_s: float = 0.0) -> bool:
+        """Has a read of leased blocks been granted (and watched, with `watched`; at least
+        `min_age_s` ago, with `min_age_s`) and not ended (read done, release, expiry) within the
+        last ``read_watch_s``?"""
         with self._lock:
             if not self._reading:
                 return False
             now = self._clock()
             for rid in [rid for rid, (until, _) in self._reading.items() if until <= now]:
                 del self._reading[rid]
-            return any(watch for _, watch in self._reading.values()) if watched else bool(self._reading)
+            granted_by = now + self.read_watch_s - min_age_s  # `until` of a read granted min_age_s ago
+            return any((watch or not watched) and until <= granted_by for until, watch in self._reading.values())
 
     def release(self, request_id: str, generation: int) -> bool:
         """End the lease (read done or not wanted). True if this call ended it."""

@@ -11,6 +11,7 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.connector import worker_side
+from kvbridge.kv_transfer.lease import content_digest
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
@@ -291,6 +292,34 @@ def test_p_polls_promptly_only_for_reads_after_none_lately(loaded, colocated, mo
         leases.check_read = check_read
         p.shutdown()
         d.shutdown()
+
+
+def test_p_polls_its_ranks_for_an_unwatched_read_only_once_it_is_overdue(loaded, pd, monkeypatch):
+    """A read D did not ask P to watch (it read from P a moment ago) needs no progress from P's
+    agents; P's ranks poll for it only once it has been in flight UNWATCHED_POLL_AFTER_S (a
+    safety net), so that no round through P's processes takes CPU from the reader's copy. A
+    watched read makes them poll at once."""
+    _, p, _ = pd
+    prompt = prompt_of(loaded, "Describe Porto in two sentences.")
+    params = prefill(p, prompt)
+    p.step()
+    worker = p.connectors[1]
+    assert not worker.needs_rank_poll()
+    rid, gen = params["remote_request_id"], params["lease_generation"]
+    blocks = parse_kv_transfer_params(params).remote_block_ids
+    try:
+        assert worker.leases.check_read(rid, gen, blocks, content_digest(prompt), watch=False) is None
+        monkeypatch.setattr(worker_side, "UNWATCHED_POLL_AFTER_S", 3600.0)
+        assert not worker.needs_rank_poll() and not worker.has_transfers_in_flight()
+        monkeypatch.setattr(worker_side, "UNWATCHED_POLL_AFTER_S", 0.0)  # every read is overdue
+        assert worker.needs_rank_poll() and not worker.has_transfers_in_flight()
+        monkeypatch.setattr(worker_side, "UNWATCHED_POLL_AFTER_S", 3600.0)
+        assert worker.leases.check_read(rid, gen, blocks, content_digest(prompt), watch=True) is None
+        assert worker.needs_rank_poll() and worker.has_transfers_in_flight()
+    finally:
+        assert worker.release_local(rid, gen)
+    settle(p)
+    assert not worker.needs_rank_poll() and p.metrics().num_held_for_remote == 0
 
 
 def _count_runner_calls(engine) -> list:

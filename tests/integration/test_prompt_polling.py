@@ -108,3 +108,37 @@ def test_a_granted_read_wakes_an_idle_prefill_engine(monkeypatch):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_commands_for_the_ranks_ride_the_next_step_without_back_off(monkeypatch):
+    """D plans a read when P's check_read answer is in; when that happens after the ranks ran,
+    its commands wait for the next step, which the loop must run at once: a back-off there
+    was 0.5-0.7 ms of a 7 ms read. Without such commands the loop backs off (30 s here)."""
+    monkeypatch.setattr(async_engine, "_MIN_BACKOFF_S", 30.0)
+    monkeypatch.setattr(async_engine, "_MAX_BACKOFF_S", 30.0)
+    loaded = load_model(MODEL)
+    llm = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=32), max_model_len=256, num_threads=1), loaded)
+    steps = StepCounter()
+    busy = threading.Event()
+    queued = {"steps": 0}  # commands wait for the ranks until this many more steps have run
+    real_step = llm.step
+
+    def step():
+        out = real_step()
+        queued["steps"] = max(queued["steps"] - 1, 0)
+        steps.record()
+        return out
+    llm.step = step
+    llm.has_pending_work = busy.is_set  # a step with nothing scheduled, as while D waits for P
+    llm.has_rank_commands = lambda: queued["steps"] > 0
+    engine = AsyncEngine(llm)
+    try:
+        queued["steps"] = 3
+        busy.set()
+        engine.call_threadsafe(lambda e: None).result(timeout=WAIT_S)  # ends the idle wait
+        assert steps.wait_for(3, WAIT_S), f"the loop backed off while commands waited for the ranks ({steps.count})"
+        assert steps.wait_quiet(0.3, WAIT_S), "the loop did not back off once no commands waited"
+        assert steps.count == 3
+    finally:
+        busy.clear()
+        engine.shutdown()

@@ -65,6 +65,29 @@ def test_a_watched_read_is_in_flight_both_ways_until_it_ends(table) -> None:
     assert not t.reads_in_flight() and not t.reads_in_flight(watched=True)
 
 
+@pytest.mark.parametrize("watch", [False, True])
+def test_a_read_counts_with_a_minimum_age_once_it_is_that_old(table, watch) -> None:
+    t, clock = table
+    assert t.check_read("r1", 7, BLOCKS, PROMPT, watch=watch) is None
+    assert t.reads_in_flight(min_age_s=0.0) and not t.reads_in_flight(min_age_s=0.02)
+    assert t.reads_in_flight(watched=True, min_age_s=0.0) is watch
+    clock.now += 0.019
+    assert not t.reads_in_flight(min_age_s=0.02)
+    clock.now += 0.002
+    assert t.reads_in_flight(min_age_s=0.02) and t.reads_in_flight(watched=True, min_age_s=0.02) is watch
+    clock.now += 5.0  # past read_watch_s: no longer in flight at any age
+    assert not t.reads_in_flight(min_age_s=0.02) and not t.reads_in_flight()
+
+
+def test_a_second_check_read_restarts_the_age(table) -> None:
+    t, clock = table
+    assert t.check_read("r1", 7, BLOCKS, PROMPT, watch=False) is None
+    clock.now += 1.0
+    assert t.reads_in_flight(min_age_s=0.5)
+    assert t.check_read("r1", 7, BLOCKS, PROMPT, watch=False) is None
+    assert not t.reads_in_flight(min_age_s=0.5) and t.reads_in_flight()
+
+
 @pytest.mark.parametrize("rid, gen, blocks", [("r1", 8, BLOCKS), ("r2", 7, BLOCKS), ("r1", 7, ([9],)),
                                               ("r1", 7, ([3, 3, 3],)), ("r1", 7, ([5, 4, 3],))])
 def test_a_refused_read_is_not_in_flight(table, rid, gen, blocks) -> None:

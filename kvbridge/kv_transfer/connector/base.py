@@ -117,6 +117,10 @@ class WorkerConnector(ABC):
         transfer agents? (At TP N each such step is a round through N + 1 processes.)"""
         return True
 
+    def has_rank_commands(self) -> bool:
+        """Commands for the ranks are waiting for the next step: step again without backing off."""
+        return False
+
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """Install a thread-safe callback that wakes the engine loop when a transfer starts."""
 

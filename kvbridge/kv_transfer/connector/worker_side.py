@@ -68,6 +68,14 @@ MAX_REMOTE_TP_SIZE = 256  # the most ranks D will shake hands with for one prefi
 # read does not ask P to poll promptly. After a longer pause it does (UCX may need P's
 # progress again, as after 20 s without traffic here). A module attribute, so tests can move it.
 READ_LATELY_S = 1.0
+# P: how long a granted read D did not ask P to watch (its reader read from P within
+# READ_LATELY_S) may be in flight before P's ranks poll their agents for it. Such a read
+# needs no progress from P (measured: 67 MiB and 540 MiB NIXL reads between agents already
+# wired up completed with the target making no call at all), so the polls are only a safety
+# net, and at TP N each is a round through N + 1 processes: one during a 1k-token read cost
+# the reader's copy 0.4-0.7 ms on 2 cores (benchmarks/README.md, pd_transfer). Longer than a
+# 1k-token read (7 ms here), shorter than an 8k-token one (45-65 ms).
+UNWATCHED_POLL_AFTER_S = 0.02
 # Failures after which D tells P to release: the read failed, but P's side channel answered
 # (so does any failure once P granted the read: a rank failing to add P's agent, too).
 _RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL,
@@ -521,12 +529,20 @@ class KVBridgeWorkerConnector(WorkerConnector):
 
     def needs_rank_poll(self) -> bool:
         """D: a read handed to a rank has not settled (its poll reports it). P: a read of its
-        blocks was granted and has not ended (it may need its agents' progress,
-        `LeaseTable.reads_in_flight`). Otherwise a step with nothing scheduled and no commands
-        leaves the ranks alone: a P holding leases steps every few ms to expire them, and
-        nothing of that needs its ranks."""
+        blocks was granted and has not ended, and either D asked P to watch it (it may need its
+        agents' progress, `LeaseTable.reads_in_flight`) or it has been in flight for
+        UNWATCHED_POLL_AFTER_S. Otherwise a step with nothing scheduled and no commands leaves
+        the ranks alone: a P holding leases steps every few ms to expire them, and nothing of
+        that needs its ranks."""
         return (any(read.result is None for recv in self._recvs.values() for read in recv.reads.values())
-                or (self.control_server is not None and self.leases.reads_in_flight()))
+                or (self.control_server is not None
+                    and (self.leases.reads_in_flight(watched=True)
+                         or self.leases.reads_in_flight(min_age_s=UNWATCHED_POLL_AFTER_S))))
+
+    def has_rank_commands(self) -> bool:
+        """Commands for the ranks wait for the next step (D: reads planned after the ranks ran,
+        when P's check_read answer came in): the loop should step again at once."""
+        return any(self._commands)
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """P: call ``wake`` (from the side-channel thread) when a read of leased blocks is granted,
