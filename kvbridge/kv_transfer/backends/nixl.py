@@ -11,6 +11,12 @@ every process that runs NIXL, before start-up):
   opens lanes on the host's other interfaces.
 * ``UCX_MODULES=^ib`` avoids a crash at exit where Debian's ibverbs-providers is
   installed.
+* ``UCX_KEEPALIVE_INTERVAL=inf``, set here unless the environment sets it (`KEEPALIVE_ENV`):
+  UCX's endpoint keepalive (every 20 s by default) makes reads need the target's progress
+  again. Measured: after 25 s without traffic, with the target's agent making no call, the
+  first 64 MiB READ completed and every later one stayed in progress; with the keepalive off
+  each completed in 6 ms. kvbridge does not rely on it for liveness: a read has its own
+  timeout (`transfer_timeout_s`), P's leases expire, D's heartbeats renew them.
 
 The progress thread is off by default (it cut throughput by 40-50% on 2 cores), so
 an agent progresses only inside its own calls: the target of reads must call
@@ -37,6 +43,7 @@ from kvbridge.kv_transfer.backends.base import (
 
 logger = logging.getLogger(__name__)
 
+KEEPALIVE_ENV = ("UCX_KEEPALIVE_INTERVAL", "inf")
 INSTALL_HINT = "pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
 _MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
 _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.IN_PROGRESS}
@@ -62,6 +69,7 @@ class NixlBackend(TransferBackend):
         if "UCX_NET_DEVICES" not in os.environ:
             logger.warning("UCX_NET_DEVICES is not set: UCX may use every network interface "
                            "(set UCX_NET_DEVICES=lo when all instances run on one host)")
+        os.environ.setdefault(*KEEPALIVE_ENV)  # UCX reads it when the agent creates its context
         config = api.nixl_agent_config(enable_prog_thread=enable_prog_thread,
                                        backends=list(backends))
         self._agent = api.nixl_agent(agent_name, config)
