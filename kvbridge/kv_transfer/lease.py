@@ -8,17 +8,17 @@ message naming a generation P no longer holds is refused, so a late reader never
 gets blocks that were freed and reused by someone else.
 
 A granted check_read also marks the lease as being read until the read-done message
-ends it (or ``read_watch_s`` passes): while one is in flight P's ranks poll their
-transfer agents at every step (``reads_in_flight()``), since without a progress thread
-a NIXL read may complete only once the target's agent has progressed: the first read
-from a new peer (UCX wire-up), the first after an idle spell (measured: after 20 s
-without traffic between them a read stayed in progress until P's agent progressed), and
-any read carrying a NIXL notification. A read D asks to be watched (``watch``: D has not
-completed a read from this P lately) also makes P's engine loop step promptly instead of
-backing off (``reads_in_flight(watched=True)``). Reads from a reader that read a moment
-ago are not watched: they complete as the reader's agent copies, and prompt polling took
-CPU from that copy (at TP N each poll is a round through N + 1 processes); P's back-off
-(at most 10 ms while it holds leases) still progresses its agents if one does need it.
+ends it (or ``read_watch_s`` passes), since without a progress thread a NIXL read may
+complete only once the target's agent has progressed: the first read between two agents
+(UCX wire-up), any read after an idle spell while UCX's keepalive is on (kvbridge turns it
+off: backends/nixl.py), and any read carrying a NIXL notification. A read D asks to be
+watched (``watch``: one of its (D rank, P rank) pairs has not completed a read since D added
+P's agent) makes P's engine loop step promptly instead of backing off and poll its ranks'
+agents at every step (``reads_in_flight(watched=True)``). Other reads complete as the
+reader's agent copies, and prompt polling took CPU from that copy (at TP N each poll is a
+round through N + 1 processes): P's ranks poll for them only once one has been in flight
+a while (``reads_in_flight(min_age_s=...)``, the connector's UNWATCHED_POLL_AFTER_S), a
+safety net.
 
 A lease also binds the blocks to their content: the digest of the prompt tokens whose
 KV they hold (`content_digest`). D sends the digest of its own prompt with the

@@ -238,12 +238,10 @@ def test_full_prefix_hit_on_d_sends_only_a_release(loaded, colocated, pd):
     assert p.connectors[1].stats.early_releases == 1 and p.metrics().num_held_for_remote == 0
 
 
-def test_p_polls_promptly_only_for_reads_after_none_lately(loaded, colocated, monkeypatch):
+def test_p_polls_promptly_only_for_reads_between_agents_not_yet_wired_up(loaded, colocated):
     """A read may need P's agents to progress while D's agents are not wired up to P's (NIXL
     without a progress thread): D's check_read asks P to step promptly (``connect``) until a
-    read from P completed, again after D dropped P's agents (here: a read timed out), and
-    after READ_LATELY_S without a completed read."""
-    monkeypatch.setattr(worker_side, "READ_LATELY_S", 3600.0)  # no pause in this test is "long"
+    read from P completed, and again after D dropped P's agents (here: a read timed out)."""
     fabric = FakeFabric(seed=3)
     p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P")
     d_agent = fabric.create_agent("D")
@@ -282,10 +280,9 @@ def test_p_polls_promptly_only_for_reads_after_none_lately(loaded, colocated, mo
         assert asked == [True, False, False, True]  # the timed-out read dropped P's agents: connect again
         settle(p, d)
 
-        monkeypatch.setattr(worker_side, "READ_LATELY_S", 0.0)  # every completed read is long ago
         params = prefill(p, prompts[4])
         assert tokens(decode(d, p, prompts[4], params, GREEDY)) == colocated.generate([prompts[4]], GREEDY)[0]
-        assert asked == [True, False, False, True, True]
+        assert asked == [True, False, False, True, False]  # wired up again: no pause makes it watched
         settle(p, d)
         assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
     finally:

@@ -348,3 +348,38 @@ def test_mla_a_failed_read_from_the_chosen_p_rank_releases_every_p_rank_at_once(
     finally:
         d.close()
         p.close()
+
+
+def test_mla_d_asks_p_to_watch_a_read_from_a_p_rank_it_has_not_read_from_yet():
+    """The first read between a D rank's agent and a P rank's completes only once P's agent has
+    progressed (UCX wire-up), so D's check_read asks P to step promptly ("connect") for it. D
+    TP 1 reads the replicated latent from the one P rank the plan picks per request: a request
+    whose pick is a P rank D has already read from is not watched, one whose pick is new is."""
+    fabric = FakeFabric()
+    p, d = MLAPrefillRanks(fabric, 2), mla_decode(fabric, 1)
+    asked: list[bool] = []
+    check_read = p.leases.check_read
+
+    def recording_check_read(*args, watch: bool = True):
+        asked.append(watch)
+        return check_read(*args, watch=watch)
+    p.leases.check_read = recording_check_read
+    by_rank: dict[int, list[str]] = {0: [], 1: []}  # P request ids whose plan picks P rank 0 / 1
+    for n in range(64):
+        rid = f"prefill-req-{n}"
+        by_rank[chosen_p_ranks(1, 2, rid)[0]].append(rid)
+    first = chosen_p_ranks(1, 2, "prefill-req-0")[0]
+    order = [by_rank[first][0], by_rank[first][1], by_rank[1 - first][0], by_rank[1 - first][1], by_rank[first][2]]
+    try:
+        for n, p_rid in enumerate(order):
+            params = p.grant(p_rid, P_BLOCKS, MLA_PROMPT)
+            out = run(p, d, mla_spec(params, MLA_PROMPT, D_BLOCKS, request_id=f"d-req-{n}"))
+            assert out.finished_recving == {f"d-req-{n}"} and not out.failed_recving
+            p.settle()
+        assert [r for _, r, _ in d.reads] == [first, first, 1 - first, 1 - first, first]
+        assert asked == [True, False, True, False, False]
+        assert p.stats.held_blocks() == 0 and p.stats.expired_leases == 0
+    finally:
+        p.leases.check_read = check_read
+        d.close()
+        p.close()

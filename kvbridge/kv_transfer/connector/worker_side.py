@@ -64,17 +64,15 @@ from kvbridge.kv_transfer.tp_mapping import (RankBlocks, RankKV, ReadPlan, Relea
 logger = logging.getLogger("kvbridge.kv_transfer")
 
 MAX_REMOTE_TP_SIZE = 256  # the most ranks D will shake hands with for one prefill engine
-# A read from a P this recent means the agents of both are wired up and in use: the next
-# read does not ask P to poll promptly. After a longer pause it does (UCX may need P's
-# progress again, as after 20 s without traffic here). A module attribute, so tests can move it.
-READ_LATELY_S = 1.0
-# P: how long a granted read D did not ask P to watch (its reader read from P within
-# READ_LATELY_S) may be in flight before P's ranks poll their agents for it. Such a read
-# needs no progress from P (measured: 67 MiB and 540 MiB NIXL reads between agents already
-# wired up completed with the target making no call at all), so the polls are only a safety
-# net, and at TP N each is a round through N + 1 processes: one during a 1k-token read cost
-# the reader's copy 0.4-0.7 ms on 2 cores (benchmarks/README.md, pd_transfer). Longer than a
-# 1k-token read (7 ms here), shorter than an 8k-token one (45-65 ms).
+# P: how long a granted read D did not ask P to watch (every (D rank, P rank) pair it reads
+# between has completed a read since D added P's agent: their agents are wired up) may be in
+# flight before P's ranks poll their agents for it. Such a read needs no progress from P
+# (measured: 67 MiB and 540 MiB NIXL reads between wired-up agents completed with the target
+# making no call at all; UCX's keepalive, which breaks that after an idle spell, is off:
+# backends/nixl.py), so the polls are only a safety net, and at TP N each is a round through
+# N + 1 processes: one during a 1k-token read cost the reader's copy 0.4-0.7 ms on 2 cores
+# (benchmarks/README.md, pd_transfer). Longer than a 1k-token read (7 ms here), shorter than
+# an 8k-token one (45-65 ms).
 UNWATCHED_POLL_AFTER_S = 0.02
 # Failures after which D tells P to release: the read failed, but P's side channel answered
 # (so does any failure once P granted the read: a rank failing to add P's agent, too).
@@ -171,9 +169,10 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._xfer_ids = itertools.count()
         self._xfers: dict[str, str] = {}  # live xfer id -> D's request id
         self._peers: dict[RemoteEngine, _Peer] = {}
-        # Peer key -> when (monotonic) a read from it last completed: while that is recent, its
-        # agents are wired up and in use, so check_read tells P it need not poll promptly.
-        self._last_read: dict[str, float] = {}
+        # (peer key, D rank, P rank) of the rank pairs that completed a read since D added P's
+        # agents: wired up, so a read between them needs no progress from P and check_read
+        # tells P it need not poll promptly (lease.py).
+        self._wired: set[tuple[str, int, int]] = set()
         self._recvs: dict[str, _Recv] = {}
         self._done_recv: set[str] = set()
         self._side_requests: list[tuple[str, Future]] = []  # (what, future) of releases and heartbeats
@@ -329,13 +328,19 @@ class KVBridgeWorkerConnector(WorkerConnector):
         recv.phase = _Phase.CHECK
         recv.futures = [self._executor.submit(self.control.check_read, s.remote.host, s.remote.port,
                                               s.remote_request_id, s.lease_generation, s.remote_block_ids,
-                                              s.content, not self._read_lately(peer))]
+                                              s.content, self._needs_watch(s, peer))]
 
-    def _read_lately(self, peer: _Peer) -> bool:
-        """Did a read from `peer` complete within READ_LATELY_S? Then the next one needs no prompt
-        progress from P (kvbridge/kv_transfer/lease.py)."""
-        last = self._last_read.get(peer.key)
-        return last is not None and time.monotonic() - last <= READ_LATELY_S
+    def _needs_watch(self, s: RecvSpec, peer: _Peer) -> bool:
+        """Does a read of this request go between a D rank and a P rank that have not completed
+        one since D added P's agents? The first read between two agents completes only once P's
+        agent has progressed (UCX wire-up): P must step promptly (lease.py)."""
+        try:
+            pairs = plan_request_reads([r.kv for r in self._local], [r.kv for r in peer.ranks],
+                                       request_salt(s.remote_request_id), s.remote_request_id,
+                                       s.lease_generation).pairs()
+        except TPMappingError:
+            return True  # planning fails again after the check, and the request fails with the reason
+        return any((peer.key, local, remote) not in self._wired for local, remote in pairs)
 
     def _peer(self, remote: RemoteEngine, metas: list[HandshakeMetadata]) -> _Peer:
         """The peer for P's ranks' payloads; raises HandshakeLayoutMismatch / TPMappingError with
@@ -368,7 +373,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         if self._handshakes is not None:
             self._handshakes.forget(remote.engine_id)
         if peer is not None:  # every rank removes its agents for the peer's ranks
-            self._last_read.pop(peer.key, None)
+            self._wired = {w for w in self._wired if w[0] != peer.key}
             for commands in self._commands:
                 commands.drop_peers += [peer.rank_key(r) for r in range(len(peer.ranks))]
 
@@ -445,8 +450,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
             return
         self.stats.record_transfer(time.perf_counter() - recv.started, sum(r.nbytes for r in reads),
                                    sum(r.ndescs for r in reads))
-        if reads and recv.peer is not None and self._peers.get(recv.spec.remote) is recv.peer:
-            self._last_read[recv.peer.key] = time.monotonic()
+        if recv.peer is not None and self._peers.get(recv.spec.remote) is recv.peer:
+            self._wired.update((recv.peer.key, r.local_rank, r.remote_rank) for r in reads)
         self._release_handles(recv)
         del self._recvs[rid]
         self._done_recv.add(rid)
