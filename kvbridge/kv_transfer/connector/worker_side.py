@@ -335,9 +335,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         one since D added P's agents? The first read between two agents completes only once P's
         agent has progressed (UCX wire-up): P must step promptly (lease.py)."""
         try:
-            pairs = plan_request_reads([r.kv for r in self._local], [r.kv for r in peer.ranks],
-                                       request_salt(s.remote_request_id), s.remote_request_id,
-                                       s.lease_generation).pairs()
+            pairs = self._plan(s, peer).pairs()
         except TPMappingError:
             return True  # planning fails again after the check, and the request fails with the reason
         return any((peer.key, local, remote) not in self._wired for local, remote in pairs)
@@ -422,14 +420,18 @@ class KVBridgeWorkerConnector(WorkerConnector):
     def _plan_reads(self, s: RecvSpec, peer: _Peer) -> tuple[ReadPlan, dict[tuple[int, int], tuple[list, list]]]:
         """The request's plan, and {(D rank, P rank): (local descs, remote descs)} of its
         reads over every group's blocks (request_reads.py: the only place reads come from)."""
-        salt = request_salt(s.remote_request_id)
-        plan = plan_request_reads([r.kv for r in self._local], [r.kv for r in peer.ranks], salt,
-                                  s.remote_request_id, s.lease_generation)
+        plan = self._plan(s, peer)
         descs = request_descs(self.groups, plan, self._local, peer.ranks,
                               local_ratio=self.ranks[0].layout.physical_blocks_per_logical,
                               remote_ratio=peer.blocks_per_logical, local_ids=s.local_block_ids,
-                              remote_ids=s.remote_block_ids, salt=salt)
+                              remote_ids=s.remote_block_ids, salt=request_salt(s.remote_request_id))
         return plan, descs
+
+    def _plan(self, s: RecvSpec, peer: _Peer) -> ReadPlan:
+        """Which D rank reads what from which P rank for this request (pure: the same before P's
+        check_read answer, to know whether to ask P to watch, as after it). Raises TPMappingError."""
+        return plan_request_reads([r.kv for r in self._local], [r.kv for r in peer.ranks],
+                                  request_salt(s.remote_request_id), s.remote_request_id, s.lease_generation)
 
     def _settle_reads(self, rid: str, recv: _Recv) -> None:
         """Once every read of the request has settled (never before: seed 000), release their
