@@ -53,6 +53,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's own limit)")
     e.add_argument("--num-threads", type=int, default=None,
                    help="torch threads (default: all cores; `up` splits them between its instances)")
+    e.add_argument("--cpu-bind", default="auto",
+                   help="CPUs of each tensor-parallel rank process, as vLLM's VLLM_CPU_OMP_THREADS_BIND: auto "
+                        "(on CPU at TP > 1, this process's CPUs split in equal runs, one per rank), none, or one "
+                        "list per rank such as 0-3|4-7 (default: %(default)s)")
     e.add_argument("--seed", type=int, default=0, help="seed of the sampler (default: %(default)s)")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block, a power of two "
                    "(default: %(default)s)")
@@ -137,7 +141,7 @@ def engine_config_from_args(a: argparse.Namespace):
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_waiting=a.max_waiting),
-        kv_transfer=kv, tensor_parallel_size=getattr(a, "tensor_parallel_size", 1))
+        kv_transfer=kv, tensor_parallel_size=getattr(a, "tensor_parallel_size", 1), cpu_bind=a.cpu_bind)
 
 
 def _checked_engine_config(a: argparse.Namespace) -> EngineConfig | None:

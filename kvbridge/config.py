@@ -132,6 +132,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A step's rank processes must answer within this long, or they are killed and the engine fails.
     tp_step_timeout_s: float = 600.0
+    # Which CPUs each rank process runs on: auto, none or one list per rank ("0-3|4-7"); engine/cpu_bind.py.
+    cpu_bind: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -146,3 +148,5 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        from kvbridge.engine.cpu_bind import check_spec
+        check_spec(self.cpu_bind, self.tensor_parallel_size)  # a CpuBindError is a ValueError with the reason

@@ -23,7 +23,7 @@ from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp import RankShard
-from kvbridge.kv_transfer.connector.rank_agent import RankAgent
+from kvbridge.kv_transfer.connector.rank_agent import RankAgent, reads_start_together
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,11 @@ class ModelRunner:
     def __init__(self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: str, device: str,
                  block_size: int, num_blocks: int, seed: int = 0,
                  agent: RankAgent | None = None, shard: RankShard | None = None,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, samples: bool = True) -> None:
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, samples: bool = True,
+                 sync_ranks: Callable[[], None] | None = None) -> None:
+        """`sync_ranks` (TP ranks): returns once every rank has called it (a barrier)."""
         self.arch = arch
+        self.sync_ranks = sync_ranks
         self.device = resolve_device(device)
         self.dtype = DTYPES[dtype]
         self.num_blocks = num_blocks
@@ -119,6 +122,8 @@ class ModelRunner:
         self.sampler.forget(sched.finished_req_ids)
         out = ModelRunnerOutput()
         if self.agent is not None and sched.kv_rank_commands:
+            if self.sync_ranks is not None and reads_start_together(sched.kv_rank_commands):
+                self.sync_ranks()
             self.agent.apply(sched.kv_rank_commands[self.tp_rank])
         if sched.scheduled:
             self._forward_and_sample(sched, out)

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvbridge.config import EngineConfig
+from kvbridge.engine.cpu_bind import CpuBindError, bind_this_process, format_cpus, rank_cpus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp import rank_shard
 from kvbridge.engine.tp_channel import StepChannel
@@ -175,6 +176,11 @@ class TPExecutor:
         agent and registers its KV shard with it; `registrations` then lists them, rank order."""
         self.tp_size = config.tensor_parallel_size
         self.step_timeout_s = config.tp_step_timeout_s
+        try:  # each rank's CPUs (--cpu-bind), checked before anything starts
+            self.rank_cpus: tuple[frozenset[int], ...] | None = rank_cpus(
+                config.cpu_bind, self.tp_size, os.sched_getaffinity(0), ranks_backend(config.device) == "gloo")
+        except CpuBindError as exc:
+            raise TPExecutorError(f"--cpu-bind {config.cpu_bind}: {exc}") from None
         if not _active.acquire(blocking=False):
             raise TPExecutorError("another tensor-parallel engine runs in this process "
                                   "(torch.distributed has one default group per process)")
@@ -253,16 +259,21 @@ class TPExecutor:
     # ---- internals ---------------------------------------------------------------
     def _start(self, config: EngineConfig, num_blocks: int, agent_spec: tuple[str, str, bool] | None) -> None:
         world = self.tp_size + 1
+        backend = ranks_backend(config.device)
         store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
                               wait_for_workers=False)
         ctx = mp.get_context("spawn")
         for rank in range(self.tp_size):
-            proc = ctx.Process(target=_rank_main, args=(config, num_blocks, rank, store.port, agent_spec),
+            cpus = self.rank_cpus[rank] if self.rank_cpus is not None else None
+            proc = ctx.Process(target=_rank_main, args=(config, num_blocks, rank, store.port, agent_spec, cpus),
                                name=f"kvbridge-tp-rank-{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
         dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
-        dist.new_group(ranks=list(range(1, world)))  # every process takes part in creating the ranks' group
+        # Every process takes part in creating the ranks' groups, in the same order as the ranks.
+        dist.new_group(ranks=list(range(1, world)), backend=backend)
+        if backend != "gloo":
+            dist.new_group(ranks=list(range(1, world)), backend="gloo")
         ready: list[Any] = [None] * world
         dist.gather_object(None, ready, dst=0)
         errors = [f"rank {i}: {msg}" for i, (msg, _) in enumerate(ready[1:]) if msg is not None]
@@ -270,7 +281,8 @@ class TPExecutor:
             raise TPExecutorError("tensor-parallel ranks failed to start: " + "; ".join(errors))
         self._channel = StepChannel(0, world)
         self.registrations = [reg for _, reg in ready[1:] if reg is not None]
-        logger.info("tensor parallel: %d rank processes (pids %s)", self.tp_size, self.pids)
+        logger.info("tensor parallel: %d rank processes (pids %s), CPUs %s", self.tp_size, self.pids,
+                    " | ".join(format_cpus(c) for c in self.rank_cpus) if self.rank_cpus is not None else "not bound")
 
     def _round(self, command: _Command, timeout_s: float) -> list[Any]:
         if self._failure is not None:
@@ -339,10 +351,17 @@ class TPExecutor:
 
 # ---- the rank process ------------------------------------------------------------------
 
+def ranks_backend(device: str) -> str:
+    """The ranks' collective backend: NCCL when they run on CUDA, else gloo."""
+    return "nccl" if device in ("cuda", "auto") and torch.cuda.is_available() else "gloo"
+
+
 def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int,
-               agent_spec: tuple[str, str, bool] | None) -> None:
+               agent_spec: tuple[str, str, bool] | None, cpus: frozenset[int] | None) -> None:
     """A rank process: join the group, build this rank's runner (and transfer agent), then serve
     steps until told to stop."""
+    if cpus is not None:  # first, so that every thread this process starts inherits it (cpu_bind.py)
+        bind_this_process(cpus)
     from kvbridge.engine.loader import load_model  # heavy imports after the fork-free spawn
     from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads
 
@@ -355,11 +374,13 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
                           timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
     dist.init_process_group("gloo", store=store, rank=rank + 1, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
     device = config.device
-    backend = "gloo"
-    if device in ("cuda", "auto") and torch.cuda.is_available():
+    backend = ranks_backend(device)
+    if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        device, backend = "cuda", "nccl"
+        device = "cuda"
     group = dist.new_group(ranks=list(range(1, world)), backend=backend)
+    # Host-side sync of the ranks (the reads of a step start together: model_runner.py), on gloo.
+    cpu_group = group if backend == "gloo" else dist.new_group(ranks=list(range(1, world)), backend="gloo")
 
     clock = _ReduceClock()
 
@@ -382,7 +403,8 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
         loaded = load_model(config.model)
         shard = rank_shard(loaded.arch.num_heads, loaded.arch.cache_kv_heads, tp, rank)
         runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, device, config.cache.block_size,
-                             num_blocks, config.seed, agent, shard=shard, all_reduce=all_reduce, samples=rank == 0)
+                             num_blocks, config.seed, agent, shard=shard, all_reduce=all_reduce, samples=rank == 0,
+                             sync_ranks=lambda: dist.barrier(group=cpu_group))
         del loaded
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"

@@ -7,6 +7,8 @@
   and Ctrl-C (SIGINT) leave no rank process behind; a rank killed with SIGKILL fails the
   engine cleanly (/health 503, then the server exits non-zero) and no rank is left.
 - Impossible splits are refused at start-up with the reason.
+- Each rank process, every thread of it, runs on the CPUs `--cpu-bind auto` gives it; CPU lists
+  naming a CPU this process may not use are refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.cpu_bind import rank_cpus
 from kvbridge.engine.tp import TPSplitError
+from kvbridge.engine.tp_executor import TPExecutorError
 from kvbridge.chaos import ThreadServer
 from kvbridge.serving.api_server import build_app
 from kvbridge.serving.async_engine import AsyncEngine
@@ -103,6 +107,22 @@ def test_tp3_greedy_text_equals_tp1_with_chunked_prefill_prefix_hits_and_preempt
         assert g == w, (loaded.tokenizer.decode(prompt), loaded.tokenizer.decode(g), loaded.tokenizer.decode(w))
     assert metrics.num_preemptions > before.num_preemptions and metrics.prefix_cache_hits > before.prefix_cache_hits
     assert metrics.num_free_blocks == metrics.num_total_blocks
+
+
+def test_each_rank_process_and_all_its_threads_run_on_the_cpus_cpu_bind_auto_gives_it(tp3):
+    runner = tp3.get().runner
+    want = rank_cpus("auto", 3, os.sched_getaffinity(0), ranks_on_cpu=True)  # on 2 CPUs: 0 | 1 | 0
+    assert want is not None and runner.rank_cpus == want
+    for pid, cpus in zip(runner.pids, want, strict=True):
+        threads = os.listdir(f"/proc/{pid}/task")  # torch's, gloo's, the transfer agent's: all inherit it
+        assert len(threads) > 1 and {t: os.sched_getaffinity(int(t)) for t in threads} == dict.fromkeys(threads, cpus)
+
+
+def test_cpu_lists_naming_a_cpu_this_process_may_not_run_on_are_refused_before_any_rank_starts(loaded):
+    missing = max(os.sched_getaffinity(0)) + 1
+    config = EngineConfig(cache=CacheConfig(num_blocks=16), tensor_parallel_size=3, cpu_bind=f"0|0|{missing}")
+    with pytest.raises(TPExecutorError, match=rf"rank 2's CPUs \[{missing}\] are not among"):
+        LLMEngine(config, loaded)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -49,6 +49,12 @@ def test_up_passes_what_follows_double_dash_verbatim_to_each_serve(started: list
     assert call["num_threads"] == 1  # also what OMP_NUM_THREADS says
 
 
+def test_up_forwards_cpu_bind_to_its_instances(started: list[dict]) -> None:
+    assert run_cli(["up", "--decode-tp", "2", "--cpu-bind", "none"]) == 0
+    [call] = started
+    assert call["extra_serve_args"] == ["--cpu-bind", "none"]
+
+
 def test_up_gives_prefill_and_decode_instances_their_tp_sizes(started: list[dict]) -> None:
     assert run_cli(["up", "--prefill-tp", "2", "--decode-tp", "3"]) == 0
     [call] = started
@@ -65,6 +71,7 @@ def test_up_gives_prefill_and_decode_instances_their_tp_sizes(started: list[dict
     (["up", "--num-prefill", "0"], "must be at least 1, got 0"),
     (["up", "--decode-tp", "0"], "must be at least 1, got 0"),
     (["up", "--", "-tp", "2"], "--tensor-parallel-size is set by `up` for each instance"),
+    (["up", "--cpu-bind", "0-x"], "kvbridge serve: error: '0-x' is not a CPU id or a range such as 0-3"),
 ])
 def test_up_refuses_invalid_instance_options_before_starting_anything(
         started: list[dict], capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

@@ -1,0 +1,114 @@
+"""Which CPUs each tensor-parallel rank process may run on (`--cpu-bind`): pure functions.
+
+vLLM's CPU backend binds each rank's threads to its own cores (`VLLM_CPU_OMP_THREADS_BIND`,
+"auto" by default, or "0-31|32-63": one CPU list per rank). kvbridge binds each rank process
+(and so every thread it starts: torch's, gloo's, its transfer agent's) the same way, for the
+same reason plus one of its own, measured on the 2-core development machine (benchmarks/
+README.md, "pd_transfer"): a D of TP 2 reads a request's KV on both ranks at once, and the
+two copies ran one after the other in a quarter of the reads. Linux woke the second rank on the
+CPU the first was copying on and left it there for the rest of that rank's time slice (3-5
+ms) while the other CPU idled. Bound, each rank wakes on its own CPUs.
+
+Spec (`EngineConfig.cpu_bind`):
+  auto   on CPU at TP > 1: this process's allowed CPUs in TP equal contiguous runs, in rank
+         order (rank i takes CPU i mod n when there are fewer CPUs than ranks); no binding at
+         TP 1 or when the ranks run on CUDA
+  none   no binding
+  LISTS  one CPU list per rank, separated by "|": "0-3|4-7", "0,2|1,3"; a list is CPU ids and
+         ranges joined by commas; each CPU must be one this process may run on
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+AUTO = "auto"
+NONE = "none"
+
+
+class CpuBindError(ValueError):
+    """The spec cannot be read or applied; the message says why."""
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """"0-3,8" -> {0, 1, 2, 3, 8}. Raises CpuBindError."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = (int(lo), int(hi)) if sep else (int(part), int(part))
+        except ValueError:
+            raise CpuBindError(f"{part!r} is not a CPU id or a range such as 0-3") from None
+        if first < 0 or last < first:
+            raise CpuBindError(f"{part!r} is not a CPU id or a range such as 0-3")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def check_spec(spec: str, tp_size: int) -> None:
+    """Raise CpuBindError unless `spec` is auto, none or one CPU list per rank of `tp_size` (which
+    CPUs exist is checked when the ranks start: `rank_cpus`)."""
+    if spec in (AUTO, NONE):
+        return
+    lists = [parse_cpu_list(text) for text in spec.split("|")]
+    if tp_size == 1:
+        raise CpuBindError("CPU lists bind rank processes: give them with --tensor-parallel-size > 1 "
+                           "(at TP 1 the model runs in the engine process)")
+    if len(lists) != tp_size:
+        raise CpuBindError(f"{len(lists)} CPU list(s) for {tp_size} ranks: give one per rank, separated by '|'")
+
+
+def rank_cpus(spec: str, tp_size: int, available: Iterable[int],
+              ranks_on_cpu: bool) -> tuple[frozenset[int], ...] | None:
+    """Each rank's CPUs (rank order), or None for no binding. `available`: the CPUs this process
+    may run on (os.sched_getaffinity(0)); `ranks_on_cpu`: the model runs on the CPU (auto binds
+    only then). Raises CpuBindError."""
+    if tp_size < 1:
+        raise CpuBindError("the TP size must be at least 1")
+    cpus = sorted(set(available))
+    if not cpus:
+        raise CpuBindError("this process may run on no CPU")
+    if spec == NONE:
+        return None
+    if spec == AUTO:
+        if tp_size == 1 or not ranks_on_cpu:
+            return None
+        n = len(cpus)
+        if n < tp_size:
+            return tuple(frozenset({cpus[r % n]}) for r in range(tp_size))
+        return tuple(frozenset(cpus[r * n // tp_size:(r + 1) * n // tp_size]) for r in range(tp_size))
+    check_spec(spec, tp_size)
+    lists = [parse_cpu_list(text) for text in spec.split("|")]
+    allowed = set(cpus)
+    for rank, chosen in enumerate(lists):
+        missing = sorted(chosen - allowed)
+        if missing:
+            raise CpuBindError(f"rank {rank}'s CPUs {missing} are not among those this process may run on "
+                               f"({format_cpus(allowed)})")
+    return tuple(lists)
+
+
+def bind_this_process(cpus: Iterable[int]) -> None:
+    """Run every thread of this process, those it has (started while it imported: a spawned
+    rank's interpreter has one before its target runs) and those it will start, on `cpus`."""
+    import os
+
+    chosen = set(cpus)
+    os.sched_setaffinity(0, chosen)  # this thread, and so every thread it starts from now on
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), chosen)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+def format_cpus(cpus: Iterable[int]) -> str:
+    """{0, 1, 2, 5} -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
