@@ -199,9 +199,11 @@ class Bench:
         return Sample(times, profile)
 
 
-def make_engine(model: str, loaded: LoadedModel, tp: int, threads: int, num_blocks: int) -> LLMEngine:
+def make_engine(model: str, loaded: LoadedModel, tp: int, threads: int, num_blocks: int,
+                cpu_bind: str = "auto") -> LLMEngine:
     config = EngineConfig(model=model, device="cpu", num_threads=threads, tensor_parallel_size=tp,
-                          cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
+                          cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+                          cpu_bind=cpu_bind if tp > 1 else "auto")
     return LLMEngine(config, loaded)
 
 
@@ -212,7 +214,7 @@ def run_pair(label: str, model: str, loaded: LoadedModel, tp: int, args: argpars
     print(f"[{label}] starting TP 1 and TP {tp} engines", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     tp1 = make_engine(model, loaded, 1, args.threads, num_blocks)
-    tpn = make_engine(model, loaded, tp, args.threads, num_blocks)
+    tpn = make_engine(model, loaded, tp, args.threads, num_blocks, args.cpu_bind)
     print(f"[{label}] started in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     try:
         benches = {1: Bench(tp1, args.seed), tp: Bench(tpn, args.seed + 1)}
@@ -295,6 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=default_num_threads(),
                         help="torch threads of the TP 1 engine; each of N ranks gets threads // N (at least 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-bind", default="auto", help="the TP N engine's --cpu-bind (default: %(default)s)")
     parser.add_argument("--skip-smollm2", action="store_true", help="leave out SmolLM2-135M at TP 3")
     parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args(argv)
@@ -312,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     default = load_model(DEFAULT_MODEL)
     print(f"fp32 cpu, {len(os.sched_getaffinity(0))} cpus, {args.threads} torch threads at TP 1, "
           f"prompts of {args.prompt_len} tokens, {args.warmup_steps} + {args.steps} decode steps, "
-          f"{args.reps} repetition(s)", flush=True)
+          f"{args.reps} repetition(s), TP N --cpu-bind {args.cpu_bind}", flush=True)
     scenarios: list[Scenario] = []
     with tempfile.TemporaryDirectory(prefix="kvbridge-tp-step-") as tmp:
         folder = Path(tmp) / "smollm2-shaped-8h4kv"

@@ -1,13 +1,19 @@
-"""Which CPUs each tensor-parallel rank process may run on (`--cpu-bind`): pure functions.
+"""Which CPUs each tensor-parallel rank computes on (`--cpu-bind`): pure functions.
 
-vLLM's CPU backend binds each rank's threads to its own cores (`VLLM_CPU_OMP_THREADS_BIND`,
-"auto" by default, or "0-31|32-63": one CPU list per rank). kvbridge binds each rank process
-(and so every thread it starts: torch's, gloo's, its transfer agent's) the same way, for the
-same reason plus one of its own, measured on the 2-core development machine (benchmarks/
-README.md, "pd_transfer"): a D of TP 2 reads a request's KV on both ranks at once, and the
-two copies ran one after the other in a quarter of the reads. Linux woke the second rank on the
-CPU the first was copying on and left it there for the rest of that rank's time slice (3-5
-ms) while the other CPU idled. Bound, each rank wakes on its own CPUs.
+vLLM's CPU backend binds each rank's OpenMP threads to its own cores (`VLLM_CPU_OMP_THREADS_BIND`,
+"auto" by default, or "0-31|32-63": one CPU list per rank). kvbridge binds each rank's main
+thread, and so the torch and transfer-agent threads it starts, the same way, once the rank has
+joined its gloo groups: gloo's own threads (socket loop, collective worker) stay free to run on
+any CPU. Measured on the 2-core development machine (benchmarks/README.md, tp_step and
+pd_transfer):
+
+- Unbound, a D of TP 2 that reads a request's KV on both ranks at once ran the two copies one
+  after the other in a quarter of the reads: Linux woke the second rank on the CPU the first
+  was copying on and left it there for the rest of that rank's time slice (3-5 ms) while the
+  other CPU idled. Bound, each rank's main thread wakes on its own CPU.
+- Binding gloo's threads too (the whole process) made a TP 2 decode step at batch 1 20% slower
+  than unbound (130 vs 109 ms: the wake-ups of its 60 all_reduces queued on the one busy CPU);
+  with them free it took 72 ms.
 
 Spec (`EngineConfig.cpu_bind`):
   auto   on CPU at TP > 1: this process's allowed CPUs in TP equal contiguous runs, in rank
@@ -87,20 +93,6 @@ def rank_cpus(spec: str, tp_size: int, available: Iterable[int],
             raise CpuBindError(f"rank {rank}'s CPUs {missing} are not among those this process may run on "
                                f"({format_cpus(allowed)})")
     return tuple(lists)
-
-
-def bind_this_process(cpus: Iterable[int]) -> None:
-    """Run every thread of this process, those it has (started while it imported: a spawned
-    rank's interpreter has one before its target runs) and those it will start, on `cpus`."""
-    import os
-
-    chosen = set(cpus)
-    os.sched_setaffinity(0, chosen)  # this thread, and so every thread it starts from now on
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), chosen)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
 
 
 def format_cpus(cpus: Iterable[int]) -> str:

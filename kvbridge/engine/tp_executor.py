@@ -10,6 +10,10 @@ ranks' outputs over the default gloo group (`tp_channel.StepChannel`: a fixed-si
 each way, so a step is two collectives, not the four of torch's object collectives); TP
 rank 0 samples.
 
+Each rank computes on its own CPUs (`--cpu-bind`, engine/cpu_bind.py; on CPU at TP > 1 by
+default), and a step that starts reads on two or more ranks begins with a barrier of the ranks
+(ModelRunner.sync_ranks), so their copies run side by side (docs/architecture.md).
+
 With a KV connector each rank also owns a transfer agent (rank_agent.RankAgent) and
 registers its KV shard with it at start-up (the registrations come back with the ready
 gather); the step's broadcast carries each rank's transfer commands and the gather
@@ -50,7 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvbridge.config import EngineConfig
-from kvbridge.engine.cpu_bind import CpuBindError, bind_this_process, format_cpus, rank_cpus
+from kvbridge.engine.cpu_bind import CpuBindError, format_cpus, rank_cpus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp import rank_shard
 from kvbridge.engine.tp_channel import StepChannel
@@ -360,8 +364,6 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
                agent_spec: tuple[str, str, bool] | None, cpus: frozenset[int] | None) -> None:
     """A rank process: join the group, build this rank's runner (and transfer agent), then serve
     steps until told to stop."""
-    if cpus is not None:  # first, so that every thread this process starts inherits it (cpu_bind.py)
-        bind_this_process(cpus)
     from kvbridge.engine.loader import load_model  # heavy imports after the fork-free spawn
     from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads
 
@@ -381,6 +383,10 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
     group = dist.new_group(ranks=list(range(1, world)), backend=backend)
     # Host-side sync of the ranks (the reads of a step start together: model_runner.py), on gloo.
     cpu_group = group if backend == "gloo" else dist.new_group(ranks=list(range(1, world)), backend="gloo")
+    if cpus is not None:
+        # This thread, and the torch and transfer threads it starts from now on, run on the rank's
+        # CPUs; gloo's threads, started above, do not (cpu_bind.py says why).
+        os.sched_setaffinity(0, cpus)
 
     clock = _ReduceClock()
 
