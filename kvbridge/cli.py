@@ -54,7 +54,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-threads", type=int, default=None,
                    help="torch threads (default: all cores; `up` splits them between its instances)")
     e.add_argument("--cpu-bind", default="auto",
-                   help="CPUs of each tensor-parallel rank process, as vLLM's VLLM_CPU_OMP_THREADS_BIND: auto "
+                   help="the CPUs each tensor-parallel rank computes on, as vLLM's VLLM_CPU_OMP_THREADS_BIND: auto "
                         "(on CPU at TP > 1, this process's CPUs split in equal runs, one per rank), none, or one "
                         "list per rank such as 0-3|4-7 (default: %(default)s)")
     e.add_argument("--seed", type=int, default=0, help="seed of the sampler (default: %(default)s)")

@@ -132,7 +132,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A step's rank processes must answer within this long, or they are killed and the engine fails.
     tp_step_timeout_s: float = 600.0
-    # Which CPUs each rank process runs on: auto, none or one list per rank ("0-3|4-7"); engine/cpu_bind.py.
+    # Which CPUs each rank computes on: auto, none or one list per rank ("0-3|4-7"); engine/cpu_bind.py.
     cpu_bind: str = "auto"
 
     def __post_init__(self) -> None:

@@ -274,9 +274,10 @@ class TPExecutor:
             proc.start()
             self._procs.append(proc)
         dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
-        # Every process takes part in creating the ranks' groups, in the same order as the ranks.
-        dist.new_group(ranks=list(range(1, world)), backend=backend)
-        if backend != "gloo":
+        # Every process takes part in creating the ranks' groups, in the same order as the ranks
+        # (this one is not in them: the backend of its call does not matter).
+        dist.new_group(ranks=list(range(1, world)))
+        if backend != "gloo":  # the ranks' host-side barrier group (model_runner.sync_ranks)
             dist.new_group(ranks=list(range(1, world)), backend="gloo")
         ready: list[Any] = [None] * world
         dist.gather_object(None, ready, dst=0)
