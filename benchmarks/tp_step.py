@@ -203,7 +203,7 @@ def make_engine(model: str, loaded: LoadedModel, tp: int, threads: int, num_bloc
                 cpu_bind: str = "auto") -> LLMEngine:
     config = EngineConfig(model=model, device="cpu", num_threads=threads, tensor_parallel_size=tp,
                           cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
-                          cpu_bind=cpu_bind if tp > 1 else "auto")
+                          cpu_bind=cpu_bind)
     return LLMEngine(config, loaded)
 
 

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvbridge.engine.cpu_bind import check_spec
 from kvbridge.kv_transfer.net import is_unspecified
 
 
@@ -148,5 +149,4 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
-        from kvbridge.engine.cpu_bind import check_spec
         check_spec(self.cpu_bind, self.tensor_parallel_size)  # a CpuBindError is a ValueError with the reason

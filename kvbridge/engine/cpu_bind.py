@@ -55,14 +55,19 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 def check_spec(spec: str, tp_size: int) -> None:
     """Raise CpuBindError unless `spec` is auto, none or one CPU list per rank of `tp_size` (which
     CPUs exist is checked when the ranks start: `rank_cpus`)."""
-    if spec in (AUTO, NONE):
-        return
+    if spec not in (AUTO, NONE):
+        _rank_lists(spec, tp_size)
+
+
+def _rank_lists(spec: str, tp_size: int) -> list[frozenset[int]]:
+    """The CPU lists of `spec` ("0-3|4-7"), one per rank. Raises CpuBindError."""
     lists = [parse_cpu_list(text) for text in spec.split("|")]
     if tp_size == 1:
         raise CpuBindError("CPU lists bind rank processes: give them with --tensor-parallel-size > 1 "
                            "(at TP 1 the model runs in the engine process)")
     if len(lists) != tp_size:
         raise CpuBindError(f"{len(lists)} CPU list(s) for {tp_size} ranks: give one per rank, separated by '|'")
+    return lists
 
 
 def rank_cpus(spec: str, tp_size: int, available: Iterable[int],
@@ -84,8 +89,7 @@ def rank_cpus(spec: str, tp_size: int, available: Iterable[int],
         if n < tp_size:
             return tuple(frozenset({cpus[r % n]}) for r in range(tp_size))
         return tuple(frozenset(cpus[r * n // tp_size:(r + 1) * n // tp_size]) for r in range(tp_size))
-    check_spec(spec, tp_size)
-    lists = [parse_cpu_list(text) for text in spec.split("|")]
+    lists = _rank_lists(spec, tp_size)
     allowed = set(cpus)
     for rank, chosen in enumerate(lists):
         missing = sorted(chosen - allowed)

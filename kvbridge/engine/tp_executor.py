@@ -180,9 +180,10 @@ class TPExecutor:
         agent and registers its KV shard with it; `registrations` then lists them, rank order."""
         self.tp_size = config.tensor_parallel_size
         self.step_timeout_s = config.tp_step_timeout_s
+        self._ranks_backend = ranks_backend(config.device)
         try:  # each rank's CPUs (--cpu-bind), checked before anything starts
             self.rank_cpus: tuple[frozenset[int], ...] | None = rank_cpus(
-                config.cpu_bind, self.tp_size, os.sched_getaffinity(0), ranks_backend(config.device) == "gloo")
+                config.cpu_bind, self.tp_size, os.sched_getaffinity(0), self._ranks_backend == "gloo")
         except CpuBindError as exc:
             raise TPExecutorError(f"--cpu-bind {config.cpu_bind}: {exc}") from None
         if not _active.acquire(blocking=False):
@@ -263,7 +264,6 @@ class TPExecutor:
     # ---- internals ---------------------------------------------------------------
     def _start(self, config: EngineConfig, num_blocks: int, agent_spec: tuple[str, str, bool] | None) -> None:
         world = self.tp_size + 1
-        backend = ranks_backend(config.device)
         store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
                               wait_for_workers=False)
         ctx = mp.get_context("spawn")
@@ -277,7 +277,7 @@ class TPExecutor:
         # Every process takes part in creating the ranks' groups, in the same order as the ranks
         # (this one is not in them: the backend of its call does not matter).
         dist.new_group(ranks=list(range(1, world)))
-        if backend != "gloo":  # the ranks' host-side barrier group (model_runner.sync_ranks)
+        if self._ranks_backend != "gloo":  # the ranks' host-side barrier group (model_runner.sync_ranks)
             dist.new_group(ranks=list(range(1, world)), backend="gloo")
         ready: list[Any] = [None] * world
         dist.gather_object(None, ready, dst=0)
