@@ -54,7 +54,9 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
         finally:
             await proxy.stop()
 
-    app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json, as on an instance: they would describe the API to
+    # anyone, key or not.
+    app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:

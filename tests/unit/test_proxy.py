@@ -358,6 +358,14 @@ async def test_api_key_is_checked_and_upstream_key_is_sent_upstream():
         assert pd.decode[0].received[0].headers["authorization"] == "Bearer inner-key"
 
 
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"])
+async def test_the_proxy_serves_no_api_docs_as_the_instances_serve_none(path):
+    """With --api-key, docs would describe the API to anyone without a key: 404, as on an instance."""
+    async with pd_cluster(api_key="proxy-key") as pd:
+        for headers in ({}, {"Authorization": "Bearer proxy-key"}):
+            assert (await pd.http.get(path, headers=headers)).status_code == 404
+
+
 async def test_client_authorization_is_forwarded_when_no_upstream_key():
     async with pd_cluster(api_key="shared-key") as pd, openai_client(pd, api_key="shared-key") as client:
         await client.completions.create(model="m", prompt="Hi")
