@@ -172,7 +172,7 @@ def cmd_proxy(a: argparse.Namespace) -> int:
               retry=RetryPolicy(retries=a.retries, budget_s=a.retry_budget,
                                 decode_only_fallback=not a.no_decode_only_fallback),
               breaker_failures=a.breaker_failures, breaker_cooldown_s=a.breaker_cooldown,
-              first_token_from_prefill=not a.no_first_token_from_prefill)
+              first_token_from_prefill=not a.no_first_token_from_prefill, max_body_bytes=a.max_body_bytes)
     return 0
 
 
@@ -228,7 +228,13 @@ def cmd_up(a: argparse.Namespace) -> int:
         return 2
     return run_cluster(model=model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port, host=a.host,
                        kv_backend=child.kv_backend, extra_serve_args=extra, num_threads=child.num_threads,
-                       api_key=child.api_key, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp)
+                       api_key=child.api_key, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
+                       proxy_args=up_proxy_args(a))
+
+
+def up_proxy_args(a: argparse.Namespace) -> list[str]:
+    """The `kvbridge proxy` options `up` was given for its proxy."""
+    return ["--max-body-bytes", str(a.max_body_bytes)] if a.max_body_bytes is not None else []
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -299,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--breaker-cooldown", type=float, default=10.0,
                        help="seconds an open circuit skips its instance before one probe request "
                             "(default: %(default)s)")
+    proxy.add_argument("--max-body-bytes", type=_positive_int, default=32 << 20,
+                       help="longest request body read: a longer one gets HTTP 413, read no further (an "
+                            "instance's own limit is 32 MiB) (default: %(default)s)")
     proxy.set_defaults(func=cmd_proxy)
 
     up = sub.add_parser(
@@ -322,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tensor parallel size of each prefill instance (default: %(default)s)")
     cluster.add_argument("--decode-tp", type=_positive_int, default=1,
                          help="tensor parallel size of each decode instance (default: %(default)s)")
+    cluster.add_argument("--max-body-bytes", type=_positive_int, default=None,
+                         help="the proxy's --max-body-bytes (default: the proxy's, 32 MiB)")
     _add_engine_args(up)
     up.set_defaults(func=cmd_up, serve_args=[])
 

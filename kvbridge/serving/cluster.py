@@ -114,9 +114,9 @@ def serve_command(cli: Sequence[str], model: str, spec: InstanceSpec, *, host: s
 
 
 def proxy_command(cli: Sequence[str], prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
-                  host: str, port: int) -> list[str]:
+                  host: str, port: int, extra_args: Sequence[str] = ()) -> list[str]:
     return [*cli, "proxy", "--prefill", *prefill_urls, "--decode", *decode_urls,
-            "--host", host, "--port", str(port)]
+            "--host", host, "--port", str(port), *extra_args]
 
 
 def child_env(base: Mapping[str, str], *, loopback_only: bool, num_threads: int,
@@ -223,7 +223,7 @@ class LocalCluster:
                  ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI,
                  log_dir: str | Path | None = None, num_threads: int | None = None,
                  stop_grace_s: float = 10.0, api_key: str | None = None, prefill_tp: int = 1,
-                 decode_tp: int = 1) -> None:
+                 decode_tp: int = 1, proxy_args: Sequence[str] = ()) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode instance")
         if ready_timeout_s <= 0 or stop_grace_s < 0:
@@ -235,6 +235,7 @@ class LocalCluster:
         if prefill_tp < 1 or decode_tp < 1:
             raise ValueError("tensor parallel sizes must be at least 1")
         self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
+        self.proxy_args = tuple(proxy_args)  # extra `kvbridge proxy` options
         self.num_threads = num_threads or threads_per_engine(num_prefill + num_decode)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.children: list[ChildProcess] = []  # in start order: instances, then the proxy
@@ -277,7 +278,8 @@ class LocalCluster:
             prefill = tuple(self._health_urls[s.name] for s in specs if s.role is KVRole.PRODUCER)
             decode = tuple(self._health_urls[s.name] for s in specs if s.role is KVRole.CONSUMER)
             proxy_port = self.port or free_ports(1, self.host)[0]
-            argv = proxy_command(self.cli, prefill, decode, host=self.host, port=proxy_port)
+            argv = proxy_command(self.cli, prefill, decode, host=self.host, port=proxy_port,
+                                 extra_args=self.proxy_args)
             self._spawn("proxy", argv, env, http_url(self.host, proxy_port))
             self.wait_healthy(deadline - time.monotonic())
         except BaseException:
@@ -359,7 +361,7 @@ def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int
                 kv_backend: str = "nixl", host: str = "127.0.0.1", extra_serve_args: Sequence[str] = (),
                 ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI,
                 num_threads: int | None = None, api_key: str | None = None, prefill_tp: int = 1,
-                decode_tp: int = 1) -> int:
+                decode_tp: int = 1, proxy_args: Sequence[str] = ()) -> int:
     """`kvbridge up`: run a LocalCluster until Ctrl-C or SIGTERM (exit 0) or a child dies (exit 1).
 
     Call it from the main thread so it can turn SIGTERM into an orderly stop.
@@ -367,7 +369,7 @@ def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster = LocalCluster(model, num_prefill, num_decode, port, kv_backend, host, extra_serve_args,
                            ready_timeout_s, cli=cli, num_threads=num_threads, api_key=api_key,
-                           prefill_tp=prefill_tp, decode_tp=decode_tp)
+                           prefill_tp=prefill_tp, decode_tp=decode_tp, proxy_args=proxy_args)
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal needs it
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     if in_main_thread:

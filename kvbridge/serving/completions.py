@@ -44,7 +44,7 @@ logger = logging.getLogger("kvbridge.serving.api_server")  # the name the server
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII without spaces
-MAX_BODY_BYTES = 32 << 20  # a full-context prompt as token ids is well under 1 MiB
+MAX_BODY_BYTES = p.MAX_BODY_BYTES
 
 
 class ApiError(Exception):
@@ -333,13 +333,11 @@ def _request_id(raw: Request) -> str:
 
 
 async def read_json(raw: Request) -> dict[str, Any]:
-    data = bytearray()
-    async for chunk in raw.stream():
-        data += chunk
-        if len(data) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    data = await p.read_capped(raw.stream(), MAX_BODY_BYTES)
+    if data is None:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     try:
-        return p.parse_json_object(bytes(data))
+        return p.parse_json_object(data)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_json") from None
 

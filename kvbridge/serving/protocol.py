@@ -16,7 +16,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -30,6 +30,9 @@ MAX_STOP_STRINGS = 16
 # walk of the body (pydantic, json.dumps when the proxy forwards it) far from Python's
 # recursion limit, which a body nested ~1000 deep would otherwise hit as a 500.
 MAX_JSON_DEPTH = 100
+# The longest request body an instance or the proxy reads (HTTP 413 beyond it): a full-context
+# prompt as token ids is well under 1 MiB.
+MAX_BODY_BYTES = 32 << 20
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -53,6 +56,17 @@ class ErrorResponse(BaseModel):
 # ---------------------------------------------------------------- request bodies
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+async def read_capped(chunks: AsyncIterable[bytes], limit: int) -> bytes | None:
+    """A request body read chunk by chunk, or None as soon as it holds more than `limit` bytes:
+    the rest is never read, so a huge body costs at most the limit and one chunk of memory."""
+    data = bytearray()
+    async for chunk in chunks:
+        data += chunk
+        if len(data) > limit:
+            return None
+    return bytes(data)
 
 
 def parse_json_object(data: bytes) -> dict[str, Any]:

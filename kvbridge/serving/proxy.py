@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbridge.engine.outputs import KV_LOAD_FAILED
 from kvbridge.serving import proxy_first_token as first_token
-from kvbridge.serving.protocol import parse_json_object
+from kvbridge.serving.protocol import MAX_BODY_BYTES, parse_json_object, read_capped
 from kvbridge.serving.proxy_exchange import (REQUEST_ID_HEADER, Exchange, Exhausted, Failed, PassthroughStream,
                                              RetryPolicy)
 from kvbridge.serving.routing import Upstream, UpstreamKind, UpstreamPool
@@ -159,8 +159,12 @@ class PDProxy:
     def __init__(self, prefill: UpstreamPool | None, decode: UpstreamPool, *, health_interval_s: float,
                  health_timeout_s: float, timeout_s: float, connect_timeout_s: float,
                  api_key: str | None, upstream_api_key: str | None, retry: RetryPolicy = RetryPolicy(),
-                 seed: int | None = None, first_token_from_prefill: bool = True) -> None:
+                 seed: int | None = None, first_token_from_prefill: bool = True,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        if max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be positive")
         self.prefill, self.decode = prefill, decode
+        self.max_body_bytes = max_body_bytes
         self.first_token_from_prefill = first_token_from_prefill
         self.retry = retry
         self._rng = random.Random(seed)  # backoff jitter
@@ -318,8 +322,12 @@ class PDProxy:
         request_id = given if given and _REQUEST_ID_RE.fullmatch(given) else f"kvb-{uuid.uuid4().hex}"
         if not self.authorized(request):
             return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
+        raw = await _read_body(request, self.max_body_bytes)
+        if raw is None:
+            return openai_error(413, f"the request body is larger than {self.max_body_bytes} bytes",
+                                "request_too_large", request_id)
         try:  # strict: what parses here can be forwarded (no NaN, no lone surrogate, no deep nesting)
-            body = parse_json_object(await request.body())
+            body = parse_json_object(raw)
         except ValueError as exc:
             return openai_error(400, str(exc), "invalid_json", request_id)
         body.pop(first_token.CONTINUE_FIELD, None)  # like kv_transfer_params: only the proxy sets it
@@ -499,6 +507,15 @@ class PDProxy:
                 continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return openai_error(503, "no healthy decode instance answered /v1/models", "no_healthy_instance")
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None when it is longer than `limit` bytes: refused on its
+    Content-Length before any of it is read, else once the bytes read pass the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    return await read_capped(request.stream(), limit)
 
 
 async def _watch_disconnect(request: Request, gone: asyncio.Event) -> None:

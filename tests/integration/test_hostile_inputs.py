@@ -40,6 +40,7 @@ from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.tokenizer import Tokenizer
 from kvbridge.serving.api_server import build_app
 from kvbridge.serving.async_engine import AsyncEngine
+from kvbridge.serving.protocol import MAX_BODY_BYTES
 from kvbridge.serving.proxy_app import build_proxy_app
 from tests.integration.test_api_server import assert_openai_error
 
@@ -277,3 +278,18 @@ def test_a_prompt_of_long_tokens_that_fits_the_context_is_served(servers: Server
     assert len(loaded.tokenizer.encode(text, add_special_tokens=True)) < MAX_MODEL_LEN - 1
     r = post(servers.instance.url, "/v1/completions", {"prompt": text, "max_tokens": 1, "temperature": 0})
     assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------ issue 27: request bodies past the cap
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_body_one_byte_over_32_mib_is_413_on_the_instance_and_the_proxy(servers: Servers, target: str) -> None:
+    """The proxy read any body whole (300 MB took it from 88 MB to 1.47 GB); both now stop at 32 MiB."""
+    base = httpx.Request("POST", servers.instance.url, json={**PROMPT, "prompt": ""}).content
+    body = httpx.Request("POST", servers.instance.url,
+                         json={**PROMPT, "prompt": "x" * (MAX_BODY_BYTES + 1 - len(base))}).content
+    assert len(body) == MAX_BODY_BYTES + 1
+    error = assert_openai_error(post(servers.url(target), "/v1/completions", body), 413)
+    assert str(MAX_BODY_BYTES) in error["message"]
+    servers.assert_healthy_and_serving()

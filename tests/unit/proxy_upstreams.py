@@ -189,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     proxy.add_argument("--decode", nargs="+", required=True)
     proxy.add_argument("--host", required=True)
     proxy.add_argument("--port", type=int, required=True)
+    proxy.add_argument("--max-body-bytes", type=int, default=32 << 20)
     args, _extra = parser.parse_known_args(argv)
     if args.command == "proxy":
         from kvbridge.serving.proxy_app import run_proxy
 
         return run_proxy(args.prefill, args.decode, host=args.host, port=args.port,
-                         health_interval_s=0.2, log_level="warning")
+                         health_interval_s=0.2, log_level="warning", max_body_bytes=args.max_body_bytes)
     if args.model == f"crash-on-{args.kv_role}":
         print(f"fake serve {args.kv_engine_id}: cannot load model {args.model}", file=sys.stderr, flush=True)
         return 3

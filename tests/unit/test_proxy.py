@@ -202,6 +202,59 @@ async def test_invalid_json_is_a_bad_request():
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def body_of_size(size: int) -> bytes:
+    """COMPLETION as JSON, its prompt padded to make the body exactly `size` bytes."""
+    base = json.dumps({**COMPLETION, "prompt": ""}).encode()
+    return json.dumps({**COMPLETION, "prompt": "x" * (size - len(base))}).encode()
+
+
+async def status_of_unfinished_post(url: str, head: str, body: bytes) -> int:
+    """POST over a raw connection that sends `head`'s headers and `body` and then nothing more
+    (the request never ends): the status of the answer the proxy gives before the end."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"{head}\r\n\r\n".encode() + body)
+        await writer.drain()
+        status_line = await reader.readline()  # the test's timeout bounds it
+        return int(status_line.split()[1])
+    finally:
+        writer.close()
+
+
+async def test_a_body_over_the_cap_gets_413_without_being_read_and_the_proxy_serves_on():
+    cap = 4096
+    async with pd_cluster(max_body_bytes=cap) as pd:
+        headers = {"content-type": "application/json"}
+        r = await pd.http.post("/v1/completions", content=body_of_size(cap + 1), headers=headers)
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_large")
+        assert str(cap) in error["message"] and r.headers["x-request-id"]
+        # Refused from its Content-Length before a byte of it, or, chunked, once the bytes read pass the
+        # cap: neither request ever ends, so reading it whole would never answer.
+        assert await status_of_unfinished_post(pd.url, "Content-Length: 1000000000", b"") == 413
+        chunk = b"x" * (cap + 1)
+        assert await status_of_unfinished_post(pd.url, "Transfer-Encoding: chunked",
+                                               f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n") == 413
+        assert pd.prefill[0].received == [] and pd.decode[0].received == []
+        r = await pd.http.post("/v1/completions", content=body_of_size(cap), headers=headers)  # at the cap: served
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "answer from decode-0"
+        await pd.metrics_show('kvbridge_proxy_requests_total{route="/v1/completions",status="413"} 3.0')
+
+
+def test_the_proxy_body_cap_defaults_to_the_instances_and_is_a_command_line_option():
+    from kvbridge.cli import build_parser
+    from kvbridge.serving.protocol import MAX_BODY_BYTES
+    assert MAX_BODY_BYTES == 32 << 20
+    parser = build_parser()
+    assert parser.parse_args(["proxy", "--decode", "http://d"]).max_body_bytes == MAX_BODY_BYTES
+    assert parser.parse_args(["proxy", "--decode", "http://d", "--max-body-bytes", "1024"]).max_body_bytes == 1024
+    with pytest.raises(ValueError):
+        build_proxy_app([], ["http://d"], max_body_bytes=0)
+
+
 # ---- selection policies ------------------------------------------------------------------------
 def test_policies_by_name_and_unknown_name_is_refused():
     assert isinstance(make_policy("round_robin"), RoundRobinPolicy)
@@ -519,8 +572,10 @@ def test_stop_children_kills_a_child_that_ignores_sigterm_after_grace(tmp_path):
 
 
 def test_local_cluster_starts_serves_and_stops_every_child(tmp_path):
+    from kvbridge.cli import parse_args, up_proxy_args
+    up = parse_args(["up", "--max-body-bytes", "4096"])
     with cluster.LocalCluster("fake", num_prefill=1, num_decode=2, port=0, cli=STAND_IN_CLI,
-                              ready_timeout_s=60, log_dir=tmp_path) as local:
+                              ready_timeout_s=60, log_dir=tmp_path, proxy_args=up_proxy_args(up)) as local:
         children = list(local.children)
         assert [c.name for c in children] == ["prefill-0", "decode-0", "decode-1", "proxy"]
         client = openai.OpenAI(base_url=local.urls.proxy + "/v1", api_key="x", max_retries=0,
@@ -529,6 +584,8 @@ def test_local_cluster_starts_serves_and_stops_every_child(tmp_path):
         assert completion.choices[0].text.startswith("answer from decode-")
         env = httpx.get(local.urls.decode[0] + "/debug/env", trust_env=False).json()
         assert env == {"UCX_NET_DEVICES": "lo", "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+        too_long = httpx.post(local.urls.proxy + "/v1/completions", content=body_of_size(4097), trust_env=False)
+        assert too_long.status_code == 413  # `up --max-body-bytes` reached the proxy
     assert all(not c.alive() for c in children)
 
 
