@@ -172,7 +172,8 @@ def cmd_proxy(a: argparse.Namespace) -> int:
               retry=RetryPolicy(retries=a.retries, budget_s=a.retry_budget,
                                 decode_only_fallback=not a.no_decode_only_fallback),
               breaker_failures=a.breaker_failures, breaker_cooldown_s=a.breaker_cooldown,
-              first_token_from_prefill=not a.no_first_token_from_prefill, max_body_bytes=a.max_body_bytes)
+              first_token_from_prefill=not a.no_first_token_from_prefill, max_body_bytes=a.max_body_bytes,
+              first_byte_timeout_s=a.first_byte_timeout)
     return 0
 
 
@@ -308,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--max-body-bytes", type=_positive_int, default=32 << 20,
                        help="longest request body read: a longer one gets HTTP 413, read no further (an "
                             "instance's own limit is 32 MiB) (default: %(default)s)")
+    proxy.add_argument("--first-byte-timeout", type=float, default=30.0,
+                       help="seconds a decode instance may take to start a streamed answer (it sends the status "
+                            "line once it admitted the request); a silent one (stopped, hung) is a failed attempt, "
+                            "retried on another. An unstreamed answer starts when it is complete: the 300 s "
+                            "timeout bounds it (default: %(default)s)")
     proxy.set_defaults(func=cmd_proxy)
 
     up = sub.add_parser(

@@ -57,6 +57,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RELEASE_PATH = "/kvbridge/release_kv"
+# How long a decode instance may take to start a streamed answer (its status line, sent once it
+# admitted the request): a stopped or hung one fails the attempt rather than holding it for the
+# whole timeout. Admission waits for the engine's current step and tokenises the prompt: seconds.
+FIRST_BYTE_TIMEOUT_S = 30.0
+FIRST_BYTE_TIMEOUT = "first_byte_timeout"  # the failure's reason (metrics, logs)
 UPSTREAM_KEEPALIVE_S = 2.0
 # The same rule as completions.py: printable ASCII without spaces, else the server makes its own id.
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")
@@ -160,11 +165,12 @@ class PDProxy:
                  health_timeout_s: float, timeout_s: float, connect_timeout_s: float,
                  api_key: str | None, upstream_api_key: str | None, retry: RetryPolicy = RetryPolicy(),
                  seed: int | None = None, first_token_from_prefill: bool = True,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
-        if max_body_bytes < 1:
-            raise ValueError("max_body_bytes must be positive")
+                 max_body_bytes: int = MAX_BODY_BYTES, first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S) -> None:
+        if max_body_bytes < 1 or first_byte_timeout_s <= 0:
+            raise ValueError("max_body_bytes and first_byte_timeout_s must be positive")
         self.prefill, self.decode = prefill, decode
         self.max_body_bytes = max_body_bytes
+        self.first_byte_timeout_s = first_byte_timeout_s
         self.first_token_from_prefill = first_token_from_prefill
         self.retry = retry
         self._rng = random.Random(seed)  # backoff jitter
@@ -254,16 +260,21 @@ class PDProxy:
         return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
 
     async def _attempt(self, pool: UpstreamPool, upstream: Upstream, path: str, body: dict,
-                       headers: dict[str, str], request_id: str) -> Exchange | Failed:
+                       headers: dict[str, str], request_id: str,
+                       first_byte_s: float | None = None) -> Exchange | Failed:
         """POST `body` to `upstream` once: its open response, or why it failed (a connection that
-        was refused marks the upstream unhealthy, as a failed health probe does)."""
+        was refused marks the upstream unhealthy, as a failed health probe does; `first_byte_s`:
+        the status line must arrive within this many seconds)."""
         assert self.client is not None
         request = self.client.build_request("POST", upstream.url + path, json=body, headers=headers)
         upstream.outstanding += 1
         try:
-            response = await self.client.send(request, stream=True)
+            sent = self.client.send(request, stream=True)
+            response = await (sent if first_byte_s is None else asyncio.wait_for(sent, first_byte_s))
         except BaseException as exc:
             upstream.outstanding -= 1
+            if isinstance(exc, TimeoutError):  # wait_for's (httpx's own timeouts are HTTPErrors)
+                return self._silent(pool.kind, upstream, first_byte_s, request_id)
             if not isinstance(exc, httpx.HTTPError):
                 raise
             if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
@@ -274,6 +285,16 @@ class PDProxy:
                     request_id))
             return self._failed(pool.kind, exc, request_id)
         return Exchange(pool, upstream, response)
+
+    def _silent(self, kind: UpstreamKind, upstream: Upstream, after_s: float | None, request_id: str) -> Failed:
+        """An upstream that took the request and sent no status line in time (stopped, hung): a
+        failed attempt that may have reached it."""
+        self.metrics.upstream_errors.labels(kind.value, FIRST_BYTE_TIMEOUT).inc()
+        logger.warning("request %s: %s instance %s sent no answer in %s s", request_id, kind.value, upstream.url,
+                       after_s)
+        return Failed(FIRST_BYTE_TIMEOUT, True, openai_error(
+            504, f"{kind.value} instance {upstream.url} did not start answering in {after_s} s", "upstream_timeout",
+            request_id))
 
     def _failed(self, kind: UpstreamKind, exc: httpx.HTTPError, request_id: str) -> Failed:
         """An upstream that may have received the request failed: the client's answer if it is
@@ -434,6 +455,9 @@ class PDProxy:
             forwarded = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         else:
             forwarded = {**body, "kv_transfer_params": prefilled[1]}
+        # D sends a stream's status line once it admitted the request (before any KV moves), an
+        # unstreamed answer's only when it is complete: only a stream's start can be bounded.
+        first_byte_s = self.first_byte_timeout_s if body.get("stream") else None
         started = time.monotonic()
         tried: list[Upstream] = []
         received, last, reason = False, None, ""
@@ -444,7 +468,7 @@ class PDProxy:
             if upstream is None:
                 break
             tried.append(upstream)
-            sent = await self._attempt(self.decode, upstream, route, forwarded, headers, request_id)
+            sent = await self._attempt(self.decode, upstream, route, forwarded, headers, request_id, first_byte_s)
             if isinstance(sent, Failed):
                 received |= sent.received
                 reason, last = sent.reason, sent.response

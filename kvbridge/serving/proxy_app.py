@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvbridge.serving.protocol import MAX_BODY_BYTES
-from kvbridge.serving.proxy import BAD_KEY_MESSAGE, PDProxy, RetryPolicy, openai_error
+from kvbridge.serving.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
 from kvbridge.serving.routing import UpstreamKind, UpstreamPool, make_policy
 
 logger = logging.getLogger(__name__)
@@ -25,17 +25,19 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     upstream_api_key: str | None = None, connect_timeout_s: float = 5.0,
                     health_timeout_s: float = 2.0, retry: RetryPolicy = RetryPolicy(), breaker_failures: int = 5,
                     breaker_cooldown_s: float = 10.0, first_token_from_prefill: bool = True,
-                    max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+                    max_body_bytes: int = MAX_BODY_BYTES,
+                    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S) -> FastAPI:
     """The proxy as a FastAPI app; the health loop and HTTP client live in its lifespan.
 
     `api_key` guards the proxy's /v1 routes (Bearer); upstreams get `upstream_api_key` if
     set, else the client's Authorization header. `timeout_s` bounds each upstream read
-    (for a stream: the gap between two chunks). Empty `prefill_urls`: colocated mode (see
-    the module docstring). `retry`: retries, backoff and the decode-only fallback;
-    `breaker_*`: each upstream's circuit breaker (routing.py); `first_token_from_prefill`:
-    stream P's token at once and let D continue from it (proxy_first_token.py); `max_body_bytes`: longer
-    request bodies get HTTP 413, read no further than that. ValueError for an empty decode list or
-    bad names.
+    (for a stream: the gap between two chunks); `first_byte_timeout_s` bounds the wait for a
+    decode instance's status line on a streamed request (a silent instance is a failed attempt).
+    Empty `prefill_urls`: colocated mode (see the module docstring). `retry`: retries, backoff
+    and the decode-only fallback; `breaker_*`: each upstream's circuit breaker (routing.py);
+    `first_token_from_prefill`: stream P's token at once and let D continue from it
+    (proxy_first_token.py); `max_body_bytes`: longer request bodies get HTTP 413, read no further
+    than that. ValueError for an empty decode list or bad names.
     """
     if health_interval_s <= 0 or health_timeout_s <= 0 or timeout_s <= 0 or connect_timeout_s <= 0:
         raise ValueError("intervals and timeouts must be positive")
@@ -47,7 +49,8 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     health_interval_s=health_interval_s, health_timeout_s=health_timeout_s,
                     timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                     api_key=api_key, upstream_api_key=upstream_api_key, retry=retry,
-                    first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes)
+                    first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
+                    first_byte_timeout_s=first_byte_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -101,13 +104,15 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
               health_interval_s: float = 2.0, api_key: str | None = None, timeout_s: float = 300.0,
               upstream_api_key: str | None = None, log_level: str = "info", retry: RetryPolicy = RetryPolicy(),
               breaker_failures: int = 5, breaker_cooldown_s: float = 10.0,
-              first_token_from_prefill: bool = True, max_body_bytes: int = MAX_BODY_BYTES) -> int:
+              first_token_from_prefill: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
+              first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S) -> int:
     """Serve the proxy until SIGINT/SIGTERM; prints its URL once bound (port 0: the OS picks)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_proxy_app(prefill_urls, decode_urls, prefill_policy, decode_policy, health_interval_s,
                           api_key, timeout_s, upstream_api_key=upstream_api_key, retry=retry,
                           breaker_failures=breaker_failures, breaker_cooldown_s=breaker_cooldown_s,
-                          first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes)
+                          first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
+                          first_byte_timeout_s=first_byte_timeout_s)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

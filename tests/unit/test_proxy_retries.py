@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 
 from kvbridge.serving.proxy import RetryPolicy
+from kvbridge.serving.proxy_app import build_proxy_app
 from kvbridge.serving.routing import BreakerState, CircuitBreaker
 from tests.unit.test_proxy import COMPLETION, pd_cluster, received_by
 
@@ -88,6 +90,47 @@ async def test_a_decode_5xx_before_the_first_byte_is_retried_on_another_decode_w
         assert sent_params(pd.decode[0]) == sent_params(pd.decode[1])  # the same kv_transfer_params
         assert pd.prefill[0].releases == []  # P's blocks stay leased: D 1 reads them
         await pd.metrics_show('kvbridge_proxy_retries_total{kind="decode",reason="status_500"} 1.0')
+
+
+async def test_a_decode_that_never_starts_its_stream_is_given_up_after_the_first_byte_timeout_and_retried():
+    """A D that takes the request and never answers (as a SIGSTOPped one) held it for the whole
+    --timeout; a streamed request's D sends its status line at admission, so a silent one is a
+    failed attempt after --first-byte-timeout: retried on another D, held against its breaker."""
+    async with pd_cluster(num_decode=2, timeout_s=120, first_byte_timeout_s=0.5, breaker_failures=1) as pd:
+        pd.decode[0].hold.clear()
+        started = time.monotonic()
+        r = await pd.http.post("/v1/completions", json={**COMPLETION, "stream": True})
+        assert r.status_code == 200 and b"decode-1" in r.content and r.content.endswith(b"data: [DONE]\n\n")
+        assert time.monotonic() - started < 10  # pd.http's own timeout: far below --timeout
+        assert sent_params(pd.decode[0]) == sent_params(pd.decode[1])  # the same kv_transfer_params
+        await asyncio.wait_for(pd.decode[0].disconnected_while_held.wait(), 10)  # the proxy hung up on it
+        assert pd.prefill[0].releases == []  # D 1 reads P's blocks
+        assert (await pd.health())["decode"][0]["circuit"] == "open"
+        await pd.metrics_show('kvbridge_proxy_retries_total{kind="decode",reason="first_byte_timeout"} 1.0')
+
+
+async def test_the_first_byte_timeout_leaves_unstreamed_answers_alone():
+    """D's answer to an unstreamed request starts when its generation ends: only --timeout bounds it."""
+    async with pd_cluster(timeout_s=120, first_byte_timeout_s=0.3) as pd:
+        pd.decode[0].hold.clear()
+        unstreamed = asyncio.create_task(pd.http.post("/v1/completions", json=COMPLETION, timeout=60))
+        await received_by(pd.decode[0])
+        # Started after it, to the same D, a stream is given up after the first-byte timeout (no other D):
+        streamed = await pd.http.post("/v1/completions", json={**COMPLETION, "stream": True})
+        assert streamed.status_code == 504 and streamed.json()["error"]["code"] == "upstream_timeout"
+        assert not unstreamed.done()  # waited longer than the first-byte timeout, still waiting
+        pd.decode[0].hold.set()
+        r = await unstreamed
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "answer from decode-0"
+
+
+def test_first_byte_timeout_is_a_command_line_option_and_must_be_positive():
+    from kvbridge.cli import build_parser
+    parser = build_parser()
+    assert parser.parse_args(["proxy", "--decode", "http://d"]).first_byte_timeout == 30.0
+    assert parser.parse_args(["proxy", "--decode", "http://d", "--first-byte-timeout", "2.5"]).first_byte_timeout == 2.5
+    with pytest.raises(ValueError):
+        build_proxy_app([], ["http://d"], first_byte_timeout_s=0)
 
 
 async def test_retries_are_bounded_by_count():
