@@ -382,8 +382,7 @@ class PDProxy:
             if isinstance(prefilled, Response):
                 return prefilled
             upstream, params, p_answer = prefilled
-            plan = (first_token.plan(body, route, p_answer, params)
-                    if self.first_token_from_prefill and first_token.eligible(body, route) else None)
+            plan = await self._first_token_plan(body, route, upstream, params, p_answer, headers)
             if plan is not None and plan.finished:
                 self.metrics.first_token.labels("finished_at_prefill").inc()
                 await asyncio.shield(self.release_on_prefill(upstream, params, headers, request_id))
@@ -397,6 +396,34 @@ class PDProxy:
             return answer if answer is not None else Response(status_code=499)
         finally:
             watcher.cancel()
+
+    async def _first_token_plan(self, body: dict, route: str, upstream: Upstream, params: dict, p_answer: bytes,
+                                headers: dict[str, str]) -> first_token.Plan | None:
+        """The first-token path for this request, or None for the ordinary path. A request the
+        context limits (a chat without max_tokens) needs P's context length: asked once per P."""
+        if not (self.first_token_from_prefill and first_token.eligible(body, route)):
+            return None
+        context_len = None
+        if first_token.limited_by_context(body, route):
+            if upstream.context_len is None:
+                upstream.context_len = await self._ask_context_len(upstream, headers)
+            context_len = upstream.context_len
+        return first_token.plan(body, route, p_answer, params, context_len)
+
+    async def _ask_context_len(self, upstream: Upstream, headers: dict[str, str]) -> int:
+        """`upstream`'s max_model_len from its /v1/models (kvbridge's and vLLM's cards name it); 0
+        when it does not say."""
+        assert self.client is not None
+        try:
+            r = await self.client.get(upstream.url + "/v1/models", headers=headers, timeout=self.short_timeout)
+            context_len = r.json()["data"][0]["max_model_len"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            context_len = None
+        if type(context_len) is not int or context_len < 1:
+            logger.warning("%s named no context length on /v1/models: streamed chat requests without max_tokens "
+                           "take the ordinary P/D path", upstream.url)
+            return 0
+        return context_len
 
     async def _prefill(self, route: str, body: dict, headers: dict[str, str],
                        request_id: str) -> tuple[Upstream, dict, bytes] | Response | Exhausted:

@@ -9,8 +9,9 @@ The pure half of the path (PDProxy.handle runs it, proxy.py):
      and `kv_transfer_params.generated_token_ids` (absent: a P that offers no token, e.g. a
      Mamba model's N-1 prefill: the ordinary path).
   3. P's token ended the request (EOS, a stop token id or a stop string: finish "stop"; or
-     the client asked for one token): `Plan.finished` holds the whole stream; no D leg, and P
-     is told to release its KV.
+     finish "length" where the request's limit is one token: the client's max_tokens, or, for a
+     chat request without one, the context, which P's prompt fills but for that token):
+     `Plan.finished` holds the whole stream; no D leg, and P is told to release its KV.
   4. Else D gets the client's body with P's params and `continue_from_token_ids` (P's
      token, outside the params: params swapped between requests never carry another
      request's token): its engine starts with P's token as its first output token
@@ -56,6 +57,11 @@ def eligible(body: dict, route: str) -> bool:
     return limit is None or (type(limit) is int and limit >= 1)
 
 
+def limited_by_context(body: dict, route: str) -> bool:
+    """Whether the request's token limit is what the context leaves (a chat without max_tokens)."""
+    return requested_max_tokens(body, route) is None
+
+
 def requested_max_tokens(body: dict, route: str) -> object:
     """The client's token limit as sent (None: a chat request limited by the context)."""
     if route == CHAT_ROUTE:
@@ -79,6 +85,17 @@ def streamed_text(text: str, stops: tuple[str, ...]) -> str:
     return text[:len(text) - stop_holdback(text, stops)]
 
 
+def ends_at_prefill(body: dict, route: str, reason: object, used_tokens: int, context_len: int | None) -> bool | None:
+    """Whether P's one token, with finish `reason`, ended the request; None when it depends on a
+    context length not known (`used_tokens`: P's prompt and its token; `context_len`: P's
+    max_model_len, 0 or None when unknown)."""
+    if reason != "length":
+        return reason == "stop"
+    if not limited_by_context(body, route):
+        return requested_max_tokens(body, route) == 1
+    return used_tokens >= context_len if context_len else None
+
+
 @dataclass(frozen=True)
 class Plan:
     """The first-token path for one request, from P's answer. `finished`: P's token ended
@@ -94,8 +111,10 @@ class Plan:
         return {**body, CONTINUE_FIELD: self.continued}
 
 
-def plan(body: dict, route: str, answer: bytes, params: dict) -> Plan | None:
-    """None when P's answer offers no token to continue from (the ordinary path serves it)."""
+def plan(body: dict, route: str, answer: bytes, params: dict, context_len: int | None = None) -> Plan | None:
+    """None when P's answer offers no token to continue from, or when P's token may have filled
+    the context of a request it limits and `context_len` (P's max_model_len) is unknown: the
+    ordinary path serves it."""
     try:
         kv = parse_kv_transfer_params(params)
     except KVTransferParamsError:
@@ -114,7 +133,9 @@ def plan(body: dict, route: str, answer: bytes, params: dict) -> Plan | None:
         return None
     if not isinstance(text, str):
         return None
-    finished = reason == "stop" or (reason == "length" and requested_max_tokens(body, route) == 1)
+    finished = ends_at_prefill(body, route, reason, usage.prompt_tokens + usage.completion_tokens, context_len)
+    if finished is None:
+        return None
     sent = text if finished else streamed_text(text, stop_strings(body))
     events = chunk.first(sent)
     if finished:

@@ -90,6 +90,8 @@ class Upstream:
 
     `healthy` is False until the first health probe answers 200.
     `outstanding` counts requests sent to it whose response is not closed yet.
+    `context_len`: its max_model_len as its /v1/models said (0: it did not say); None until the
+    proxy asked, and again once it is dropped as unhealthy (it may come back with another).
     """
 
     url: str
@@ -97,6 +99,7 @@ class Upstream:
     healthy: bool = False
     outstanding: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    context_len: int | None = None
 
 
 class SelectionPolicy(ABC):
@@ -243,6 +246,8 @@ class UpstreamPool:
         if upstream.healthy == healthy:
             return
         upstream.healthy = healthy
+        if not healthy:
+            upstream.context_len = None
         if healthy:
             logger.info("%s instance %s is healthy again: re-admitted", self.kind.value, upstream.url)
         else:

@@ -5,8 +5,9 @@ client, must give the same answers both ways.
 
 - greedy and seeded streams (completions and chat): same text, finish reason and usage,
   and each was continued by D from P's token (counted by the proxy);
-- P's token ends the request (max_tokens 1, a stop string in it, its id as a stop id): the
-  same answers, served without a D leg (D sees no request);
+- P's token ends the request (max_tokens 1, a stop string in it, its id as a stop id, a chat
+  without max_tokens whose prompt is one token short of the context): the same answers, served
+  without a D leg (D sees no request);
 - a request D refuses (too long for D's context) gets D's 400 before any byte, like colocated;
 - a D killed mid-stream (after P's token went out): the stream ends with an error event.
 Afterwards every block is free on every instance still alive.
@@ -127,6 +128,38 @@ def test_a_request_that_p_s_token_ends_is_answered_without_decode(fleet):
     assert metric(proxy, "kvbridge_proxy_first_token_from_prefill_total", **FINISHED) == finished_before + 4
     assert metric(d, "kvbridge_prompt_tokens_total") == d_before  # no D leg
     settled(fleet)
+
+
+def chat_prompt_of(fleet: Fleet, tokens: int) -> str:
+    """A user message whose chat prompt is exactly `tokens` tokens long (counted by the colocated
+    instance: " hello" is one token, whatever precedes it)."""
+    def count(message: str) -> int:
+        r = httpx.post(fleet.urls["c"] + "/v1/chat/completions", timeout=60, trust_env=False,
+                       json={"messages": [{"role": "user", "content": message}], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+    message = "hello" + " hello" * (tokens - count("hello"))
+    assert count(message) == tokens
+    return message
+
+
+def test_a_chat_whose_prompt_leaves_one_token_of_context_is_finished_by_p_s_token(fleet):
+    """No max_tokens and a prompt of the context less one token: P's token is the whole answer
+    (finish "length", as one engine and the unstreamed path answer); D never got a continuation
+    it must refuse (its 400 was what the stream answered)."""
+    prompt = chat_prompt_of(fleet, 511)  # the fleet's --max-model-len is 512
+    proxy, d = fleet.urls["proxy-p-d"], fleet.urls["d"]
+    client = OpenAI(base_url=proxy + "/v1", api_key="unused", max_retries=0, timeout=120)
+    whole = client.chat.completions.create(model=SMOLLM2, messages=[{"role": "user", "content": prompt}],
+                                           temperature=0).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content
+    finished_before = metric(proxy, "kvbridge_proxy_first_token_from_prefill_total", **FINISHED)
+    d_before = metric(d, "kvbridge_prompt_tokens_total")
+    pd, colocated = both(fleet, True, prompt, temperature=0)
+    assert pd == colocated == Answer(whole.message.content, "length", (511, 1))
+    assert metric(proxy, "kvbridge_proxy_first_token_from_prefill_total", **FINISHED) == finished_before + 1
+    assert metric(d, "kvbridge_prompt_tokens_total") == d_before  # no D leg
+    settled(fleet)  # P's blocks released by the proxy, as for any request P's token ends
 
 
 def test_a_request_decode_refuses_gets_its_status_before_any_byte(fleet):

@@ -48,6 +48,8 @@ class FakeInstance:
         self.stall_after: int | None = None  # a stream sends this many chunks, then waits forever
         self.stream_closed_early = asyncio.Event()
         self.disconnected_while_held = asyncio.Event()  # the caller hung up during `hold`
+        self.max_model_len: int | None = None  # named on /v1/models when set
+        self.models_asked = 0
         self.app = self._build_app()
 
     def kv_transfer_params(self, request_id: str) -> dict:
@@ -122,8 +124,11 @@ class FakeInstance:
 
         @app.get("/v1/models")
         async def models() -> dict:
-            return {"object": "list", "data": [{"id": f"model-of-{self.name}", "object": "model",
-                                                "created": 0, "owned_by": "kvbridge"}]}
+            self.models_asked += 1
+            card = {"id": f"model-of-{self.name}", "object": "model", "created": 0, "owned_by": "kvbridge"}
+            if self.max_model_len is not None:
+                card["max_model_len"] = self.max_model_len
+            return {"object": "list", "data": [card]}
 
         @app.post("/kvbridge/release_kv")
         async def release(request: Request) -> dict:

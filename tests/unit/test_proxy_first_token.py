@@ -79,7 +79,7 @@ def test_decode_continues_with_the_token_sent_first():
 
 
 def test_chat_sends_the_role_chunk_then_p_s_text():
-    got = plan({"stream": True}, CHAT_ROUTE, p_answer("Hi", "length", chat=True), PARAMS)
+    got = plan({"stream": True}, CHAT_ROUTE, p_answer("Hi", "length", chat=True), PARAMS, context_len=2048)
     assert got is not None and not got.finished
     deltas = [e["choices"][0]["delta"] for e in events(got.events)]
     assert deltas == [{"role": "assistant", "content": ""}, {"role": None, "content": "Hi"}]
@@ -98,6 +98,21 @@ def test_a_request_p_s_token_ends_is_the_whole_stream(body, reason):
     assert [c["choices"][0]["text"] for c in chunks[:2]] == [" Paris", ""]
     assert chunks[1]["choices"][0]["finish_reason"] == reason and chunks[0]["usage"] is None
     assert chunks[2]["choices"] == [] and chunks[2]["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("body,context_len,want", [
+    ({"stream": True}, 10, True),  # P's 9-token prompt and its token fill the context: nothing left
+    ({"stream": True}, 11, False),  # one token left: D continues
+    ({"stream": True}, None, None),  # unknown: the ordinary path (D alone knows)
+    ({"stream": True}, 0, None),
+    ({"stream": True, "max_tokens": 4}, 10, False),  # the client's limit, not the context (D answers a 400)
+    ({"stream": True, "max_completion_tokens": 1}, None, True),
+])
+def test_a_chat_the_context_limits_ends_at_p_when_p_s_token_fills_it(body, context_len, want):
+    got = plan(body, CHAT_ROUTE, p_answer("Hi", "length", chat=True), PARAMS, context_len)
+    assert (got.finished if got is not None else None) is want
+    if want:
+        assert events(got.events)[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_usage_is_left_out_unless_the_client_asked_for_it():
@@ -154,6 +169,28 @@ async def test_a_request_p_s_token_ends_never_reaches_d_and_p_releases_its_kv():
         status, raw = await streamed(pd, {**STREAMED, "max_tokens": 1})
         assert status == 200 and events(raw)[-1] == "[DONE]" and pd.decode[0].received == []
         assert len(pd.prefill[0].releases) == 1
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+
+
+@pytest.mark.parametrize("context_len", [8, None])
+async def test_a_chat_whose_prompt_p_s_token_fills_the_context_never_reaches_d(context_len):
+    """The stand-in P's prompt and token are 8 tokens (its usage): with a context of 8 its token is
+    the answer (P releases its KV); a P whose /v1/models names no context gets the ordinary path."""
+    async with pd_cluster() as pd:
+        offer_token(pd.prefill[0])
+        pd.prefill[0].max_model_len = context_len
+        for _ in range(2):
+            async with pd.http.stream("POST", "/v1/chat/completions", json=CHAT) as r:
+                raw = await r.aread()
+            assert r.status_code == 200 and events(raw)[-1] == "[DONE]"
+        if context_len is not None:
+            assert events(raw)[-2]["choices"][0]["finish_reason"] == "length"
+            assert pd.decode[0].received == [] and len(pd.prefill[0].releases) == 2
+        else:
+            assert [r.body.get("continue_from_token_ids") for r in pd.decode[0].received] == [None, None]
+        assert pd.prefill[0].models_asked == 1  # once per P while it stays healthy
 
 
 async def test_a_request_d_refuses_gets_d_s_status_and_body_and_nothing_from_p():
