@@ -33,15 +33,24 @@ the split is only meaningful for gloo on CPU). `step_profile()` returns them;
 `reset_step_profile()` starts afresh.
 
 One executor per process at a time: torch.distributed has one default group per process.
+
+Sockets: the ranks are this host's processes, so their rendezvous (a TCPStore in the engine
+process) and gloo's pair connections listen on loopback only, whatever address the server binds.
+torch's TCPStore binds the wildcard address (`*:PORT`) whatever host it is given, so the engine
+process binds the store's socket itself and hands it over (`master_listen_fd`); gloo binds the
+address this host's name resolves to unless GLOO_SOCKET_IFNAME names an interface, so groups are
+created with it set to loopback's.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import logging
 import os
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -61,7 +70,8 @@ from kvbridge.engine.tp_channel import StepChannel
 
 logger = logging.getLogger(__name__)
 
-_HOST = "127.0.0.1"
+_HOST = "127.0.0.1"  # the ranks' rendezvous and gloo pairs (module docstring: sockets)
+_HOST_INTERFACE = "lo"
 # Ranks wait for the next step inside a gloo broadcast: an idle engine pings them well
 # before this collective timeout passes.
 _COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
@@ -264,8 +274,10 @@ class TPExecutor:
     # ---- internals ---------------------------------------------------------------
     def _start(self, config: EngineConfig, num_blocks: int, agent_spec: tuple[str, str, bool] | None) -> None:
         world = self.tp_size + 1
-        store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
-                              wait_for_workers=False)
+        listener = _loopback_listener()
+        store = dist.TCPStore(_HOST, listener.getsockname()[1], world, is_master=True,
+                              timeout=datetime.timedelta(seconds=_START_TIMEOUT_S), wait_for_workers=False,
+                              master_listen_fd=listener.detach())  # the store owns (and closes) it
         ctx = mp.get_context("spawn")
         for rank in range(self.tp_size):
             cpus = self.rank_cpus[rank] if self.rank_cpus is not None else None
@@ -273,12 +285,13 @@ class TPExecutor:
                                name=f"kvbridge-tp-rank-{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
-        # Every process takes part in creating the ranks' groups, in the same order as the ranks
-        # (this one is not in them: the backend of its call does not matter).
-        dist.new_group(ranks=list(range(1, world)))
-        if self._ranks_backend != "gloo":  # the ranks' host-side barrier group (model_runner.sync_ranks)
-            dist.new_group(ranks=list(range(1, world)), backend="gloo")
+        with _gloo_on_loopback():
+            dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
+            # Every process takes part in creating the ranks' groups, in the same order as the ranks
+            # (this one is not in them: the backend of its call does not matter).
+            dist.new_group(ranks=list(range(1, world)))
+            if self._ranks_backend != "gloo":  # the ranks' host-side barrier group (model_runner.sync_ranks)
+                dist.new_group(ranks=list(range(1, world)), backend="gloo")
         ready: list[Any] = [None] * world
         dist.gather_object(None, ready, dst=0)
         errors = [f"rank {i}: {msg}" for i, (msg, _) in enumerate(ready[1:]) if msg is not None]
@@ -361,6 +374,33 @@ def ranks_backend(device: str) -> str:
     return "nccl" if device in ("cuda", "auto") and torch.cuda.is_available() else "gloo"
 
 
+def _loopback_listener() -> socket.socket:
+    """A listening TCP socket on loopback and a free port, for the ranks' TCPStore."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((_HOST, 0))
+        listener.listen(128)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback():
+    """While it is open, the engine process's new gloo groups listen on loopback
+    (GLOO_SOCKET_IFNAME; the value before is restored after)."""
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = _HOST_INTERFACE
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = before
+
+
 def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int,
                agent_spec: tuple[str, str, bool] | None, cpus: frozenset[int] | None) -> None:
     """A rank process: join the group, build this rank's runner (and transfer agent), then serve
@@ -373,6 +413,7 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
     tp = config.tensor_parallel_size
     world = tp + 1
     configure_torch_threads(max(1, config.num_threads // tp))
+    os.environ["GLOO_SOCKET_IFNAME"] = _HOST_INTERFACE  # every gloo group of this rank listens on loopback
     store = dist.TCPStore(_HOST, store_port, world, is_master=False,
                           timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
     dist.init_process_group("gloo", store=store, rank=rank + 1, world_size=world, timeout=_COLLECTIVE_TIMEOUT)

@@ -1,8 +1,10 @@
-"""Helpers the end-to-end tests share: a server's Prometheus counters, and the processes a
-server spawned (from /proc), to check that none is left behind."""
+"""Helpers the end-to-end tests share: a server's Prometheus counters, the processes a server
+spawned (from /proc), to check that none is left behind, and the sockets a process listens on."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
 import time
 from pathlib import Path
@@ -65,3 +67,30 @@ def gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
     while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+def _address(hex_address: str) -> str:
+    """An address of /proc/net/tcp{,6} (hex, each 32-bit word in host byte order) as text."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) of every TCP socket process `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, the socket's inode
+                address, port = fields[1].rsplit(":", 1)
+                found.add((_address(address), int(port, 16)))
+    return found

@@ -13,8 +13,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -27,6 +30,7 @@ from openai import OpenAI
 from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
+from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.cpu_bind import rank_cpus
 from kvbridge.engine.tp import TPSplitError
@@ -35,7 +39,7 @@ from kvbridge.chaos import ThreadServer
 from kvbridge.serving.api_server import build_app
 from kvbridge.serving.async_engine import AsyncEngine
 from kvbridge.serving.cluster import free_ports
-from tests.e2e.processes import children, gone
+from tests.e2e.processes import children, gone, listening, rank_pids
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -156,15 +160,16 @@ def test_a_dead_rank_makes_health_fail_and_requests_get_an_error_not_a_hang(tp3)
 # ---- `kvbridge serve -tp 3`, a real process ------------------------------------------------
 
 class Serve:
-    def __init__(self, tmp_path: Path, *args: str) -> None:
+    def __init__(self, tmp_path: Path, *args: str, model: str = MODEL, tp: int = 3,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "serve.log"
-        argv = [sys.executable, "-m", "kvbridge.cli", "serve", MODEL, "--port", str(self.port), "-tp", "3",
+        argv = [sys.executable, "-m", "kvbridge.cli", "serve", model, "--port", str(self.port), "-tp", str(tp),
                 "--num-threads", "2", "--num-blocks", "64", "--max-model-len", "512", *args]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "UCX_NET_DEVICES": "lo"})
+                                         env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})})
 
     def wait_healthy(self) -> list[int]:
         deadline = time.monotonic() + WAIT_S
@@ -209,6 +214,38 @@ def test_serve_tp3_answers_like_tp1_and_a_signal_leaves_no_rank_behind(tmp_path,
         # SIGTERMed process does); SIGINT ends as a handled KeyboardInterrupt (exit 0).
         assert serve.wait_exit() in ((0, -signal.SIGTERM) if sig == signal.SIGTERM else (0,)), serve.log.read_text()
         assert gone(ranks) == []
+    finally:
+        serve.close()
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of interface `name`, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def test_a_tp_server_and_its_ranks_listen_on_loopback_only(tmp_path, loaded):
+    """The ranks' rendezvous (torch's TCPStore) listened on every interface (*:PORT) although it was
+    given 127.0.0.1: anyone on the network could join it. Every socket of the server, of its rank
+    processes (their gloo pairs, their tcp KV servers) and of its side channel is on 127.0.0.1."""
+    folder = write_synthetic_folder(tmp_path / "tiny", loaded.tokenizer, **TINY_4_KV_HEADS)  # TP 2 splits it
+    # gloo listens on the address this host's name resolves to, or on GLOO_SOCKET_IFNAME's interface:
+    # naming a routable one stands for a host whose name resolves to its network address.
+    routable = next((name for _, name in socket.if_nameindex() if interface_address(name) not in (None, "127.0.0.1")),
+                    None)
+    serve = Serve(tmp_path, "--kv-role", "producer", "--kv-backend", "tcp", model=str(folder), tp=2,
+                  env={"GLOO_SOCKET_IFNAME": routable} if routable else None)
+    try:
+        children_ = serve.wait_healthy()
+        sockets = {pid: listening(pid) for pid in [serve.proc.pid, *children_]}
+        assert ("127.0.0.1", serve.port) in sockets[serve.proc.pid]
+        ranks = rank_pids(serve.proc.pid)
+        assert len(ranks) == 2 and all(sockets[pid] for pid in ranks), sockets  # each rank's KV server, gloo
+        assert {address for found in sockets.values() for address, _ in found} == {"127.0.0.1"}, sockets
     finally:
         serve.close()
 
