@@ -410,14 +410,18 @@ class PDProxy:
             context_len = upstream.context_len
         return first_token.plan(body, route, p_answer, params, context_len)
 
-    async def _ask_context_len(self, upstream: Upstream, headers: dict[str, str]) -> int:
+    async def _ask_context_len(self, upstream: Upstream, headers: dict[str, str]) -> int | None:
         """`upstream`'s max_model_len from its /v1/models (kvbridge's and vLLM's cards name it); 0
-        when it does not say."""
+        when its answer does not say, None when it could not be asked (asked again next time)."""
         assert self.client is not None
         try:
             r = await self.client.get(upstream.url + "/v1/models", headers=headers, timeout=self.short_timeout)
+        except httpx.HTTPError as exc:
+            logger.warning("could not ask %s for its context length: %r", upstream.url, exc)
+            return None
+        try:
             context_len = r.json()["data"][0]["max_model_len"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError):
             context_len = None
         if type(context_len) is not int or context_len < 1:
             logger.warning("%s named no context length on /v1/models: streamed chat requests without max_tokens "

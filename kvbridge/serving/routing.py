@@ -90,8 +90,9 @@ class Upstream:
 
     `healthy` is False until the first health probe answers 200.
     `outstanding` counts requests sent to it whose response is not closed yet.
-    `context_len`: its max_model_len as its /v1/models said (0: it did not say); None until the
-    proxy asked, and again once it is dropped as unhealthy (it may come back with another).
+    `context_len`: its max_model_len as its /v1/models said (0: it did not say); None until it
+    answered the proxy's question, and again once it is dropped as unhealthy (it may come back
+    with another).
     """
 
     url: str
