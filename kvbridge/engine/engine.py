@@ -20,7 +20,7 @@ from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.kv_cache_layout import logical_block_size
 from kvbridge.engine.model_runner import DTYPES, ModelRunner, configure_torch_threads, kv_bytes_per_block
 from kvbridge.engine.output_processor import OutputProcessor
-from kvbridge.engine.outputs import RequestOutput
+from kvbridge.engine.outputs import REQUEST_OUTPUT_FAILED, RequestOutput
 from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
@@ -230,6 +230,23 @@ class LLMEngine:
         touched = self.scheduler.update_from_output(sched, result)
         outputs, self._pending = self._pending, []
         for req in touched:
+            out = self._postprocess(req, result)
+            if out is not None:
+                outputs.append(out)
+        if not sched.scheduled and not outputs and not self.transfers_in_flight():
+            time.sleep(IDLE_SLEEP_S)
+        return outputs
+
+    def _postprocess(self, req: Request, result: ModelRunnerOutput) -> RequestOutput | None:
+        """The request's output for this step: detokenise, apply stop strings, build it.
+        A failure here is this request's alone (its bookkeeping is bad, not the engine's):
+        the request finishes with an error output and the batch goes on. None for a
+        request whose final output already went out (it has no stream any more)."""
+        if not self.output_processor.has_stream(req.request_id):
+            logger.error("request %s: a step touched it after its final output (status %s); no output",
+                         req.request_id, req.status.name)
+            return None
+        try:
             stop = self.output_processor.detokenize(req)
             if stop is not None and not req.status.is_finished:
                 self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
@@ -239,10 +256,32 @@ class LLMEngine:
                 # a prefill's one-token answer tells the proxy the request is over).
                 req.finish_reason = FinishReason.STOP
             lp = result.logprobs.get(req.request_id)
-            outputs.append(self.output_processor.make_output(req, [lp] if lp is not None else None))
-        if not sched.scheduled and not outputs and not self.transfers_in_flight():
-            time.sleep(IDLE_SLEEP_S)
-        return outputs
+            return self.output_processor.make_output(req, [lp] if lp is not None else None)
+        except Exception as exc:
+            return self._fail_request(req, exc)
+
+    def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
+        """Finish one request whose output stage raised, with an error output (HTTP 500 or an
+        error event); its blocks go back through the scheduler's ordinary finish path."""
+        logger.error("request %s: building its output failed (status %s, %d prompt + %d output tokens); "
+                     "failing this request only", req.request_id, req.status.name, req.num_prompt_tokens,
+                     req.num_output_tokens, exc_info=exc)
+        message = f"internal error while building this request's output: {type(exc).__name__}"
+        if not req.status.is_finished:
+            self.scheduler.finish_request(req.request_id, FinishReason.ERROR, error=message)
+        self._release_own_lease(req)
+        self.output_processor.discard(req.request_id)
+        return RequestOutput(request_id=req.request_id, new_token_ids=[], new_text="", finished=True,
+                             finish_reason=FinishReason.ERROR, num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=req.num_output_tokens, error=req.error or message,
+                             error_code=REQUEST_OUTPUT_FAILED)
+
+    def _release_own_lease(self, req: Request) -> None:
+        """P side: a request that finished (and was granted a lease) but whose answer cannot be
+        sent: no reader will ever learn of its blocks, so free them now, not at expiry."""
+        params = req.kv_transfer_params_out
+        if self.connectors is not None and params is not None and params.get("remote_request_id") == req.request_id:
+            self.connectors[1].release_local(req.request_id, params.get("lease_generation") or 0)
 
     def _ranks_have_work(self, sched: SchedulerOutput) -> bool:
         """Tokens to compute, finished requests to forget, transfer commands, or transfers to poll:

@@ -36,6 +36,10 @@ class OutputProcessor:
         st.emitted_chars = len(st.text) - stop_holdback(st.text, stops)
         self._streams[request_id] = st
 
+    def has_stream(self, request_id: str) -> bool:
+        """The request is live here: its final output has not been made yet."""
+        return request_id in self._streams
+
     def discard(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 

@@ -253,9 +253,10 @@ class Scheduler:
             req = self.remote_waiting.pop(rid, None)
             if req is None:
                 continue
-            if req.status.is_finished:  # aborted while its read was in flight
+            if req.status.is_finished:
+                # Aborted while its read was in flight: its final output went out with the
+                # abort; now that nothing writes into its blocks any more, free them.
                 self._free_request(req)
-                finished.append(req)
                 continue
             if rid in out.failed_recving:
                 if not self._recover_failed_load(req, out):

@@ -8,7 +8,9 @@
                  (optional, default true): D has not completed a read from this P lately
                  (since it connected, or for a while), so the read may need P's agents to
                  progress (UCX wire-up): P then steps promptly until the read is done
-                 (lease.py).
+                 (lease.py). "read_timeout_s" (optional): how long D lets a read run
+                 before abandoning it; P keeps a granted read's blocks for twice that
+                 (lease.py, READ_HOLD_TIMEOUTS), even past the lease's expiry.
   kv_read_done   {"rid", "gen"}            D's read of the request's blocks completed
   kv_release     {"rid", "gen"}            D will not read (abort, rejection, full hit)
   kv_heartbeat   {"items": [[rid, gen], ...]}  D still waits; renew these leases
@@ -32,7 +34,7 @@ import logging
 import queue
 from typing import Any, Callable
 
-from kvbridge.kv_transfer.lease import LeaseTable, Refusal
+from kvbridge.kv_transfer.lease import MAX_READ_TIMEOUT_S, LeaseTable, Refusal
 from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.stats import KVTransferStats
@@ -104,7 +106,12 @@ class ControlServer:
         connect = obj.get("connect", True)
         if not isinstance(connect, bool):
             raise HandlerRefusal("connect must be a boolean")
-        refusal = self.leases.check_read(rid, gen, tuple(blocks), content, watch=connect)
+        read_timeout = obj.get("read_timeout_s")
+        if read_timeout is not None and (type(read_timeout) not in (int, float)
+                                         or not 0 < read_timeout <= MAX_READ_TIMEOUT_S):
+            raise HandlerRefusal(f"read_timeout_s must be a number of seconds in (0, {MAX_READ_TIMEOUT_S:g}]")
+        refusal = self.leases.check_read(rid, gen, tuple(blocks), content, watch=connect,
+                                         read_timeout_s=read_timeout)
         if refusal is not None:
             self.stats.incr("refused_reads")
             if refusal.kind is Refusal.CONTENT:  # the table ended the lease: free the blocks now
@@ -156,8 +163,11 @@ class ControlServer:
 class ControlClient:
     """D side; every call blocks for at most `timeout_s` and raises HandshakeError subclasses."""
 
-    def __init__(self, timeout_s: float, client: HandshakeClient | None = None) -> None:
+    def __init__(self, timeout_s: float, client: HandshakeClient | None = None,
+                 read_timeout_s: float | None = None) -> None:
+        """`read_timeout_s`: this reader's read timeout, sent with every check_read."""
         self.timeout_s = timeout_s
+        self.read_timeout_s = read_timeout_s
         self._client = client or HandshakeClient()
 
     def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...],
@@ -165,8 +175,10 @@ class ControlClient:
         """Returns P's incarnation (see ControlServer.incarnation). `content`: the
         content_digest of the reader's own prompt tokens; `connect`: this reader has not
         completed a read from P lately (P then steps promptly for the read)."""
-        body = json.dumps({"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks],
-                           "content": content, "connect": connect}).encode()
+        msg = {"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks], "content": content, "connect": connect}
+        if self.read_timeout_s is not None:
+            msg["read_timeout_s"] = self.read_timeout_s
+        body = json.dumps(msg).encode()
         return self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s).decode("ascii", "replace")
 
     def read_done(self, host: str, port: int, rid: str, gen: int) -> None:

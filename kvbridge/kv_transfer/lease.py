@@ -96,6 +96,12 @@ class Lease:
 # notification arrives (D died mid-read, or its notification was lost): an 8k-token read
 # takes 20-100 ms on loopback; this bounds the prompt polling a vanished reader can cause.
 READ_WATCH_S = 5.0
+# A granted read holds its blocks for this many of the reader's own read timeouts after the
+# grant (D starts no read later than one timeout after it asked, and abandons a read one timeout
+# after starting it: worker_side.py), whatever the lease's expiry: a lease that expired under a
+# read still copying would hand its blocks to another prompt while D reads them.
+READ_HOLD_TIMEOUTS = 2
+MAX_READ_TIMEOUT_S = 3600.0  # the longest read timeout a reader may name (it pins P's blocks)
 # Starts P's refusal message of a content mismatch, so D can tell it from a stale lease.
 CONTENT_MISMATCH = "content mismatch"
 
@@ -155,13 +161,15 @@ class LeaseTable:
             return True
 
     def check_read(self, request_id: str, generation: int, block_ids: BlockIds,
-                   content: str, watch: bool = True) -> ReadRefusal | None:
+                   content: str, watch: bool = True, read_timeout_s: float | None = None) -> ReadRefusal | None:
         """Before D reads: None if the lease is live, grants these blocks and holds the KV of
         the prompt whose digest is `content`, or that prompt followed by exactly the tokens P
         sampled (Lease.holds; the lease is renewed); else why not. `watch`: the granted read
         counts in ``reads_in_flight(watched=True)`` too. A content
         mismatch also ends the lease (the caller frees the blocks): the params that named it
-        were swapped or replayed, and the KV is no use to the reader that presented them."""
+        were swapped or replayed, and the KV is no use to the reader that presented them.
+        `read_timeout_s`: the reader's own read timeout; a granted read keeps the blocks for
+        READ_HOLD_TIMEOUTS of it (the lease cannot expire under a read still copying)."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
@@ -178,7 +186,8 @@ class LeaseTable:
                 return ReadRefusal(Refusal.CONTENT, f"{CONTENT_MISMATCH}: the blocks of request {request_id} "
                                                     "hold the KV of another prompt")
             now = self._clock()
-            lease.expiry = max(lease.expiry, now + self.lease_seconds * 2 / 3)
+            hold = max(self.lease_seconds * 2 / 3, READ_HOLD_TIMEOUTS * (read_timeout_s or 0.0))
+            lease.expiry = max(lease.expiry, now + hold)
             heapq.heappush(self._heap, (lease.expiry, request_id, generation))
             self._reading[request_id] = (now + self.read_watch_s, watch)
             return None

@@ -129,8 +129,9 @@ SHORT_LEASE_S, LONG_LEASE_S = 1.0, 30.0
 def engines(loaded, policy, d_faults=None, lease_s=SHORT_LEASE_S):
     fabric = FakeFabric(seed=7)
     p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", lease_s=lease_s)
+    # D's read timeout well under the lease: a granted read holds P's blocks for two of them.
     d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D", d_faults), engine_id="D", policy=policy,
-                    handshake_timeout_s=0.5)
+                    handshake_timeout_s=0.5, transfer_timeout_s=lease_s / 4)
     return fabric, p, d
 
 

@@ -245,3 +245,43 @@ def test_a_check_read_without_connect_is_watched(control) -> None:
     body = json.dumps({"rid": "r1", "gen": 7, "blocks": [list(g) for g in BLOCKS], "content": PROMPT}).encode()
     ControlClient(timeout_s=2.0)._client.request("127.0.0.1", port, "kv_check_read", body, 2.0)
     assert leases.reads_in_flight(watched=True)
+
+
+def test_a_granted_read_keeps_its_blocks_past_the_reader_s_own_deadline(table) -> None:
+    """A lease must not expire while the read it granted may still be copying: P would reuse the
+    blocks and D would compute from another prompt's KV (issue 27's grid: lease expiry with a
+    read posted). D names its read timeout T; the blocks stay held for 2 T after the grant
+    (D starts no read more than T after it asked), then expire as any lease."""
+    t, clock = table
+    assert t.check_read("r1", 7, BLOCKS, PROMPT, read_timeout_s=40.0) is None
+    clock.now += 79.0  # well past the lease (30 s) and its renewal (20 s)
+    assert t.pop_expired() == [] and "r1" in t
+    clock.now += 2.0
+    assert t.pop_expired() == ["r1"]
+
+
+def test_a_reader_without_a_deadline_gets_the_lease_s_renewal_only(table) -> None:
+    t, clock = table
+    clock.now += 29.0
+    assert t.check_read("r1", 7, BLOCKS, PROMPT) is None  # an older D: renewed to now + 20 s
+    clock.now += 21.0
+    assert t.pop_expired() == ["r1"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, "30", True, float("inf"), 10**9])
+def test_a_check_read_with_a_bad_read_timeout_is_refused(control, bad) -> None:
+    cs, leases, port = control
+    leases.grant("r1", BLOCKS, 7, PROMPT)
+    body = json.dumps({"rid": "r1", "gen": 7, "blocks": [list(g) for g in BLOCKS], "content": PROMPT,
+                       "read_timeout_s": bad}).encode()
+    with pytest.raises(HandshakeError, match="read_timeout_s"):
+        ControlClient(timeout_s=2.0)._client.request("127.0.0.1", port, "kv_check_read", body, 2.0)
+    assert "r1" in leases and not leases.reads_in_flight()
+
+
+def test_control_client_sends_its_read_timeout(control) -> None:
+    cs, leases, port = control
+    clock = leases._clock
+    leases.grant("r1", BLOCKS, 7, PROMPT)
+    ControlClient(timeout_s=2.0, read_timeout_s=45.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT)
+    assert leases._leases["r1"].expiry >= clock() + 89.0

@@ -17,6 +17,8 @@ raise_on_check_state       check_state raises TransferStateError
 fail_send_notif            send_notif raises NotificationError
 drop_completion_notif      reads end DONE, bytes copied, but the target gets no notif
 delay_polls=N              each read answers IN_PROGRESS to its first N polls
+hold_reads                 reads answer IN_PROGRESS while it is set (set_faults lifts it:
+                           a read then completes when the test says so)
 FakeFabric.kill(name)      reads from that agent (in flight or later) end ERROR,
                            send_notif to it raises; its own calls raise TransferError
 *_rate, max_random_delay   the same faults drawn at random per operation from a
@@ -57,6 +59,7 @@ class FaultConfig:
     fail_send_notif: bool = False
     drop_completion_notif: bool = False
     delay_polls: int = 0
+    hold_reads: bool = False
     # Chaos mode: probability of each fault per operation (per poll for the check_state one).
     add_remote_agent_failure_rate: float = 0.0
     read_setup_failure_rate: float = 0.0
@@ -276,6 +279,8 @@ class FakeBackend(TransferBackend):
         target = self.fabric.lookup(handle.remote_agent)
         if target is None or not target._usable():
             return TransferState.ERROR
+        if self._faults.hold_reads:
+            return TransferState.IN_PROGRESS
         if read.polls_left > 0:
             read.polls_left -= 1
             return TransferState.IN_PROGRESS

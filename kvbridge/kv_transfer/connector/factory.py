@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Callable
 
 from kvbridge.config import EngineConfig, KVRole
 from kvbridge.engine.kv_cache_layout import logical_block_size
@@ -43,16 +45,17 @@ def kv_groups_of(config: EngineConfig, arch: ModelArchConfig) -> KVGroups:
 
 
 def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity: str,
-                     backend: TransferBackend | None = None
+                     backend: TransferBackend | None = None, clock: Callable[[], float] = time.monotonic
                      ) -> tuple[KVBridgeSchedulerConnector, KVBridgeWorkerConnector]:
     """At TP 1 the engine process's transfer backend is created from the config unless one is
-    passed in (tests pass a fake); at TP N there is none here: each rank process creates its own."""
+    passed in (tests pass a fake); at TP N there is none here: each rank process creates its own.
+    `clock`: the leases' and the heartbeats' time (tests pass one they advance)."""
     kv = config.kv_transfer
     if kv is None:
         raise ValueError("no kv_transfer configuration")
     engine_id = kv.engine_id or f"kvbridge-{uuid.uuid4().hex[:12]}"
     stats = KVTransferStats()
-    leases = LeaseTable(kv.lease_seconds)
+    leases = LeaseTable(kv.lease_seconds, clock=clock)
     stats.held_blocks = leases.held_blocks
     side_channel = None
     if kv.role in (KVRole.PRODUCER, KVRole.BOTH):
@@ -69,6 +72,6 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
         stats, side_channel, config.cache.enable_prefix_caching, kv_groups_of(config, arch))
     sc_addr = (lambda: (kv.public_host, side_channel.port)) if side_channel else (lambda: ("", 0))
     block_size = logical_block_size(arch, config.cache.block_size, config.tensor_parallel_size)
-    scheduler = KVBridgeSchedulerConnector(kv, engine_id, block_size, leases, stats, sc_addr,
+    scheduler = KVBridgeSchedulerConnector(kv, engine_id, block_size, leases, stats, sc_addr, clock,
                                            group_kinds=[g.kind.value for g in layer_groups(arch)])
     return scheduler, worker

@@ -120,6 +120,7 @@ class _Recv:
     peer: _Peer | None = None
     rehandshaken: bool = False
     plan: ReadPlan | None = None  # READ: what is read from which P rank, and the notice that frees P
+    asked_at: float = 0.0  # CHECK: when D asked P to grant the read (time.monotonic)
     reads: dict[str, _SubRead] = field(default_factory=dict)  # xfer id -> read
 
     def notice(self) -> ReleaseNotice:
@@ -160,7 +161,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.control_server = ControlServer(side_channel, leases, stats) if side_channel is not None else None
         # One client for handshakes and control messages: it signs requests when P and D share a key.
         self._side_client = HandshakeClient(key=config.side_channel_key)
-        self.control = ControlClient(config.handshake_timeout_s, self._side_client)
+        self.control = ControlClient(config.handshake_timeout_s, self._side_client, config.transfer_timeout_s)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-control")
         self._handshakes: HandshakeManager | None = None
         self.ranks: tuple[RankRegistration, ...] = ()
@@ -326,6 +327,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
             return
         recv.peer = peer
         recv.phase = _Phase.CHECK
+        recv.asked_at = time.monotonic()
         recv.futures = [self._executor.submit(self.control.check_read, s.remote.host, s.remote.port,
                                               s.remote_request_id, s.lease_generation, s.remote_block_ids,
                                               s.content, self._needs_watch(s, peer))]
@@ -400,6 +402,13 @@ class KVBridgeWorkerConnector(WorkerConnector):
             recv.rehandshaken = True
             recv.phase = _Phase.HANDSHAKE
             recv.futures = [self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, 0)]
+            return
+        late = time.monotonic() - recv.asked_at
+        if late > self.config.transfer_timeout_s:
+            # P holds a granted read's blocks for two read timeouts from the grant (lease.py): a
+            # read started this late could outlive that and copy blocks P gave to another prompt.
+            self._fail(rid, recv, FailureKind.TRANSFER_TIMEOUT, f"P granted the read {late:.1f}s ago, more than "
+                       f"the read timeout ({self.config.transfer_timeout_s}s); not starting it")
             return
         try:
             plan, descs = self._plan_reads(s, peer)
