@@ -7,6 +7,11 @@ side channel over loopback. What the test controls:
   that can hold them on the thread that sends them, or drop them as a lost message;
 - D's reads stay in progress while the fake agent's `hold_reads` is set;
 - the leases' and heartbeats' clock is a manual one.
+D may be a TP 2 decode (`d_tp=2`): its two ranks' transfer agents read into their own caches
+(each its KV heads, as a TP 2 rank's), stepped as a TP engine steps them (commands before the
+forward pass, reports after), so a read can be done on one rank and not the other; the forward
+pass runs on one whole-model runner, into whose cache each rank's blocks are copied as its read
+completes (TwoRanks).
 
 `explore(world_factory, phase, event)` runs the request's happy path until `phase`, injects
 `event`, lets everything run to the end (gates open, holds lifted) and returns the
@@ -31,6 +36,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import LoadedModel
@@ -38,7 +45,10 @@ from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeBackend, FakeFabric, FaultConfig
+from kvbridge.engine.models import kv_cache_shape
+from kvbridge.engine.tp import rank_shard
 from kvbridge.kv_transfer.connector.factory import build_connectors
+from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 from kvbridge.kv_transfer.control import MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE
 from kvbridge.kv_transfer.handshake import HandshakeTimeout
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
@@ -57,6 +67,7 @@ class Phase(enum.Enum):
     HANDSHAKE = "handshake in flight"
     CHECKING = "check_read in flight"
     READ_POSTED = "read posted"
+    READ_PARTIAL = "read done on one rank, not the other (TP 2)"
     READ_DONE = "read done, not yet computed on"
     FIRST_DECODE = "first decode step done"
     STREAMING = "streaming"
@@ -174,6 +185,9 @@ class Track:
     on_p: bool = False  # added to P
     on_d: bool = False  # added to D
 
+    def __repr__(self) -> str:
+        return f"Track({self.p_id}/{self.d_id}{', continued' if self.continued else ''})"
+
     @property
     def p_done(self) -> bool:
         return bool(self.p_outputs) and self.p_outputs[-1].finished
@@ -200,6 +214,7 @@ class ModelCase:
     filler: list[int]  # another prompt (P reuses freed blocks for it)
     continued_ok: bool = True  # D may continue from P's first token (not with Mamba layers)
     p_num_blocks: int = 4  # P's pool: the prompt's blocks and one more, so the filler reuses freed ones
+    d_tp: int = 1  # D's tensor parallel size (2: TwoRanks)
 
 
 SAMPLING = SamplingParams(max_tokens=4, temperature=0)
@@ -228,11 +243,13 @@ class World:
         self.clock = ManualClock()
         self.p = build_engine(case, KVRole.PRODUCER, self.fabric, self.clock, case.p_num_blocks, P_CHUNK)
         self.d = build_engine(case, KVRole.CONSUMER, self.fabric, self.clock, d_num_blocks)
+        self.ranks = TwoRanks.install(self.d, self.fabric) if case.d_tp == 2 else None
         self.gate = SideChannelGate(self.d.connectors[1]._side_client)
         self.p_alive = True
         self.tracks: list[Track] = []
         self.errors: list[str] = []
         self.expiry_expected = False
+        self.faulted = False  # an event made a transfer fail (D may recompute)
 
     # ---- the two engines' steps, recorded ------------------------------------------------
     def _by_id(self) -> tuple[dict[str, Track], dict[str, Track]]:
@@ -300,8 +317,20 @@ class World:
     def p_agent(self) -> FakeBackend:
         return self.p.connectors[1].local_agent.backend
 
-    def d_agent(self) -> FakeBackend:
-        return self.d.connectors[1].local_agent.backend
+    def d_agents(self) -> list[FakeBackend]:
+        """The transfer agents D reads with: its own, or its two ranks'."""
+        if self.ranks is not None:
+            return [a.backend for a in self.ranks.agents]
+        return [self.d.connectors[1].local_agent.backend]
+
+    def hold_reads(self, held: bool, ranks: slice = slice(None)) -> None:
+        """Reads on these D agents stay in progress (True) or may complete (other faults stay)."""
+        for agent in self.d_agents()[ranks]:
+            agent.set_faults(dataclasses.replace(agent.faults, hold_reads=held))
+
+    def rank_read_settled(self, rank: int) -> bool:
+        return any(r.local_rank == rank and r.result is not None
+                   for recv in self.d.connectors[1]._recvs.values() for r in recv.reads.values())
 
     # ---- finishing ------------------------------------------------------------------
     def settle(self) -> None:
@@ -313,10 +342,7 @@ class World:
                    "both engines idle")
 
     def lift_read_hold(self) -> None:
-        """Reads held in progress may complete (other injected faults stay)."""
-        faults = self.d_agent().faults
-        if faults.hold_reads:
-            self.d_agent().set_faults(dataclasses.replace(faults, hold_reads=False))
+        self.hold_reads(False)
 
     def _side_requests_pending(self) -> bool:
         return bool(self.d.connectors[1]._side_requests) or self.gate.is_waiting("read_done")
@@ -324,6 +350,8 @@ class World:
     def shutdown(self) -> None:
         self.gate.open_all()
         self.d.shutdown()
+        if self.ranks is not None:
+            self.ranks.shutdown()
         if self.p_alive:
             self.p.shutdown()
 
@@ -332,6 +360,73 @@ class World:
         self.fabric.kill(self.p_agent().agent_name)
         self.p.shutdown()
         self.p_alive = False
+
+
+class TwoRanks:
+    """D's runner at TP 2 in this process: rank r's agent reads into its own cache (its KV heads,
+    shaped as a TP 2 rank's), applying its commands before the forward pass and reporting after,
+    as a rank process does; the forward pass runs on the whole-model runner, and a rank's read,
+    once complete, is copied into that runner's cache (the heads the rank holds, the blocks the
+    read wrote)."""
+
+    def __init__(self, compute, agents: list[RankAgent], caches: list[torch.Tensor], heads: list[range]) -> None:
+        self.compute, self.agents, self.caches, self.heads = compute, agents, caches, heads
+        self._reads: dict[str, tuple[int, tuple]] = {}  # xfer id -> (rank, local descs)
+
+    @classmethod
+    def install(cls, engine: LLMEngine, fabric: FakeFabric) -> "TwoRanks":
+        worker = engine.connectors[1]
+        compute = engine.runner
+        compute.agent = None  # the whole-model runner only computes
+        arch, layout = compute.arch, compute.layout
+        agents, caches, heads, regs = [], [], [], []
+        for r in range(2):
+            shard = rank_shard(arch.num_heads, arch.cache_kv_heads, 2, r)
+            cache = torch.zeros(kv_cache_shape(arch, compute.kv_cache.shape[0], compute.kernel_block_size,
+                                               shard.num_kv_heads), dtype=compute.kv_cache.dtype)
+            agent = RankAgent(fabric.create_agent(f"{worker.engine_id}-tp{r}"), False, worker.config.transfer_timeout_s)
+            regs.append(agent.register(cache, compute.kernel_block_size, r, 2, shard.kv_heads,
+                                       blocks_per_logical=layout.blocks_per_logical))
+            agents.append(agent)
+            caches.append(cache)
+            heads.append(shard.kv_heads)
+        worker._handshakes.close()  # register_ranks makes D's handshakes anew, for the two ranks
+        worker.register_ranks(regs)
+        ranks = cls(compute, agents, caches, heads)
+        engine.runner = ranks
+        return ranks
+
+    def execute(self, sched):
+        commands = sched.kv_rank_commands or [None, None]
+        for r, (agent, cmds) in enumerate(zip(self.agents, commands)):
+            for op in (cmds.reads if cmds is not None else ()):
+                self._reads[op.xfer_id] = (r, op.local)
+            agent.apply(cmds)
+        sched.kv_rank_commands = None
+        out = self.compute.execute(sched)
+        out.kv_rank_reports = [agent.poll() for agent in self.agents]
+        for report in out.kv_rank_reports:
+            for result in report.settled:
+                rank, descs = self._reads.pop(result.xfer_id, (None, ()))
+                if rank is not None and result.ok:
+                    self._copy_in(rank, descs)
+        return out
+
+    def _copy_in(self, rank: int, descs) -> None:
+        cache = self.caches[rank]
+        base, block_bytes = cache.data_ptr(), cache[0].numel() * cache.element_size()
+        blocks = {b for addr, n in descs for b in range((addr - base) // block_bytes,
+                                                        (addr + n - 1 - base) // block_bytes + 1)}
+        h = self.heads[rank]
+        for b in blocks:
+            self.compute.kv_cache[b, h.start:h.stop] = cache[b]
+
+    def failure(self):
+        return None
+
+    def shutdown(self) -> None:
+        for agent in self.agents:
+            agent.shutdown()
 
 
 def happy_path(world: World, track: Track, pausing: Callable[[], bool]) -> Iterator[Phase]:
@@ -368,12 +463,17 @@ def happy_path(world: World, track: Track, pausing: Callable[[], bool]) -> Itera
         if w.gate.is_waiting("check"):
             yield Phase.CHECKING
     if pausing():
-        w.d_agent().set_faults(FaultConfig(hold_reads=True))
+        w.hold_reads(True)
         w.gate.open("check")
         w.until(lambda: w.d_live_reads() > 0 or _past_remote_wait(w, track), "D posts its read")
         if w.d_live_reads() > 0:
             yield Phase.READ_POSTED
-        w.lift_read_hold()
+    if pausing() and w.ranks is not None and w.d_live_reads() > 0:
+        w.hold_reads(False, slice(0, 1))
+        w.until(lambda: w.rank_read_settled(0) or _past_remote_wait(w, track), "D rank 0's read completes")
+        if not _past_remote_wait(w, track):
+            yield Phase.READ_PARTIAL
+    w.lift_read_hold()
     w.until(lambda: _past_remote_wait(w, track), "D's load settles")
     if track.abandoned or track.d_done:
         return
@@ -407,6 +507,7 @@ def _tokens(outputs: list[RequestOutput]) -> list[int]:
 def inject(world: World, track: Track, event: Event, phase: Phase) -> Track | None:
     """Inject `event` now; returns a second request it started, if any."""
     w = world
+    w.faulted = w.faulted or event not in (Event.ABORT_D, Event.ABORT_P, Event.SAME_PROMPT)
     if event is Event.ABORT_D:
         track.d_aborted_at = len(track.d_outputs)
         w.d.abort_request(track.d_id)
@@ -420,9 +521,9 @@ def inject(world: World, track: Track, event: Event, phase: Phase) -> Track | No
     elif event is Event.READ_REFUSED:
         if w.p_alive and track.params is not None:  # P ended the lease (another reader's release)
             w.p.release_kv(parse_kv_transfer_params(track.params))
-    elif event is Event.READ_FAILED:
-        w.d_agent().set_faults(FaultConfig(hold_reads=w.d_agent().faults.hold_reads, error_state=True,
-                                           raise_on_check_state=True))
+    elif event is Event.READ_FAILED:  # at TP 2 on the last rank only: the other's read completes
+        agent = w.d_agents()[-1]
+        agent.set_faults(FaultConfig(hold_reads=agent.faults.hold_reads, error_state=True, raise_on_check_state=True))
     elif event is Event.P_GONE:
         w.kill_p()
     elif event is Event.LEASE_EXPIRY:
@@ -519,6 +620,9 @@ def check(world: World) -> list[str]:
         expired = w.p.connectors[1].stats.expired_leases
         if expired and not w.expiry_expected:
             problems.append(f"P: {expired} leases expired although D said read-done or release")
+    recomputed = w.d.connectors[1].stats.recomputed_requests
+    if recomputed and not w.faulted:
+        problems.append(f"D: {recomputed} requests recomputed although no transfer was faulted")
     for t in w.tracks:
         problems += [f"request {t.p_id}/{t.d_id}: {p}" for p in check_track(w, t)]
     return problems
