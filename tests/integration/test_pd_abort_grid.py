@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
 from kvbridge.kv_transfer.backends.fake import FaultConfig
-from tests.integration.pd_explorer import (D_PHASES, SAMPLING, Event, ModelCase, Phase, Track, World, applies,
-                                           check, explore, inject)
+from tests.integration.pd_explorer import D_PHASES, Event, Phase, applies, check, explore, inject
+from tests.integration.pd_world import SAMPLING, ModelCase, Track, World
 from tests.integration.pd_harness import make_engine
 
 PROMPT = ("Once upon a time in a small village by the sea there lived an old fisherman who told the children "
