@@ -228,7 +228,7 @@ def interface_address(name: str) -> str | None:
     return socket.inet_ntoa(packed[20:24])
 
 
-def test_a_tp_server_and_its_ranks_listen_on_loopback_only(tmp_path, loaded):
+def test_a_tp_server_and_its_ranks_listen_on_loopback_only_and_name_their_tp_size(tmp_path, loaded):
     """The ranks' rendezvous (torch's TCPStore) listened on every interface (*:PORT) although it was
     given 127.0.0.1: anyone on the network could join it. Every socket of the server, of its rank
     processes (their gloo pairs, their tcp KV servers) and of its side channel is on 127.0.0.1."""
@@ -246,6 +246,16 @@ def test_a_tp_server_and_its_ranks_listen_on_loopback_only(tmp_path, loaded):
         ranks = rank_pids(serve.proc.pid)
         assert len(ranks) == 2 and all(sockets[pid] for pid in ranks), sockets  # each rank's KV server, gloo
         assert {address for found in sockets.values() for address, _ in found} == {"127.0.0.1"}, sockets
+        # vLLM's P/D protocol: P's kv_transfer_params name its real TP size (a vLLM decode instance
+        # plans its reads from it; kvbridge's P said 1 whatever its size).
+        url = f"http://127.0.0.1:{serve.port}"
+        answer = httpx.post(url + "/v1/completions", json={
+            "prompt": "Say something about the sea", "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}, timeout=60).json()
+        params = answer["kv_transfer_params"]
+        assert params["tp_size"] == 2 and params["do_remote_prefill"] is True, params
+        assert httpx.post(url + "/kvbridge/release_kv", json={"kv_transfer_params": params},
+                          timeout=10).status_code == 200  # the blocks go back now (no D will read them)
     finally:
         serve.close()
 

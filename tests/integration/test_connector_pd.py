@@ -251,8 +251,8 @@ def test_p_polls_promptly_only_for_reads_between_agents_not_yet_wired_up(loaded,
     in_flight_after_check: list[bool] = []
     check_read = leases.check_read
 
-    def recording_check_read(*args, watch: bool = True):
-        refusal = check_read(*args, watch=watch)
+    def recording_check_read(*args, watch: bool = True, **kwargs):
+        refusal = check_read(*args, watch=watch, **kwargs)
         asked.append(watch)
         in_flight_after_check.append(leases.reads_in_flight(watched=True))
         return refusal

@@ -360,9 +360,9 @@ def test_mla_d_asks_p_to_watch_a_read_from_a_p_rank_it_has_not_read_from_yet():
     asked: list[bool] = []
     check_read = p.leases.check_read
 
-    def recording_check_read(*args, watch: bool = True):
+    def recording_check_read(*args, watch: bool = True, **kwargs):
         asked.append(watch)
-        return check_read(*args, watch=watch)
+        return check_read(*args, watch=watch, **kwargs)
     p.leases.check_read = recording_check_read
     by_rank: dict[int, list[str]] = {0: [], 1: []}  # P request ids whose plan picks P rank 0 / 1
     for n in range(64):

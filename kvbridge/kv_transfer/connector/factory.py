@@ -73,5 +73,6 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
     sc_addr = (lambda: (kv.public_host, side_channel.port)) if side_channel else (lambda: ("", 0))
     block_size = logical_block_size(arch, config.cache.block_size, config.tensor_parallel_size)
     scheduler = KVBridgeSchedulerConnector(kv, engine_id, block_size, leases, stats, sc_addr, clock,
-                                           group_kinds=[g.kind.value for g in layer_groups(arch)])
+                                           group_kinds=[g.kind.value for g in layer_groups(arch)],
+                                           tp_size=config.tensor_parallel_size)
     return scheduler, worker

@@ -37,7 +37,7 @@ from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec,
 from kvbridge.kv_transfer.failure import recompute_on_failure
 from kvbridge.kv_transfer.handshake_manager import is_trusted_host
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
-from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams, KVTransferParamsError
+from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams, KVTransferParamsError, to_wire
 from kvbridge.kv_transfer.stats import KVTransferStats
 
 logger = logging.getLogger("kvbridge.kv_transfer")
@@ -49,8 +49,11 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
     def __init__(self, config: KVTransferConfig, engine_id: str, block_size: int, leases: LeaseTable,
                  stats: KVTransferStats, side_channel_addr: Callable[[], tuple[str, int]],
                  clock: Callable[[], float] = time.monotonic,
-                 group_kinds: Sequence[str] = ("full_attention",)) -> None:
+                 group_kinds: Sequence[str] = ("full_attention",), tp_size: int = 1) -> None:
+        """`tp_size`: this engine's tensor parallel size, which P's params announce (a vLLM
+        decode instance plans its reads from it)."""
         self.config = config
+        self.tp_size = tp_size
         self.engine_id = engine_id
         self.block_size = block_size  # tokens per logical block, this engine's
         self.group_kinds = tuple(group_kinds)  # KVCacheKind values: P lists block ids per group
@@ -200,15 +203,12 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         generation = self.leases.new_generation()
         self.leases.grant(rid, block_ids, generation, content_digest(request.prompt_token_ids), continued)
         host, port = self._side_channel_addr()
-        extra = {"generated_token_ids": generated} if generated else {}
-        return True, {**extra,
-            "do_remote_decode": False, "do_remote_prefill": True,
-            "remote_block_ids": list(block_ids[0]) if len(block_ids) == 1 else [list(g) for g in block_ids],
-            "remote_engine_id": self.engine_id, "remote_request_id": rid,
-            "remote_host": host, "remote_port": port, "tp_size": 1,
-            "remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
-            "lease_generation": generation,
-        }
+        params = KVTransferParams(
+            do_remote_decode=False, do_remote_prefill=True, remote_block_ids=tuple(tuple(g) for g in block_ids),
+            remote_engine_id=self.engine_id, remote_request_id=rid, remote_host=host, remote_port=port,
+            tp_size=self.tp_size, remote_num_tokens=request.num_prompt_tokens, remote_block_size=self.block_size,
+            lease_generation=generation, generated_token_ids=tuple(generated) if generated else None)
+        return True, to_wire(params)
 
     def recompute_on_load_failure(self, request: Request) -> bool:
         recompute = recompute_on_failure(self.config.load_failure_policy, self.config.recompute_max_tokens,
