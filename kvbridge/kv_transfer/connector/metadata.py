@@ -1,11 +1,11 @@
-"""Messages of the connector: per-step metadata (scheduler half -> worker half) and
-the notification strings exchanged between D's and P's transfer agents.
+"""Messages of the connector: the per-step metadata the scheduler half hands the worker half
+(what to receive, what to release, which leases to renew).
 
-The read-done notification travels with the read on the backend's notification
-channel (D -> P): b"DONE:<p_request_id>:<lease_generation>". Control messages that
-need no read (release, heartbeat, the pre-read lease check) go to P's side channel as
-small JSON bodies, so they work before (or without) a transfer-agent handshake.
-Request ids in every message are P's own (the remote_request_id P returned).
+Nothing rides the transfer backend's notification channel: every message between D and P
+(the pre-read lease check, read-done, release, heartbeat) is a small JSON body on P's side
+channel (control.py), so it works before (or without) a transfer-agent handshake and P's side
+channel thread answers it whatever P's engine loop is doing. Request ids in every message are
+P's own (the remote_request_id P returned).
 """
 
 from __future__ import annotations
