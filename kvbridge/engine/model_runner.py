@@ -20,6 +20,7 @@ from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata
 from kvbridge.engine.models import build_model
 from kvbridge.engine.models.config import ModelArchConfig
+from kvbridge.engine.native_memory import HeapTrimmer, bound_onednn_caches
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp import RankShard
@@ -31,9 +32,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def configure_torch_threads(num_threads: int) -> None:
-    """Small ops took 7-8 ms instead of <0.5 ms here without a passive OpenMP wait
-    policy; the variable must be set before torch starts its thread pool."""
+    """Process-wide settings for an engine's (or a TP rank's) torch work, before any model is built.
+
+    Small ops took 7-8 ms instead of <0.5 ms here without a passive OpenMP wait policy; the
+    variable must be set before torch starts its thread pool. oneDNN's per-shape caches are
+    bounded before its first primitive (native_memory.py: without it memory grew with every
+    prompt length)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    bound_onednn_caches()
     torch.set_num_threads(num_threads)
 
 
@@ -111,6 +117,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_kernels.available()  # build/load now, not in the first step (a warning if they cannot be)
         self.sampler = Sampler(seed)
+        self.heap_trimmer = HeapTrimmer()  # returns the heap's free pages now and then (native_memory.py)
         self.agent = agent
         if agent is not None:
             kv_heads = shard.kv_heads if shard is not None else range(arch.cache_kv_heads)
@@ -127,6 +134,7 @@ class ModelRunner:
             self.agent.apply(sched.kv_rank_commands[self.tp_rank])
         if sched.scheduled:
             self._forward_and_sample(sched, out)
+            self.heap_trimmer.maybe_trim()
         if self.agent is not None:
             out.kv_rank_reports = [self.agent.poll()]
         return out
