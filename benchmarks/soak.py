@@ -237,6 +237,8 @@ class Traffic:
                         target.requests += 1
                         target.tokens += tokens
                 except Exception as exc:  # noqa: BLE001 - counted, the soak goes on
+                    if self.stop.is_set():
+                        return  # the set-ups are stopping under it: not the soak's
                     with target.lock:
                         target.errors += 1
                         if target.errors <= 3:
