@@ -35,7 +35,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ from pathlib import Path
 
 import httpx
 
+from kvbridge.serving.cluster import free_ports
+
 READY_TIMEOUT_S = 600.0
 SAMPLES_PER_PERIOD = 6  # RSS read under load six times a period; the period's figure is their median
 REQUEST_TIMEOUT_S = 300.0
@@ -54,12 +55,6 @@ WORDS = ("the of and to in is was for on that with as by at from his her they be
          "river mountain city garden window music engine harbor lantern forest winter summer market bridge "
          "silver copper paper stone glass cloud thunder letter story question answer number colour planet "
          "orange purple quiet rapid gentle ancient modern distant narrow golden hollow bright").split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def proc_memory_mb(pid: int) -> tuple[float, float] | None:
@@ -308,7 +303,7 @@ def main() -> int:
     base_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # two set-ups may share the machine
     base_env.setdefault("UCX_NET_DEVICES", "lo")
     base_env.setdefault("UCX_MODULES", "^ib")
-    setups = [SetUp("this tree", serve_argv(args.setup, port := free_port(), [args.model] + extra), dict(base_env),
+    setups = [SetUp("this tree", serve_argv(args.setup, port := free_ports(1)[0], [args.model] + extra), dict(base_env),
                     port, log_dir / "a.log")]
     if args.compare_src or args.compare_env:
         env, cwd, name = dict(base_env), None, []
@@ -320,7 +315,7 @@ def main() -> int:
             key, _, value = item.partition("=")
             env[key] = value
             name.append(item)
-        setups.append(SetUp(" ".join(name), serve_argv(args.setup, port := free_port(), [args.model] + extra), env,
+        setups.append(SetUp(" ".join(name), serve_argv(args.setup, port := free_ports(1)[0], [args.model] + extra), env,
                             port, log_dir / "b.log", cwd=cwd))
     print(f"soak: {args.setup}, mix {args.mix}, {args.clients} clients, {args.minutes:g} loaded minutes per set-up, "
           f"serve args {' '.join(extra)}; logs in {log_dir}", flush=True)

@@ -27,7 +27,7 @@ from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
-from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS
+from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, parse_kv_transfer_params
 
 logger = logging.getLogger(__name__)
 
@@ -279,9 +279,8 @@ class LLMEngine:
     def _release_own_lease(self, req: Request) -> None:
         """P side: a request that finished (and was granted a lease) but whose answer cannot be
         sent: no reader will ever learn of its blocks, so free them now, not at expiry."""
-        params = req.kv_transfer_params_out
-        if self.connectors is not None and params is not None and params.get("remote_request_id") == req.request_id:
-            self.connectors[1].release_local(req.request_id, params.get("lease_generation") or 0)
+        if req.kv_transfer_params_out is not None:
+            self.release_kv(parse_kv_transfer_params(req.kv_transfer_params_out))
 
     def _ranks_have_work(self, sched: SchedulerOutput) -> bool:
         """Tokens to compute, finished requests to forget, transfer commands, or transfers to poll:
