@@ -191,6 +191,11 @@ class TPExecutor:
         self.tp_size = config.tensor_parallel_size
         self.step_timeout_s = config.tp_step_timeout_s
         self._ranks_backend = ranks_backend(config.device)
+        if self._ranks_backend == "nccl" and self.tp_size > torch.cuda.device_count():
+            # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and only at the first
+            # collective: the engine would start, then die on its first request.
+            raise TPExecutorError(f"tensor parallel size {self.tp_size} needs one GPU per rank; torch sees "
+                                  f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES, or --device cpu)")
         try:  # each rank's CPUs (--cpu-bind), checked before anything starts
             self.rank_cpus: tuple[frozenset[int], ...] | None = rank_cpus(
                 config.cpu_bind, self.tp_size, os.sched_getaffinity(0), self._ranks_backend == "gloo")
@@ -420,7 +425,7 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
     device = config.device
     backend = ranks_backend(device)
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank)  # one GPU per rank (TPExecutor checked there are enough)
         device = "cuda"
     group = dist.new_group(ranks=list(range(1, world)), backend=backend)
     # Host-side sync of the ranks (the reads of a step start together: model_runner.py), on gloo.

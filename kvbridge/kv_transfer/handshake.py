@@ -203,6 +203,10 @@ class RankLayout:
     kv_head_start: int  # the first of the global KV heads this rank holds
     num_kv_heads: int  # how many consecutive KV heads it holds (each block_len_bytes / num_kv_heads)
     physical_blocks_per_logical: int = 1  # kernel blocks per scheduler (logical) block
+    # Where the regions live: a reader names the peer's memory as the peer registered it (NIXL
+    # looks a remote span up by memory type and device id: a GPU rank's KV is VRAM on its GPU).
+    memory: str = "cpu"  # cpu | cuda
+    device_id: int = 0  # the GPU's index in the registering process (0 for cpu)
 
     def __post_init__(self) -> None:
         for name in ("region_base_addrs", "block_len_bytes"):
@@ -210,7 +214,7 @@ class RankLayout:
                 raise ValueError(f"{name} must be a sequence of ints")
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("tp_size", "tp_rank", "num_blocks", "block_size", "kv_head_start", "num_kv_heads",
-                     "physical_blocks_per_logical"):
+                     "physical_blocks_per_logical", "device_id"):
             if type(getattr(self, name)) is not int:
                 raise ValueError(f"{name} must be an int")
         if not 0 <= self.tp_rank < self.tp_size:
@@ -229,6 +233,8 @@ class RankLayout:
             raise ValueError("need kv_head_start >= 0 and num_kv_heads >= 1")
         if any(n % self.num_kv_heads for n in self.block_len_bytes):
             raise ValueError("block_len_bytes must split evenly over the rank's KV heads")
+        if self.memory not in ("cpu", "cuda") or self.device_id < 0:
+            raise ValueError(f"memory must be cpu or cuda and device_id >= 0, got {self.memory!r} {self.device_id}")
 
 
 @dataclass(frozen=True)
@@ -389,6 +395,9 @@ def _decode_body(body: bytes, compat_hash: bytes) -> HandshakeMetadata:
                 kv_head_start=_typed(layout, "kv_head_start", int),
                 num_kv_heads=_typed(layout, "num_kv_heads", int),
                 physical_blocks_per_logical=_typed(layout, "physical_blocks_per_logical", int),
+                # optional: a peer from before these fields registered host memory
+                memory=_typed(layout, "memory", str) if "memory" in layout else "cpu",
+                device_id=_typed(layout, "device_id", int) if "device_id" in layout else 0,
             ))
     except (ValueError, TypeError, KeyError, RecursionError) as exc:  # incl. binascii.Error
         raise HandshakeDecodeError(f"malformed handshake body: {exc}") from None

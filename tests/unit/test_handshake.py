@@ -740,3 +740,22 @@ def test_payload_round_trips_agent_metadata_bytes_exactly() -> None:
     assert decode_payload(encode_payload(metadata, HASH), HASH) == metadata
     body = json.loads(encode_payload(metadata, HASH)[HEADER_LEN:])
     assert base64.b64decode(body["agent_metadata"]) == metadata.agent_metadata
+
+
+def test_payload_carries_where_each_rank_registered_its_kv() -> None:
+    """A GPU rank's KV is VRAM on its GPU: D must name P's spans as P registered them (a D on
+    another device type or GPU index than P's rank found nothing: NIXL_ERR_NOT_FOUND, every read)."""
+    metadata = HandshakeMetadata("e", "nixl", b"blob", rank_layout(1, memory="cuda", device_id=3))
+    assert decode_payload(encode_payload(metadata, HASH), HASH).layout.memory == "cuda"
+    assert decode_payload(encode_payload(metadata, HASH), HASH).layout.device_id == 3
+    # A peer from before these fields: host memory.
+    body = json.loads(encode_payload(prefill_metadata(0), HASH)[HEADER_LEN:])
+    for key in ("memory", "device_id"):
+        del body["layout"][key]
+    old = decode_payload(with_body(json.dumps(body).encode()), HASH)
+    assert (old.layout.memory, old.layout.device_id) == ("cpu", 0)
+    for bad in ({"memory": "tpu"}, {"memory": 1}, {"device_id": -1}, {"device_id": True}, {"device_id": "0"}):
+        body = json.loads(encode_payload(prefill_metadata(0), HASH)[HEADER_LEN:])
+        body["layout"].update(bad)
+        with pytest.raises(HandshakeDecodeError):
+            decode_payload(with_body(json.dumps(body).encode()), HASH)

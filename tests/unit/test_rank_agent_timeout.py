@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvbridge.kv_transfer.backends import MemoryRegion
-from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
+from kvbridge.kv_transfer.backends.fake import FakeBackend, FakeFabric, FaultConfig
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankCommands, ReadOp
 from kvbridge.kv_transfer.failure import FailureKind
 
@@ -72,5 +72,44 @@ def test_without_a_timeout_a_slow_read_is_left_to_finish() -> None:
     results = [r for _ in range(5) for r in d.poll().settled]
     assert [(r.xfer_id, r.kind) for r in results] == [("x", None)]
     d.apply(RankCommands(release=["x"]))
+    d.shutdown()
+    p.shutdown()
+
+
+
+class RecordingBackend(FakeBackend):
+    """The fake, noting the memory each prep_descs call names."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.named: list[tuple[str, int]] = []
+
+    def prep_descs(self, descs, device="cpu", device_id=0):
+        self.named.append((device, device_id))
+        return super().prep_descs(descs, "cpu", 0)  # the fake copies host memory
+
+
+def test_a_read_names_the_peer_memory_as_the_peer_registered_it() -> None:
+    """D's spans are named as D's memory, P's as P's rank registered them (the handshake's
+    RankLayout): NIXL looks a remote span up by memory type and device id, and a P rank on GPU 1
+    read by a D on the CPU (or on GPU 0) found nothing before (NIXL_ERR_NOT_FOUND on every read,
+    seen on an H100: each request recomputed)."""
+    fabric = FakeFabric()
+    src, dst = np.arange(4096, dtype=np.uint8) % 251, np.zeros(4096, dtype=np.uint8)
+    p = fabric.create_agent("p")
+    p.register_memory([MemoryRegion.of(src)])
+    d_backend = RecordingBackend("d", fabric=fabric)
+    d_backend.register_memory([MemoryRegion.of(dst)])
+    d = RankAgent(d_backend, serves_reads=False)
+    d.apply(RankCommands(reads=[ReadOp("x1", "p-tp0", p.agent_metadata(), ((dst.ctypes.data, 4096),),
+                                       ((src.ctypes.data, 4096),), ("cuda", 1))]))
+    assert d_backend.named == [("cpu", 0), ("cuda", 1)]
+    settled = []
+    for _ in range(10):
+        settled += d.poll().settled
+        if settled:
+            break
+    assert [(r.xfer_id, r.kind) for r in settled] == [("x1", None)] and np.array_equal(dst, src)
+    d.apply(RankCommands(release=["x1"]))
     d.shutdown()
     p.shutdown()

@@ -338,8 +338,9 @@ def check_read_pairing(local: DescList, remote: DescList) -> None:
             raise ValueError(f"descriptor {i}: local length {a} != remote length {b}")
 
 
-def in_regions(regions: Sequence[MemoryRegion], addr: int, length: int, device: str) -> bool:
-    return any(r.device == device and r.contains(addr, length) for r in regions)
+def in_regions(regions: Sequence[MemoryRegion], addr: int, length: int, device: str, device_id: int) -> bool:
+    """Is the span inside one registered region of that memory (NIXL's lookup: type, device id, span)?"""
+    return any(r.device == device and r.device_id == device_id and r.contains(addr, length) for r in regions)
 
 
 def host_view(addr: int, length: int) -> memoryview:

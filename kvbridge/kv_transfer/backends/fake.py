@@ -125,7 +125,7 @@ class FakeFabric:
 @dataclass
 class _FakeRead:
     pairs: tuple[tuple[int, int, int], ...]  # (local addr, remote addr, length)
-    remote_device: str
+    remote_device: tuple[str, int]  # memory type and device id the remote spans were named in
     polls_left: int
     fated_error: bool
     posted_epoch: int  # the target's progress epoch when the read began
@@ -200,11 +200,11 @@ class FakeBackend(TransferBackend):
             self._ensure_usable()
             if remote_agent not in self._remotes:
                 raise TransferSetupError(f"unknown remote agent {remote_agent!r}")
-            if not all(in_regions(self._regions, a, n, local.device) for a, n in local.descs):
+            if not all(in_regions(self._regions, a, n, local.device, local.device_id) for a, n in local.descs):
                 raise TransferSetupError("local descriptors outside registered memory")
             target = self.fabric.lookup(remote_agent)
             if target is not None and target._usable() and not all(
-                    in_regions(target._regions, a, n, remote.device) for a, n in remote.descs):
+                    in_regions(target._regions, a, n, remote.device, remote.device_id) for a, n in remote.descs):
                 raise TransferSetupError("remote descriptors outside the peer's registered memory")
             if self._draw(self._faults.fail_read_setup, self._faults.read_setup_failure_rate):
                 raise TransferSetupError("injected fault: transfer setup failed")
@@ -212,7 +212,7 @@ class FakeBackend(TransferBackend):
                      if self._faults.max_random_delay_polls else 0)
             state = _FakeRead(
                 pairs=tuple((la, ra, n) for (la, n), (ra, _) in zip(local.descs, remote.descs)),
-                remote_device=remote.device,
+                remote_device=(remote.device, remote.device_id),
                 polls_left=self._faults.delay_polls + extra,
                 fated_error=self._draw(self._faults.error_state, self._faults.error_state_rate),
                 posted_epoch=target._progress_epoch if target is not None else 0)
@@ -289,7 +289,7 @@ class FakeBackend(TransferBackend):
         if self.fabric.strict_progress and target._progress_epoch <= read.posted_epoch:
             return TransferState.IN_PROGRESS
         regions = target._regions
-        if not all(in_regions(regions, ra, n, read.remote_device) for _, ra, n in read.pairs):
+        if not all(in_regions(regions, ra, n, *read.remote_device) for _, ra, n in read.pairs):
             return TransferState.ERROR  # the peer deregistered the memory meanwhile
         for local_addr, remote_addr, length in read.pairs:
             ctypes.memmove(local_addr, remote_addr, length)

@@ -55,6 +55,7 @@ class ReadOp:
     agent_metadata: bytes  # the peer's agent blob: added on first use, replaced when it changes
     local: tuple[Desc, ...]
     remote: tuple[Desc, ...]
+    remote_memory: tuple[str, int] = ("cpu", 0)  # where the peer rank registered them (RankLayout)
 
 
 @dataclass
@@ -135,7 +136,7 @@ class RankAgent:
             tp_size=tp_size, tp_rank=tp_rank, region_base_addrs=(kv_cache.data_ptr(),),
             block_len_bytes=(nbytes // kv_cache.shape[0],), num_blocks=kv_cache.shape[0], block_size=block_size,
             kv_layout=KV_LAYOUT, kv_head_start=kv_heads.start, num_kv_heads=len(kv_heads),
-            physical_blocks_per_logical=blocks_per_logical)
+            physical_blocks_per_logical=blocks_per_logical, memory=self._device, device_id=self._device_id)
         self.registration = RankRegistration(self.backend.agent_metadata(), layout)
         return self.registration
 
@@ -216,7 +217,7 @@ class RankAgent:
         try:
             self._reads[op.xfer_id] = self.backend.read(
                 agent, self.backend.prep_descs(list(op.local), self._device, self._device_id),
-                self.backend.prep_descs(list(op.remote), self._device, self._device_id), b"")
+                self.backend.prep_descs(list(op.remote), *op.remote_memory), b"")
         except Exception as exc:
             self._settled.append(ReadResult(op.xfer_id, FailureKind.TRANSFER_SETUP, f"{type(exc).__name__}: {exc}"))
 

@@ -106,6 +106,7 @@ class _Peer:
     agent_metadata: tuple[bytes, ...]
     incarnation: str
     blocks_per_logical: int = 1  # P's kernel blocks per logical block (its block ids are logical)
+    memory: tuple[tuple[str, int], ...] = ()  # each rank's KV memory: (cpu | cuda, device id)
 
     def rank_key(self, tp_rank: int) -> str:
         return f"{self.key}/tp{tp_rank}"
@@ -362,7 +363,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
             raise HandshakeLayoutMismatch(f"the prefill engine's ranks disagree on kernel blocks per logical block "
                                           f"({sorted(ratios)})")
         peer = self._peers[remote] = _Peer(f"{metas[0].engine_id}@{remote.host}:{remote.port}#{incarnation[:12]}",
-                                           ranks, blobs, incarnation, ratios.pop())
+                                           ranks, blobs, incarnation, ratios.pop(),
+                                           tuple((m.layout.memory, m.layout.device_id) for m in metas))
         self.stats.record_handshake(0.0, None)
         logger.info("connected to prefill engine %s at %s:%s (TP %d -> TP %d here)", remote.engine_id,
                     remote.host, remote.port, len(ranks), len(self._local))
@@ -421,7 +423,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
         for (local_rank, remote_rank), (l_descs, r_descs) in descs.items():
             xfer_id = f"x{next(self._xfer_ids)}"
             self._commands[local_rank].reads.append(ReadOp(
-                xfer_id, peer.rank_key(remote_rank), peer.agent_metadata[remote_rank], tuple(l_descs), tuple(r_descs)))
+                xfer_id, peer.rank_key(remote_rank), peer.agent_metadata[remote_rank], tuple(l_descs), tuple(r_descs),
+                peer.memory[remote_rank]))
             recv.reads[xfer_id] = _SubRead(local_rank, remote_rank, sum(n for _, n in l_descs), len(l_descs))
             self._xfers[xfer_id] = rid
         self._settle_reads(rid, recv)  # a notification-only request has no reads: settled now
