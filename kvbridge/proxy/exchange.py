@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from kvbridge.serving.routing import Upstream, UpstreamPool
+from kvbridge.proxy.routing import Upstream, UpstreamPool
 
-logger = logging.getLogger("kvbridge.serving.proxy")
+logger = logging.getLogger("kvbridge.proxy.proxy")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -80,7 +80,7 @@ class PassthroughStream(StreamingResponse):
     def __init__(self, exchange: Exchange, request_id: str, first: bytes = b"") -> None:
         self._exchange = exchange
         self._request_id = request_id
-        self._first = first  # sent before D's bytes: the events for P's token (proxy_first_token)
+        self._first = first  # sent before D's bytes: the events for P's token (first_token.py)
         super().__init__(self._chunks(), status_code=exchange.response.status_code,
                          media_type=exchange.response.headers.get("content-type", "text/event-stream"),
                          headers={REQUEST_ID_HEADER: request_id})

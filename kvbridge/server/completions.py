@@ -36,11 +36,11 @@ from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params
-from kvbridge.serving import protocol as p
-from kvbridge.serving.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
-from kvbridge.serving.metrics import RequestTimer, ServerMetrics
+from kvbridge.server import protocol as p
+from kvbridge.server.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
+from kvbridge.server.metrics import RequestTimer, ServerMetrics
 
-logger = logging.getLogger("kvbridge.serving.api_server")  # the name the server logged under before the split
+logger = logging.getLogger("kvbridge.server.api_server")  # the name the server logged under before the split
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII without spaces

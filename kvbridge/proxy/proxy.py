@@ -10,8 +10,8 @@ Life of a request (docs: ARCHITECTURE.md, "The life of a P/D request"):
      D's answer (JSON or SSE, success or error) goes back unchanged, streamed as it comes.
 Both upstream calls carry the same `X-Request-Id` (the client's, else a new one).
 With `stream: true`, P's sampled token goes to the client as soon as D accepted the request,
-and D continues from it (proxy_first_token.py: first token straight from prefill).
-The FastAPI app and the server runner around PDProxy are in proxy_app.py.
+and D continues from it (first_token.py: first token straight from prefill).
+The FastAPI app and the server runner around PDProxy are in app.py.
 
 Colocated mode (no prefill URLs): each request goes straight to a decode-list instance
 (a plain `kvbridge serve`), its body unchanged but for any client `kv_transfer_params`,
@@ -47,11 +47,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbridge.engine.outputs import KV_LOAD_FAILED
-from kvbridge.serving import proxy_first_token as first_token
-from kvbridge.serving.protocol import MAX_BODY_BYTES, parse_json_object, read_capped
-from kvbridge.serving.proxy_exchange import (REQUEST_ID_HEADER, Exchange, Exhausted, Failed, PassthroughStream,
+from kvbridge.proxy import first_token
+from kvbridge.server.protocol import MAX_BODY_BYTES, parse_json_object, read_capped
+from kvbridge.proxy.exchange import (REQUEST_ID_HEADER, Exchange, Exhausted, Failed, PassthroughStream,
                                              RetryPolicy)
-from kvbridge.serving.routing import Upstream, UpstreamKind, UpstreamPool
+from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,7 +63,7 @@ RELEASE_PATH = "/kvbridge/release_kv"
 FIRST_BYTE_TIMEOUT_S = 30.0
 FIRST_BYTE_TIMEOUT = "first_byte_timeout"  # the failure's reason (metrics, logs)
 UPSTREAM_KEEPALIVE_S = 2.0
-# The same rule as completions.py: printable ASCII without spaces, else the server makes its own id.
+# The same rule as server/completions.py: printable ASCII without spaces, else the server makes its own id.
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")
 BAD_KEY_MESSAGE = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
 

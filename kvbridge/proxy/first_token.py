@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from kvbridge.engine.output_processor import stop_holdback
 from kvbridge.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params
-from kvbridge.serving import protocol as p
+from kvbridge.server import protocol as p
 
 CHAT_ROUTE = "/v1/chat/completions"
 CONTINUE_FIELD = "continue_from_token_ids"  # only the proxy sets it (PDProxy.handle drops a client's)
@@ -144,7 +144,7 @@ def plan(body: dict, route: str, answer: bytes, params: dict, context_len: int |
 
 
 class _Chunks:
-    """SSE events in the API server's shapes (completions.py's _ChunkMaker) for one request."""
+    """SSE events in the API server's shapes (server/completions.py's _ChunkMaker) for one request."""
 
     def __init__(self, route: str, response_id: str, created: int, model: str, include_usage: bool) -> None:
         self.chat = route == CHAT_ROUTE

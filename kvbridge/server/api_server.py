@@ -31,11 +31,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvbridge.config import EngineConfig
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
-from kvbridge.serving import protocol as p
-from kvbridge.serving.async_engine import AsyncEngine, EngineState
-from kvbridge.serving.completions import (REQUEST_ID_HEADER, ApiError, CompletionHandlers, as_api_error,
+from kvbridge.server import protocol as p
+from kvbridge.server.async_engine import AsyncEngine, EngineState
+from kvbridge.server.completions import (REQUEST_ID_HEADER, ApiError, CompletionHandlers, as_api_error,
                                           json_response, read_json)
-from kvbridge.serving.metrics import CONTENT_TYPE, ServerMetrics
+from kvbridge.server.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
