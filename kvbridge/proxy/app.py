@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvbridge.server.protocol import MAX_BODY_BYTES
+from kvbridge.openai_wire import MAX_BODY_BYTES
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
 

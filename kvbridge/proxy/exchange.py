@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from kvbridge.openai_wire import REQUEST_ID_HEADER, ErrorInfo, ErrorResponse
 from kvbridge.proxy.routing import Upstream, UpstreamPool
 
 logger = logging.getLogger("kvbridge.proxy.proxy")
-
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 @dataclass(frozen=True)
@@ -95,9 +94,9 @@ class PassthroughStream(StreamingResponse):
             # Headers are gone already: tell the client in-band instead of truncating silently.
             logger.warning("request %s: decode stream from %s broke: %r", self._request_id,
                            self._exchange.upstream.url, exc)
-            error = {"error": {"message": f"decode instance stream failed: {exc!r}",
-                               "type": "server_error", "param": None, "code": "upstream_failed"}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            error = ErrorResponse(error=ErrorInfo(message=f"decode instance stream failed: {exc!r}",
+                                                  type="server_error", code="upstream_failed"))
+            yield f"data: {json.dumps(error.model_dump())}\n\n".encode()
         finally:
             await self._exchange.close()
 

@@ -35,7 +35,6 @@ import hmac
 import json
 import logging
 import random
-import re
 import time
 import uuid
 from collections.abc import Awaitable
@@ -46,11 +45,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvbridge.engine.outputs import KV_LOAD_FAILED
+from kvbridge.kv_transfer.params import KV_LOAD_FAILED
+from kvbridge.openai_wire import (MAX_BODY_BYTES, REQUEST_ID_HEADER, ErrorInfo, ErrorResponse, error_type,
+                                  parse_json_object, read_capped, usable_request_id)
 from kvbridge.proxy import first_token
-from kvbridge.server.protocol import MAX_BODY_BYTES, parse_json_object, read_capped
-from kvbridge.proxy.exchange import (REQUEST_ID_HEADER, Exchange, Exhausted, Failed, PassthroughStream,
-                                             RetryPolicy)
+from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy
 from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
 
 logger = logging.getLogger(__name__)
@@ -63,8 +62,6 @@ RELEASE_PATH = "/kvbridge/release_kv"
 FIRST_BYTE_TIMEOUT_S = 30.0
 FIRST_BYTE_TIMEOUT = "first_byte_timeout"  # the failure's reason (metrics, logs)
 UPSTREAM_KEEPALIVE_S = 2.0
-# The same rule as server/completions.py: printable ASCII without spaces, else the server makes its own id.
-_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")
 BAD_KEY_MESSAGE = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
 
 
@@ -102,8 +99,7 @@ class ProxyMetrics:
 
 def openai_error(status: int, message: str, code: str, request_id: str | None = None) -> JSONResponse:
     """OpenAI's error body, typed like the API server's (invalid_request_error / server_error)."""
-    body = {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-                      "param": None, "code": code}}
+    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type(status), code=code)).model_dump()
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -340,7 +336,7 @@ class PDProxy:
         """Serve one completions or chat-completions request through P then D (colocated
         mode: straight to a decode-list instance)."""
         given = request.headers.get(REQUEST_ID_HEADER)
-        request_id = given if given and _REQUEST_ID_RE.fullmatch(given) else f"kvb-{uuid.uuid4().hex}"
+        request_id = given if usable_request_id(given) else f"kvb-{uuid.uuid4().hex}"
         if not self.authorized(request):
             return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
         raw = await _read_body(request, self.max_body_bytes)

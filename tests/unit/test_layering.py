@@ -11,8 +11,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
-FLOOR = {"config": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3, "launcher": 3,
-         "cli": 4, "chaos": 4, "__main__": 4}
+# openai_wire: the HTTP shapes the server and the proxy share (pydantic stays at the HTTP edge);
+# stop_strings: the stream's stop-string rule the engine and the proxy share.
+FLOOR = {"config": 0, "stop_strings": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3, "launcher": 3,
+         "openai_wire": 3, "cli": 4, "chaos": 4, "__main__": 4}
+PROGRAMS = ("server", "proxy", "launcher")
 
 KNOWN_UPWARD = {
     ("kvbridge.config", "kvbridge.engine.cpu_bind"),
@@ -116,8 +119,43 @@ def test_no_file_joins_an_import_circle():
     assert found == [KNOWN_CIRCLE], "the circle shrank or broke up (good): update KNOWN_CIRCLE"
 
 
+def reachable(start: set[str], edges: set[tuple[str, str]]) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    seen, todo = set(), list(start)
+    while todo:
+        for b in graph.get(todo.pop(), set()) - seen:
+            seen.add(b)
+            todo.append(b)
+    return seen
+
+
+def test_the_proxy_runs_without_the_engine():
+    """Nothing the proxy imports, directly or through another module, is the engine's: what it
+    shares with the instance server is in openai_wire.py, with the engine in stop_strings.py and
+    kv_transfer.params."""
+    edges = imports()
+    reached = reachable({m for m in modules() if m.startswith("kvbridge.proxy")}, edges)
+    assert "kvbridge.openai_wire" in reached
+    assert sorted(m for m in reached if m.startswith("kvbridge.engine")) == []
+
+
+def test_the_three_programs_import_not_one_another():
+    """The instance server, the proxy and the launcher are separate programs: none imports another."""
+    def program(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in PROGRAMS else None
+
+    crossing = {(a, b) for a, b in imports() if program(a) and program(b) and program(a) != program(b)}
+    assert crossing == set()
+
+
 def test_the_checks_see_an_upward_import_and_a_circle():
     """The graph walk itself: a made-up upward edge and a two-file circle are found."""
     assert floor("kvbridge.kv_transfer.lease") < floor("kvbridge.engine.request") < floor("kvbridge.proxy.proxy")
     assert circles({("a", "b"), ("b", "a"), ("b", "c")}) == [frozenset({"a", "b"})]
     assert ("kvbridge.engine.engine", "kvbridge.engine.scheduler") in imports()
+    assert reachable({"a"}, {("a", "b"), ("b", "c"), ("d", "a")}) == {"b", "c"}
+    assert "kvbridge.engine.engine" in reachable({"kvbridge.server.api_server"}, imports())

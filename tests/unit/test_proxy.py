@@ -21,8 +21,8 @@ import pytest
 
 from kvbridge.config import KVRole
 from kvbridge.launcher import cluster
-from kvbridge.proxy.proxy import RetryPolicy, prefill_body
 from kvbridge.proxy.app import build_proxy_app
+from kvbridge.proxy.proxy import RetryPolicy, prefill_body
 from kvbridge.proxy.routing import LeastOutstandingPolicy, RoundRobinPolicy, Upstream, make_policy
 from tests.unit.proxy_upstreams import FakeInstance, RunningServer, serve
 
@@ -246,7 +246,7 @@ async def test_a_body_over_the_cap_gets_413_without_being_read_and_the_proxy_ser
 
 def test_the_proxy_body_cap_defaults_to_the_instances_and_is_a_command_line_option():
     from kvbridge.cli import build_parser
-    from kvbridge.server.protocol import MAX_BODY_BYTES
+    from kvbridge.openai_wire import MAX_BODY_BYTES
     assert MAX_BODY_BYTES == 32 << 20
     parser = build_parser()
     assert parser.parse_args(["proxy", "--decode", "http://d"]).max_body_bytes == MAX_BODY_BYTES

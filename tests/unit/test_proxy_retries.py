@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvbridge.proxy.proxy import RetryPolicy
 from kvbridge.proxy.app import build_proxy_app
+from kvbridge.proxy.proxy import RetryPolicy
 from kvbridge.proxy.routing import BreakerState, CircuitBreaker
 from tests.unit.test_proxy import COMPLETION, pd_cluster, received_by
 
