@@ -27,13 +27,19 @@ class Failed:
     reason: str  # connect | timeout | protocol | status_5xx | ... (the retry metric's label)
     received: bool  # the upstream may have received the request
     response: Response  # the client's answer if no further attempt succeeds
+    # the upstream's breaker counts a failure; False: it answered, but nothing the leg can use
+    # (a prefill answer without kv_transfer_params)
+    instance_at_fault: bool = True
 
 
 @dataclass(frozen=True)
 class Exhausted:
-    """Every prefill attempt failed, or no P could be tried: `response` unless a fallback serves."""
+    """Every attempt of a leg failed, or no instance could be tried: `response` is the client's
+    answer unless a fallback serves; `received`: an instance may have received the request (then
+    P's KV is not released: that D may be reading it)."""
 
     response: Response
+    received: bool
 
 
 @dataclass(frozen=True)
