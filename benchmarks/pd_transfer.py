@@ -83,7 +83,7 @@ from tqdm import tqdm  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # raw_transfer, also under `kvbridge bench`
 from raw_transfer import RawPair  # noqa: E402
 
-from kvbridge.serving import cluster  # noqa: E402
+from kvbridge.launcher import cluster  # noqa: E402
 
 READY_TIMEOUT_S = 300.0
 BLOCK_SIZE = 16  # the servers' (kvbridge serve's default)

@@ -54,7 +54,7 @@ import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from kvbridge.serving import cluster  # noqa: E402
+from kvbridge.launcher import cluster  # noqa: E402
 
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 300.0

@@ -30,8 +30,8 @@ from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig 
 from kvbridge.engine.engine import LLMEngine  # noqa: E402
 from kvbridge.engine.loader import load_model  # noqa: E402
 from kvbridge.kv_transfer.connector.factory import build_connectors  # noqa: E402
-from kvbridge.serving.api_server import build_app  # noqa: E402
-from kvbridge.serving.async_engine import AsyncEngine  # noqa: E402
+from kvbridge.server.api_server import build_app  # noqa: E402
+from kvbridge.server.async_engine import AsyncEngine  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 LEASE_S = 30.0

@@ -41,7 +41,7 @@ from pathlib import Path  # noqa: E402
 import httpx  # noqa: E402
 
 from pd_ttft import READY_TIMEOUT_S, REQUEST_TIMEOUT_S, metric  # noqa: E402  (this folder is on sys.path)
-from kvbridge.serving import cluster  # noqa: E402
+from kvbridge.launcher import cluster  # noqa: E402
 
 POLICIES = ("prefix", "round_robin")
 WORDS = ("harbour ledger cargo invoice route vessel tariff customs pallet manifest carrier freight berth "

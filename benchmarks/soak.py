@@ -46,7 +46,7 @@ from pathlib import Path
 
 import httpx
 
-from kvbridge.serving.cluster import free_ports
+from kvbridge.launcher.cluster import free_ports
 
 READY_TIMEOUT_S = 600.0
 SAMPLES_PER_PERIOD = 6  # RSS read under load six times a period; the period's figure is their median

@@ -35,9 +35,9 @@ from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.connector.factory import build_connectors
-from kvbridge.serving.api_server import bind_socket, build_app
-from kvbridge.serving.async_engine import AsyncEngine
-from kvbridge.serving.proxy_app import build_proxy_app
+from kvbridge.proxy.app import build_proxy_app
+from kvbridge.server.api_server import bind_socket, build_app
+from kvbridge.server.async_engine import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["the sea", "mountains", "a city at night", "coffee", "trains", "the moon", "autumn", "bees",

@@ -154,7 +154,7 @@ def _checked_engine_config(a: argparse.Namespace) -> EngineConfig | None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from kvbridge.serving.api_server import run_server
+    from kvbridge.server.api_server import run_server
     config = _checked_engine_config(a)
     if config is None:
         return 2
@@ -164,8 +164,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_proxy(a: argparse.Namespace) -> int:
-    from kvbridge.serving.proxy import RetryPolicy
-    from kvbridge.serving.proxy_app import run_proxy
+    from kvbridge.proxy.proxy import RetryPolicy
+    from kvbridge.proxy.app import run_proxy
     run_proxy(prefill_urls=a.prefill, decode_urls=a.decode, host=a.host, port=a.port,
               prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
               health_interval_s=a.health_interval, api_key=a.api_key,
@@ -193,7 +193,7 @@ def forwarded_serve_args(a: argparse.Namespace) -> list[str]:
 
 def cmd_up(a: argparse.Namespace) -> int:
     from kvbridge.config import KVRole
-    from kvbridge.serving.cluster import InstanceSpec, run_cluster, serve_command, threads_per_engine
+    from kvbridge.launcher.cluster import InstanceSpec, run_cluster, serve_command, threads_per_engine
     if a.model_option is not None and a.model != DEFAULT_MODEL:
         print("kvbridge up: error: give the model once, as MODEL or as --model", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvbridge.engine.outputs import RequestOutput, TokenLogprob
 from kvbridge.engine.request import Request
 from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvbridge.stop_strings import stop_holdback
 
 
 @dataclass
@@ -83,15 +84,3 @@ class OutputProcessor:
         if finished:
             self.discard(req.request_id)
         return out
-
-
-def stop_holdback(text: str, stops: Sequence[str]) -> int:
-    """How many characters at the end of `text` a stream holds back while unfinished: the
-    longest end that is the start of a stop string (it may still become one)."""
-    longest = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                longest = max(longest, k)
-                break
-    return longest

@@ -14,9 +14,6 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
-# RequestOutput.error_code of a request that failed because its KV could not be loaded from
-# the prefill instance (load-failure policy "fail"): the request's own failure, not the engine's.
-KV_LOAD_FAILED = "kv_transfer_failed"
 # RequestOutput.error_code of a request whose own output stage (detokenising, stop strings,
 # building its output) raised: that request fails, the engine and the batch go on.
 REQUEST_OUTPUT_FAILED = "request_output_failed"

@@ -49,7 +49,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    error_code: str | None = None  # machine-readable kind of `error` (outputs.KV_LOAD_FAILED)
+    error_code: str | None = None  # machine-readable kind of `error` (kv_transfer.params.KV_LOAD_FAILED)
     # Set by the connector's scheduler half; carried to the API on the finishing output.
     kv_transfer_params_out: dict[str, Any] | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks

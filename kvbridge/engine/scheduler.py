@@ -15,10 +15,10 @@ from collections import deque
 
 from kvbridge.config import SchedulerConfig
 from kvbridge.engine.kv_cache_manager import KVCacheManager
-from kvbridge.engine.outputs import KV_LOAD_FAILED
 from kvbridge.engine.request import FinishReason, Request, RequestStatus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConnector
+from kvbridge.kv_transfer.params import KV_LOAD_FAILED
 
 logger = logging.getLogger(__name__)
 

@@ -54,6 +54,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# The error code (RequestOutput.error_code, the OpenAI error body's `code`) of a request that failed
+# because its KV could not be loaded from the prefill instance (load-failure policy "fail"): the
+# request's own failure, not the engine's. P has released that KV, so the proxy retries no other D.
+KV_LOAD_FAILED = "kv_transfer_failed"
+
 MAX_BLOCK_ID = 2**31 - 1  # block pools are far smaller; anything above is garbage
 MAX_BLOCK_IDS = 1 << 20  # total over all groups: 16M tokens at block size 16
 MAX_KV_GROUPS = 64

@@ -25,7 +25,7 @@ import pytest
 from openai import APIError, BadRequestError, OpenAI
 
 from kvbridge.config import KVRole
-from kvbridge.serving.cluster import DEFAULT_CLI, free_ports, http_url
+from kvbridge.launcher.cluster import DEFAULT_CLI, free_ports, http_url
 from tests.e2e.processes import metric
 from tests.e2e.test_pd_tensor_parallel import PROMPTS as PD_PROMPTS
 from tests.e2e.test_pd_tensor_parallel import SMOLLM2, Fleet, assert_settled

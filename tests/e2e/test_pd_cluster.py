@@ -16,7 +16,7 @@ from kvbridge.config import CacheConfig, EngineConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.serving.cluster import LocalCluster
+from kvbridge.launcher.cluster import LocalCluster
 from tests.e2e.processes import metric
 
 MODEL = "SmolLM2-135M-Instruct"

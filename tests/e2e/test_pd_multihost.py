@@ -34,7 +34,7 @@ from kvbridge.config import CacheConfig, EngineConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.serving.cluster import ChildProcess, child_env, spawn_child, stop_children
+from kvbridge.launcher.cluster import ChildProcess, child_env, spawn_child, stop_children
 from tests.e2e.test_pd_cluster import LONG, MAX_TOKENS, SHORT
 from tests.netns import Host, NetnsLan
 

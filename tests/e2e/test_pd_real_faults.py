@@ -17,7 +17,7 @@ from kvbridge.config import CacheConfig, EngineConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.serving.cluster import child_env, free_ports, spawn_child, stop_children
+from kvbridge.launcher.cluster import child_env, free_ports, spawn_child, stop_children
 
 import os
 

@@ -27,7 +27,7 @@ from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.serving.cluster import (DEFAULT_CLI, ChildProcess, InstanceSpec, child_env, free_ports, http_url,
+from kvbridge.launcher.cluster import (DEFAULT_CLI, ChildProcess, InstanceSpec, child_env, free_ports, http_url,
                                       proxy_command, serve_command, spawn_child, stop_children)
 from tests.e2e.processes import gone, metric, rank_pids
 

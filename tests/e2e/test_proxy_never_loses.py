@@ -28,7 +28,7 @@ from kvbridge.config import KVRole
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.serving.cluster import DEFAULT_CLI, free_ports, http_url, proxy_command
+from kvbridge.launcher.cluster import DEFAULT_CLI, free_ports, http_url, proxy_command
 from tests.e2e.processes import metric
 from tests.e2e.test_pd_tensor_parallel import SMOLLM2, Fleet, Reference, assert_settled, complete
 

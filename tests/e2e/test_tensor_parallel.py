@@ -36,9 +36,9 @@ from kvbridge.engine.cpu_bind import rank_cpus
 from kvbridge.engine.tp import TPSplitError
 from kvbridge.engine.tp_executor import TPExecutorError
 from kvbridge.chaos import ThreadServer
-from kvbridge.serving.api_server import build_app
-from kvbridge.serving.async_engine import AsyncEngine
-from kvbridge.serving.cluster import free_ports
+from kvbridge.launcher.cluster import free_ports
+from kvbridge.server.api_server import build_app
+from kvbridge.server.async_engine import AsyncEngine
 from tests.e2e.processes import children, gone, listening, rank_pids
 
 MODEL = "SmolLM2-135M-Instruct"

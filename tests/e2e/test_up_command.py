@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from kvbridge.serving.cluster import free_ports
+from kvbridge.launcher.cluster import free_ports
 from tests.e2e.processes import metric
 
 KEY = "sk-up-e2e"

@@ -41,8 +41,8 @@ from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.kv_transfer.params import KVTransferParams
-from kvbridge.serving.api_server import bind_socket, build_app
-from kvbridge.serving.async_engine import AsyncEngine
+from kvbridge.server.api_server import bind_socket, build_app
+from kvbridge.server.async_engine import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
@@ -620,7 +620,7 @@ def test_shutdown_fails_in_flight_requests_refuses_new_ones_and_frees_blocks(
 
 def test_run_server_prints_its_url_and_stops_on_sigterm_failing_open_streams() -> None:
     code = ("from kvbridge.config import CacheConfig, EngineConfig\n"
-            "from kvbridge.serving.api_server import run_server\n"
+            "from kvbridge.server.api_server import run_server\n"
             f"run_server(EngineConfig(model={MODEL!r}, max_model_len={MAX_MODEL_LEN}, "
             "cache=CacheConfig(num_blocks=64)), '127.0.0.1', 0, None, 'warning')\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -18,7 +18,7 @@ from kvbridge.config import CacheConfig, EngineConfig  # noqa: E402
 from kvbridge.engine.engine import LLMEngine  # noqa: E402
 from kvbridge.engine.loader import LoadedModel, load_model  # noqa: E402
 from kvbridge.engine.sampling_params import SamplingParams  # noqa: E402
-from kvbridge.serving.async_engine import AsyncEngine  # noqa: E402
+from kvbridge.server.async_engine import AsyncEngine  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 CONFIG = EngineConfig(model=MODEL, max_model_len=256, cache=CacheConfig(num_blocks=32))

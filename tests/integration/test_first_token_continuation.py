@@ -21,10 +21,10 @@ import pytest
 
 from kvbridge.config import KVRole
 from kvbridge.engine.loader import load_model
-from kvbridge.engine.output_processor import stop_holdback
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
+from kvbridge.stop_strings import stop_holdback
 from tests.integration.pd_harness import decode, make_engine, settle, tokens
 
 _ids = itertools.count()

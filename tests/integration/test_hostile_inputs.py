@@ -38,10 +38,10 @@ from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.tokenizer import Tokenizer
-from kvbridge.serving.api_server import build_app
-from kvbridge.serving.async_engine import AsyncEngine
-from kvbridge.serving.protocol import MAX_BODY_BYTES
-from kvbridge.serving.proxy_app import build_proxy_app
+from kvbridge.openai_wire import MAX_BODY_BYTES
+from kvbridge.proxy.app import build_proxy_app
+from kvbridge.server.api_server import build_app
+from kvbridge.server.async_engine import AsyncEngine
 from tests.integration.test_api_server import assert_openai_error
 
 MODEL = "SmolLM2-135M-Instruct"

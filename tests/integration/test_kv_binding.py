@@ -27,8 +27,8 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
-from kvbridge.serving.api_server import build_app
-from kvbridge.serving.async_engine import AsyncEngine
+from kvbridge.server.api_server import build_app
+from kvbridge.server.async_engine import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT_A = "Tell me everything about the history of the Roman empire and its emperors. " * 4

@@ -11,8 +11,8 @@ from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.kv_transfer.connector.factory import build_connectors
-from kvbridge.serving.api_server import build_app
-from kvbridge.serving.async_engine import AsyncEngine
+from kvbridge.server.api_server import build_app
+from kvbridge.server.async_engine import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"
 

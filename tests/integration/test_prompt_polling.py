@@ -24,9 +24,9 @@ from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.control import ControlClient
 from kvbridge.kv_transfer.lease import content_digest
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
-from kvbridge.serving import async_engine
-from kvbridge.serving.api_server import build_app
-from kvbridge.serving.async_engine import AsyncEngine
+from kvbridge.server import async_engine
+from kvbridge.server.api_server import build_app
+from kvbridge.server.async_engine import AsyncEngine
 
 MODEL = "SmolLM2-135M-Instruct"
 WAIT_S = 10.0  # well under the stretched 30 s back-off

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     proxy.add_argument("--max-body-bytes", type=int, default=32 << 20)
     args, _extra = parser.parse_known_args(argv)
     if args.command == "proxy":
-        from kvbridge.serving.proxy_app import run_proxy
+        from kvbridge.proxy.app import run_proxy
 
         return run_proxy(args.prefill, args.decode, host=args.host, port=args.port,
                          health_interval_s=0.2, log_level="warning", max_body_bytes=args.max_body_bytes)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kvbridge import cli
-from kvbridge.serving import cluster
+from kvbridge.launcher import cluster
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ def test_openmp_wait_policy_is_chosen_per_command_before_torch_loads(
 @pytest.mark.parametrize("given,tp,expected", [(False, 1, "unset"), (False, 2, "PASSIVE"), (True, 2, "ACTIVE")])
 def test_serve_with_rank_processes_makes_them_sleep_unless_told(
         monkeypatch: pytest.MonkeyPatch, given: bool, tp: int, expected: str) -> None:
-    from kvbridge.serving import api_server
+    from kvbridge.server import api_server
     seen: list[str] = []
     if given:
         monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")

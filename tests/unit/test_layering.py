@@ -1,7 +1,7 @@
 """The package layering, held as a ratchet (issue 28 will remove what is listed here).
 
-Imports should run one way: cli/chaos -> serving -> engine -> kv_transfer -> config (the ground
-floor), and no file should take part in an import circle (a function-local import counts: it
+Imports should run one way: cli/chaos -> server / proxy / launcher -> engine -> kv_transfer -> config
+(the ground floor), and no file should take part in an import circle (a function-local import counts: it
 only hides the circle). This test lists today's upward imports and circles; it fails on any new
 one, and on a listed one that is gone (then strike it from the list, so it cannot come back)."""
 
@@ -11,7 +11,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
-FLOOR = {"config": 0, "kv_transfer": 1, "engine": 2, "serving": 3, "cli": 4, "chaos": 4, "__main__": 4}
+# openai_wire: the HTTP shapes the server and the proxy share (pydantic stays at the HTTP edge);
+# stop_strings: the stream's stop-string rule the engine and the proxy share.
+FLOOR = {"config": 0, "stop_strings": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3, "launcher": 3,
+         "openai_wire": 3, "cli": 4, "chaos": 4, "__main__": 4}
+PROGRAMS = ("server", "proxy", "launcher")
 
 KNOWN_UPWARD = {
     ("kvbridge.config", "kvbridge.engine.cpu_bind"),
@@ -95,7 +99,8 @@ def circles(edges: set[tuple[str, str]]) -> list[frozenset[str]]:
 
 def test_no_new_upward_import_between_the_packages():
     upward = {(a, b) for a, b in imports() if floor(a) < floor(b)}
-    assert upward - KNOWN_UPWARD == set(), "imports that run up the layers (serving > engine > kv_transfer > config)"
+    assert upward - KNOWN_UPWARD == set(), \
+        "imports that run up the layers (server, proxy, launcher > engine > kv_transfer > config)"
     assert KNOWN_UPWARD - upward == set(), "gone (good): strike them from KNOWN_UPWARD"
 
 
@@ -114,8 +119,43 @@ def test_no_file_joins_an_import_circle():
     assert found == [KNOWN_CIRCLE], "the circle shrank or broke up (good): update KNOWN_CIRCLE"
 
 
+def reachable(start: set[str], edges: set[tuple[str, str]]) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    seen, todo = set(), list(start)
+    while todo:
+        for b in graph.get(todo.pop(), set()) - seen:
+            seen.add(b)
+            todo.append(b)
+    return seen
+
+
+def test_the_proxy_runs_without_the_engine():
+    """Nothing the proxy imports, directly or through another module, is the engine's: what it
+    shares with the instance server is in openai_wire.py, with the engine in stop_strings.py and
+    kv_transfer.params."""
+    edges = imports()
+    reached = reachable({m for m in modules() if m.startswith("kvbridge.proxy")}, edges)
+    assert "kvbridge.openai_wire" in reached
+    assert sorted(m for m in reached if m.startswith("kvbridge.engine")) == []
+
+
+def test_the_three_programs_import_not_one_another():
+    """The instance server, the proxy and the launcher are separate programs: none imports another."""
+    def program(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in PROGRAMS else None
+
+    crossing = {(a, b) for a, b in imports() if program(a) and program(b) and program(a) != program(b)}
+    assert crossing == set()
+
+
 def test_the_checks_see_an_upward_import_and_a_circle():
     """The graph walk itself: a made-up upward edge and a two-file circle are found."""
-    assert floor("kvbridge.kv_transfer.lease") < floor("kvbridge.engine.request") < floor("kvbridge.serving.proxy")
+    assert floor("kvbridge.kv_transfer.lease") < floor("kvbridge.engine.request") < floor("kvbridge.proxy.proxy")
     assert circles({("a", "b"), ("b", "a"), ("b", "c")}) == [frozenset({"a", "b"})]
     assert ("kvbridge.engine.engine", "kvbridge.engine.scheduler") in imports()
+    assert reachable({"a"}, {("a", "b"), ("b", "c"), ("d", "a")}) == {"b", "c"}
+    assert "kvbridge.engine.engine" in reachable({"kvbridge.server.api_server"}, imports())

@@ -12,7 +12,7 @@ from kvbridge.config import KVRole, KVTransferConfig
 from kvbridge.kv_transfer.backends.tcp import TcpBackend
 from kvbridge.kv_transfer.backends.tcp_wire import decode_agent_metadata
 from kvbridge.kv_transfer.net import apply_ucx_net_devices, interface_of, is_unspecified
-from kvbridge.serving import cluster
+from kvbridge.launcher import cluster
 from tests.unit.test_cli import run_cli, started  # noqa: F401  (fixture)
 
 

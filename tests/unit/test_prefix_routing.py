@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.serving.proxy import prompt_text
-from kvbridge.serving.routing import PrefixAffinityPolicy, Upstream, make_policy
+from kvbridge.proxy.proxy import prompt_text
+from kvbridge.proxy.routing import PrefixAffinityPolicy, Upstream, make_policy
 from tests.unit.test_proxy import COMPLETION, pd_cluster
 
 SYSTEM = "You are a helpful assistant for a shipping company. " * 8  # ~400 characters

@@ -20,10 +20,10 @@ import openai
 import pytest
 
 from kvbridge.config import KVRole
-from kvbridge.serving import cluster
-from kvbridge.serving.proxy import RetryPolicy, prefill_body
-from kvbridge.serving.proxy_app import build_proxy_app
-from kvbridge.serving.routing import LeastOutstandingPolicy, RoundRobinPolicy, Upstream, make_policy
+from kvbridge.launcher import cluster
+from kvbridge.proxy.app import build_proxy_app
+from kvbridge.proxy.proxy import RetryPolicy, prefill_body
+from kvbridge.proxy.routing import LeastOutstandingPolicy, RoundRobinPolicy, Upstream, make_policy
 from tests.unit.proxy_upstreams import FakeInstance, RunningServer, serve
 
 pytestmark = pytest.mark.timeout(60)
@@ -246,7 +246,7 @@ async def test_a_body_over_the_cap_gets_413_without_being_read_and_the_proxy_ser
 
 def test_the_proxy_body_cap_defaults_to_the_instances_and_is_a_command_line_option():
     from kvbridge.cli import build_parser
-    from kvbridge.serving.protocol import MAX_BODY_BYTES
+    from kvbridge.openai_wire import MAX_BODY_BYTES
     assert MAX_BODY_BYTES == 32 << 20
     parser = build_parser()
     assert parser.parse_args(["proxy", "--decode", "http://d"]).max_body_bytes == MAX_BODY_BYTES
@@ -599,7 +599,7 @@ def test_local_cluster_reports_child_that_dies_during_startup_and_stops_the_rest
 
 
 def test_run_cluster_stops_every_child_on_sigterm_and_exits_0():
-    code = ("import sys; from kvbridge.serving.cluster import run_cluster; "
+    code = ("import sys; from kvbridge.launcher.cluster import run_cluster; "
             f"sys.exit(run_cluster('fake', port=0, ready_timeout_s=60, cli={STAND_IN_CLI!r}))")
     launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -1,4 +1,4 @@
-"""The pure half of the first-token path (serving/proxy_first_token.py): which requests it
+"""The pure half of the first-token path (proxy/first_token.py): which requests it
 serves, what text goes to the client for P's token, and when P's token ends the request.
 The path itself, with real P, D and colocated servers: tests/e2e/test_first_token_from_prefill.py."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvbridge.serving.proxy_first_token import CHAT_ROUTE, eligible, plan, streamed_text
+from kvbridge.proxy.first_token import CHAT_ROUTE, eligible, plan, streamed_text
 from tests.unit.test_proxy import pd_cluster
 
 COMPLETIONS = "/v1/completions"

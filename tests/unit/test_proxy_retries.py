@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from kvbridge.serving.proxy import RetryPolicy
-from kvbridge.serving.proxy_app import build_proxy_app
-from kvbridge.serving.routing import BreakerState, CircuitBreaker
+from kvbridge.proxy.app import build_proxy_app
+from kvbridge.proxy.proxy import RetryPolicy
+from kvbridge.proxy.routing import BreakerState, CircuitBreaker
 from tests.unit.test_proxy import COMPLETION, pd_cluster, received_by
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from kvbridge.serving.routing import Upstream, UpstreamPool
+from kvbridge.openai_wire import REQUEST_ID_HEADER, ErrorInfo, ErrorResponse
+from kvbridge.proxy.routing import Upstream, UpstreamPool
 
-logger = logging.getLogger("kvbridge.serving.proxy")
-
-REQUEST_ID_HEADER = "X-Request-Id"
+logger = logging.getLogger("kvbridge.proxy.proxy")
 
 
 @dataclass(frozen=True)
@@ -28,13 +27,19 @@ class Failed:
     reason: str  # connect | timeout | protocol | status_5xx | ... (the retry metric's label)
     received: bool  # the upstream may have received the request
     response: Response  # the client's answer if no further attempt succeeds
+    # the upstream's breaker counts a failure; False: it answered, but nothing the leg can use
+    # (a prefill answer without kv_transfer_params)
+    instance_at_fault: bool = True
 
 
 @dataclass(frozen=True)
 class Exhausted:
-    """Every prefill attempt failed, or no P could be tried: `response` unless a fallback serves."""
+    """Every attempt of a leg failed, or no instance could be tried: `response` is the client's
+    answer unless a fallback serves; `received`: an instance may have received the request (then
+    P's KV is not released: that D may be reading it)."""
 
     response: Response
+    received: bool
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class PassthroughStream(StreamingResponse):
     def __init__(self, exchange: Exchange, request_id: str, first: bytes = b"") -> None:
         self._exchange = exchange
         self._request_id = request_id
-        self._first = first  # sent before D's bytes: the events for P's token (proxy_first_token)
+        self._first = first  # sent before D's bytes: the events for P's token (first_token.py)
         super().__init__(self._chunks(), status_code=exchange.response.status_code,
                          media_type=exchange.response.headers.get("content-type", "text/event-stream"),
                          headers={REQUEST_ID_HEADER: request_id})
@@ -95,9 +100,9 @@ class PassthroughStream(StreamingResponse):
             # Headers are gone already: tell the client in-band instead of truncating silently.
             logger.warning("request %s: decode stream from %s broke: %r", self._request_id,
                            self._exchange.upstream.url, exc)
-            error = {"error": {"message": f"decode instance stream failed: {exc!r}",
-                               "type": "server_error", "param": None, "code": "upstream_failed"}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            error = ErrorResponse(error=ErrorInfo(message=f"decode instance stream failed: {exc!r}",
+                                                  type="server_error", code="upstream_failed"))
+            yield f"data: {json.dumps(error.model_dump())}\n\n".encode()
         finally:
             await self._exchange.close()
 

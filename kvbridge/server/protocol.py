@@ -1,121 +1,30 @@
-"""OpenAI wire format of /v1/completions and /v1/chat/completions: pydantic models at the HTTP edge.
+"""OpenAI's request bodies of /v1/completions and /v1/chat/completions as the instance server
+validates them: pydantic models at the HTTP edge that turn into the engine's SamplingParams, and
+the engine's logprobs in OpenAI's response layouts. The shapes both programs share (body
+reading, errors, responses, stream chunks) are in kvbridge/openai_wire.py.
 
 Requests are validated strictly (a string is not an int, a bool is not a number) and
 unknown fields are ignored, because OpenAI clients send extras. Every check a client
 can fail is a pydantic validator, so the server turns all of them into one HTTP 400.
 Features that would change what the client gets back and that kvbridge does not
 implement (n > 1, echo, penalties, logit_bias, tools) are refused rather than ignored.
-
-Responses and stream chunks mirror OpenAI's shapes; like vLLM they carry
-`kv_transfer_params` at the top level when the engine returned some (P side).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import time
-from collections.abc import AsyncIterable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from kvbridge.openai_wire import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 MAX_LOGPROBS = 20  # SamplingParams' limit
 MAX_STOP_STRINGS = 16
-# No OpenAI request nests deeper than a handful of levels. The bound keeps every later
-# walk of the body (pydantic, json.dumps when the proxy forwards it) far from Python's
-# recursion limit, which a body nested ~1000 deep would otherwise hit as a 500.
-MAX_JSON_DEPTH = 100
-# The longest request body an instance or the proxy reads (HTTP 413 beyond it): a full-context
-# prompt as token ids is well under 1 MiB.
-MAX_BODY_BYTES = 32 << 20
 
 TokenId = Annotated[int, Field(ge=0)]
-
-
-# ---------------------------------------------------------------- errors
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-
-    error: ErrorInfo
-
-
-# ---------------------------------------------------------------- request bodies
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-async def read_capped(chunks: AsyncIterable[bytes], limit: int) -> bytes | None:
-    """A request body read chunk by chunk, or None as soon as it holds more than `limit` bytes:
-    the rest is never read, so a huge body costs at most the limit and one chunk of memory."""
-    data = bytearray()
-    async for chunk in chunks:
-        data += chunk
-        if len(data) > limit:
-            return None
-    return bytes(data)
-
-
-def parse_json_object(data: bytes) -> dict[str, Any]:
-    """A request body as strict JSON (RFC 8259): UTF-8, no NaN or Infinity, no number that
-    overflows a float, no lone surrogate (escaped as \\ud800: not Unicode, and it breaks
-    every encoder after us), no nesting deeper than MAX_JSON_DEPTH, an object at the top.
-    Raises ValueError with a message for the client (HTTP 400)."""
-    try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
-    except RecursionError:
-        raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:  # not UTF-8, malformed, a constant, an out-of-range number
-        raise ValueError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("the request body must be a JSON object")
-    # Either check costs a walk of the body; a body without many brackets or without a
-    # surrogate escape cannot fail it.
-    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(value) > MAX_JSON_DEPTH:
-        raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
-    if _SURROGATE_ESCAPE.search(data):
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("the request body has a lone UTF-16 surrogate (e.g. \\ud800), "
-                             "which is not a Unicode character") from None
-    return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text} is out of range")
-    return value
-
-
-def _depth(value: Any) -> int:
-    """How deep lists and dicts nest in `value` (1 for a flat one); stops past MAX_JSON_DEPTH."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack and deepest <= MAX_JSON_DEPTH:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
 
 
 # ---------------------------------------------------------------- requests
@@ -309,136 +218,6 @@ class ChatCompletionRequest(_Request):
         return self._sampling_params(max_tokens, logprobs)
 
 
-# ---------------------------------------------------------------- responses
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = Field(default_factory=list)
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """The server drops `usage` unless the client asked for usage, and
-    `kv_transfer_params` unless the engine returned some."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class CompletionChunk(BaseModel):
-    """Trimmed by the server like ChatCompletionChunk."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "kvbridge"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
 # ---------------------------------------------------------------- logprob conversion
 
 
@@ -468,8 +247,3 @@ def chat_logprobs(entries: Sequence[TokenLogprob],
         content.append(ChatTokenLogprob(**chosen.model_dump(),
                                         top_logprobs=[top(t, lp) for t, lp in entry.top]))
     return ChatLogprobs(content=content)
-
-
-def sse_event(model: BaseModel, exclude: set[str] | None = None) -> str:
-    """One server-sent event carrying `model` as JSON (a stream chunk), `exclude`d fields left out."""
-    return f"data: {model.model_dump_json(exclude=exclude)}\n\n"

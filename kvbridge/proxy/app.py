@@ -12,9 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvbridge.serving.protocol import MAX_BODY_BYTES
-from kvbridge.serving.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
-from kvbridge.serving.routing import UpstreamKind, UpstreamPool, make_policy
+from kvbridge.openai_wire import MAX_BODY_BYTES
+from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
+from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
     Empty `prefill_urls`: colocated mode (see the module docstring). `retry`: retries, backoff
     and the decode-only fallback; `breaker_*`: each upstream's circuit breaker (routing.py);
     `first_token_from_prefill`: stream P's token at once and let D continue from it
-    (proxy_first_token.py); `max_body_bytes`: longer request bodies get HTTP 413, read no further
+    (first_token.py); `max_body_bytes`: longer request bodies get HTTP 413, read no further
     than that. ValueError for an empty decode list or bad names.
     """
     if health_interval_s <= 0 or health_timeout_s <= 0 or timeout_s <= 0 or connect_timeout_s <= 0:

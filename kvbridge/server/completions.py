@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,20 +30,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from kvbridge import openai_wire as wire
 from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedError, EngineRequestError
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params
-from kvbridge.serving import protocol as p
-from kvbridge.serving.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
-from kvbridge.serving.metrics import RequestTimer, ServerMetrics
+from kvbridge.server import protocol as p
+from kvbridge.server.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
+from kvbridge.server.metrics import RequestTimer, ServerMetrics
 
-logger = logging.getLogger("kvbridge.serving.api_server")  # the name the server logged under before the split
+logger = logging.getLogger("kvbridge.server.api_server")  # the name the server logged under before the split
 
-REQUEST_ID_HEADER = "X-Request-Id"
-_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII without spaces
-MAX_BODY_BYTES = p.MAX_BODY_BYTES
 
 
 class ApiError(Exception):
@@ -55,13 +52,11 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.info = p.ErrorInfo(message=message, param=param, code=code,
-                                type=type or ("server_error" if status >= 500
-                                              else "invalid_request_error"))
+        self.info = wire.ErrorInfo(message=message, param=param, code=code, type=type or wire.error_type(status))
         self.headers = headers or {}
 
     def response(self, headers: dict[str, str] | None = None) -> Response:
-        return json_response(p.ErrorResponse(error=self.info), self.status, {**self.headers, **(headers or {})})
+        return json_response(wire.ErrorResponse(error=self.info), self.status, {**self.headers, **(headers or {})})
 
 
 def json_response(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -98,7 +93,7 @@ class CompletionHandlers:
     async def serve(self, raw: Request, chat: bool) -> Response:
         timer = self.metrics.request_timer()  # latencies count from arrival
         request_id = _request_id(raw)
-        headers = {REQUEST_ID_HEADER: request_id}
+        headers = {wire.REQUEST_ID_HEADER: request_id}
         kv_params: KVTransferParams | None = None
         try:
             body = await read_json(raw)
@@ -219,7 +214,7 @@ class CompletionHandlers:
     # ---------------------------------------------------------------- answers
 
     async def _collect(self, job: _Job, stream: RequestStream,
-                       timer: RequestTimer) -> p.CompletionResponse | p.ChatCompletionResponse:
+                       timer: RequestTimer) -> wire.CompletionResponse | wire.ChatCompletionResponse:
         text: list[str] = []
         logprobs = []
         last: RequestOutput | None = None
@@ -229,19 +224,19 @@ class CompletionHandlers:
             logprobs.extend(last.logprobs or ())
         assert last is not None and last.finished  # a stream always ends with its finished output
         _raise_if_failed(last)
-        usage = p.UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        usage = wire.UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         reason = last.finish_reason.value if last.finish_reason else None
         token_text = self.engine.tokenizer.token_text
         if job.chat:
             lp = p.chat_logprobs(logprobs, token_text) if job.params.logprobs is not None else None
-            choice = p.ChatChoice(message=p.ChatMessageOut(content="".join(text)), logprobs=lp,
+            choice = wire.ChatChoice(message=wire.ChatMessageOut(content="".join(text)), logprobs=lp,
                                   finish_reason=reason)
-            return p.ChatCompletionResponse(id=job.response_id, created=job.created,
+            return wire.ChatCompletionResponse(id=job.response_id, created=job.created,
                                             model=self.engine.model_name, choices=[choice],
                                             usage=usage, kv_transfer_params=last.kv_transfer_params)
         lp = p.completion_logprobs(logprobs, token_text, 0) if job.params.logprobs is not None else None
-        choice = p.CompletionChoice(text="".join(text), logprobs=lp, finish_reason=reason)
-        return p.CompletionResponse(id=job.response_id, created=job.created,
+        choice = wire.CompletionChoice(text="".join(text), logprobs=lp, finish_reason=reason)
+        return wire.CompletionResponse(id=job.response_id, created=job.created,
                                     model=self.engine.model_name, choices=[choice], usage=usage,
                                     kv_transfer_params=last.kv_transfer_params)
 
@@ -250,7 +245,7 @@ class CompletionHandlers:
         chunks = _ChunkMaker(job, self.engine)
         try:
             if job.chat and not job.continued:
-                yield chunks.delta(p.DeltaMessage(role="assistant", content=""))
+                yield chunks.delta(wire.DeltaMessage(role="assistant", content=""))
             async for output in stream:
                 timer.on_output(output)
                 if output.finished:
@@ -264,7 +259,7 @@ class CompletionHandlers:
             yield "data: [DONE]\n\n"
         except Exception as exc:
             error = exc if isinstance(exc, ApiError) else as_api_error(exc, job.response_id)
-            yield p.sse_event(p.ErrorResponse(error=error.info))
+            yield wire.sse_event(wire.ErrorResponse(error=error.info))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
@@ -284,39 +279,39 @@ class _ChunkMaker:
         self.text_offset = 0
 
     def _chunk(self, choices: list[Any], **extra: Any) -> str:
-        cls = p.ChatCompletionChunk if self.job.chat else p.CompletionChunk
+        cls = wire.ChatCompletionChunk if self.job.chat else wire.CompletionChunk
         chunk = cls(id=self.job.response_id, created=self.job.created, model=self.model,
                     choices=choices, **extra)
         exclude = set() if self.job.request.include_usage_chunk else {"usage"}
         if chunk.kv_transfer_params is None:
             exclude.add("kv_transfer_params")
-        return p.sse_event(chunk, exclude)
+        return wire.sse_event(chunk, exclude)
 
-    def delta(self, delta: p.DeltaMessage, reason: str | None = None, **extra: Any) -> str:
-        return self._chunk([p.ChatStreamChoice(delta=delta, logprobs=None, finish_reason=reason)],
+    def delta(self, delta: wire.DeltaMessage, reason: str | None = None, **extra: Any) -> str:
+        return self._chunk([wire.ChatStreamChoice(delta=delta, logprobs=None, finish_reason=reason)],
                            **extra)
 
     def content(self, output: RequestOutput) -> str:
         want = self.job.params.logprobs is not None and output.logprobs
         if self.job.chat:
             lp = p.chat_logprobs(output.logprobs, self.token_text) if want else None
-            return self._chunk([p.ChatStreamChoice(delta=p.DeltaMessage(content=output.new_text),
+            return self._chunk([wire.ChatStreamChoice(delta=wire.DeltaMessage(content=output.new_text),
                                                    logprobs=lp, finish_reason=None)])
         lp = p.completion_logprobs(output.logprobs, self.token_text, self.text_offset) if want else None
         self.text_offset += len(output.new_text)
-        return self._chunk([p.CompletionChoice(text=output.new_text, logprobs=lp,
+        return self._chunk([wire.CompletionChoice(text=output.new_text, logprobs=lp,
                                                finish_reason=None)])
 
     def finish(self, output: RequestOutput) -> str:
         reason = output.finish_reason.value if output.finish_reason else None
         extra = {"kv_transfer_params": output.kv_transfer_params} if output.kv_transfer_params else {}
         if self.job.chat:
-            return self.delta(p.DeltaMessage(), reason, **extra)
-        return self._chunk([p.CompletionChoice(text="", logprobs=None, finish_reason=reason)],
+            return self.delta(wire.DeltaMessage(), reason, **extra)
+        return self._chunk([wire.CompletionChoice(text="", logprobs=None, finish_reason=reason)],
                            **extra)
 
     def usage(self, output: RequestOutput) -> str:
-        return self._chunk([], usage=p.UsageInfo.of(
+        return self._chunk([], usage=wire.UsageInfo.of(
             output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens))
 
 
@@ -326,18 +321,18 @@ class _ChunkMaker:
 def _request_id(raw: Request) -> str:
     """The caller's X-Request-Id when it is sane (the P/D proxy sends one id to P and D),
     else a fresh one."""
-    given = raw.headers.get(REQUEST_ID_HEADER)
-    if given and _REQUEST_ID_RE.fullmatch(given):
+    given = raw.headers.get(wire.REQUEST_ID_HEADER)
+    if wire.usable_request_id(given):
         return given
     return uuid.uuid4().hex
 
 
 async def read_json(raw: Request) -> dict[str, Any]:
-    data = await p.read_capped(raw.stream(), MAX_BODY_BYTES)
+    data = await wire.read_capped(raw.stream(), wire.MAX_BODY_BYTES)
     if data is None:
-        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        raise ApiError(413, f"the request body is larger than {wire.MAX_BODY_BYTES} bytes")
     try:
-        return p.parse_json_object(data)
+        return wire.parse_json_object(data)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_json") from None
 

@@ -33,13 +33,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from kvbridge.engine.output_processor import stop_holdback
+from kvbridge import openai_wire as wire
 from kvbridge.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params
-from kvbridge.serving import protocol as p
+from kvbridge.stop_strings import stop_holdback
 
 CHAT_ROUTE = "/v1/chat/completions"
 CONTINUE_FIELD = "continue_from_token_ids"  # only the proxy sets it (PDProxy.handle drops a client's)
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # protocol.CompletionRequest's default
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # server/protocol.py's CompletionRequest default
 DONE = b"data: [DONE]\n\n"
 
 
@@ -127,7 +127,7 @@ def plan(body: dict, route: str, answer: bytes, params: dict, context_len: int |
         text = choice["message"]["content"] if route == CHAT_ROUTE else choice["text"]
         chunk = _Chunks(route, parsed["id"], parsed["created"], parsed["model"],
                         bool((body.get("stream_options") or {}).get("include_usage")))
-        usage = p.UsageInfo.model_validate(parsed["usage"])
+        usage = wire.UsageInfo.model_validate(parsed["usage"])
         reason = choice["finish_reason"]
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
@@ -144,34 +144,34 @@ def plan(body: dict, route: str, answer: bytes, params: dict, context_len: int |
 
 
 class _Chunks:
-    """SSE events in the API server's shapes (completions.py's _ChunkMaker) for one request."""
+    """SSE events in the API server's shapes (server/completions.py's _ChunkMaker) for one request."""
 
     def __init__(self, route: str, response_id: str, created: int, model: str, include_usage: bool) -> None:
         self.chat = route == CHAT_ROUTE
         self.id, self.created, self.model = response_id, created, model
         self.include_usage = include_usage
 
-    def _event(self, choices: list, usage: p.UsageInfo | None = None) -> bytes:
-        cls = p.ChatCompletionChunk if self.chat else p.CompletionChunk
+    def _event(self, choices: list, usage: wire.UsageInfo | None = None) -> bytes:
+        cls = wire.ChatCompletionChunk if self.chat else wire.CompletionChunk
         chunk = cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         exclude = {"kv_transfer_params"} if self.include_usage else {"kv_transfer_params", "usage"}
-        return p.sse_event(chunk, exclude).encode()
+        return wire.sse_event(chunk, exclude).encode()
 
     def first(self, text: str) -> bytes:
         """The events for P's token: the chat role chunk, then its text unless empty."""
         events = b""
         if self.chat:
-            events += self._event([p.ChatStreamChoice(delta=p.DeltaMessage(role="assistant", content=""))])
+            events += self._event([wire.ChatStreamChoice(delta=wire.DeltaMessage(role="assistant", content=""))])
             if text:
-                events += self._event([p.ChatStreamChoice(delta=p.DeltaMessage(content=text))])
+                events += self._event([wire.ChatStreamChoice(delta=wire.DeltaMessage(content=text))])
         elif text:
-            events += self._event([p.CompletionChoice(text=text)])
+            events += self._event([wire.CompletionChoice(text=text)])
         return events
 
     def finish(self, reason: str) -> bytes:
         if self.chat:
-            return self._event([p.ChatStreamChoice(delta=p.DeltaMessage(), finish_reason=reason)])
-        return self._event([p.CompletionChoice(text="", finish_reason=reason)])
+            return self._event([wire.ChatStreamChoice(delta=wire.DeltaMessage(), finish_reason=reason)])
+        return self._event([wire.CompletionChoice(text="", finish_reason=reason)])
 
-    def usage(self, usage: p.UsageInfo) -> bytes:
+    def usage(self, usage: wire.UsageInfo) -> bytes:
         return self._event([], usage) if self.include_usage else b""

@@ -28,14 +28,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvbridge import openai_wire as wire
 from kvbridge.config import EngineConfig
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
-from kvbridge.serving import protocol as p
-from kvbridge.serving.async_engine import AsyncEngine, EngineState
-from kvbridge.serving.completions import (REQUEST_ID_HEADER, ApiError, CompletionHandlers, as_api_error,
-                                          json_response, read_json)
-from kvbridge.serving.metrics import CONTENT_TYPE, ServerMetrics
+from kvbridge.server.async_engine import AsyncEngine, EngineState
+from kvbridge.server.completions import ApiError, CompletionHandlers, as_api_error, json_response, read_json
+from kvbridge.server.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -83,15 +82,15 @@ async def _chat_completions(raw: Request) -> Response:
     return await _instance(raw).handlers.serve(raw, chat=True)
 
 
-def _model_card(instance: _Instance) -> p.ModelCard:
+def _model_card(instance: _Instance) -> wire.ModelCard:
     engine = instance.engine
-    return p.ModelCard(id=engine.model_name, created=instance.handlers.created,
+    return wire.ModelCard(id=engine.model_name, created=instance.handlers.created,
                        max_model_len=engine.max_model_len)
 
 
 @_v1.get("/models")
 async def _models(raw: Request) -> Response:
-    return json_response(p.ModelList(data=[_model_card(_instance(raw))]))
+    return json_response(wire.ModelList(data=[_model_card(_instance(raw))]))
 
 
 @_v1.get("/models/{model_id:path}")
@@ -152,7 +151,7 @@ async def _on_http_error(_: Request, exc: Exception) -> Response:
 
 
 async def _on_unexpected(raw: Request, exc: Exception) -> Response:
-    return as_api_error(exc, raw.headers.get(REQUEST_ID_HEADER, "-")).response()
+    return as_api_error(exc, raw.headers.get(wire.REQUEST_ID_HEADER, "-")).response()
 
 
 def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:

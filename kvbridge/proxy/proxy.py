@@ -10,8 +10,8 @@ Life of a request (docs: ARCHITECTURE.md, "The life of a P/D request"):
      D's answer (JSON or SSE, success or error) goes back unchanged, streamed as it comes.
 Both upstream calls carry the same `X-Request-Id` (the client's, else a new one).
 With `stream: true`, P's sampled token goes to the client as soon as D accepted the request,
-and D continues from it (proxy_first_token.py: first token straight from prefill).
-The FastAPI app and the server runner around PDProxy are in proxy_app.py.
+and D continues from it (first_token.py: first token straight from prefill).
+The FastAPI app and the server runner around PDProxy are in app.py.
 
 Colocated mode (no prefill URLs): each request goes straight to a decode-list instance
 (a plain `kvbridge serve`), its body unchanged but for any client `kv_transfer_params`,
@@ -31,14 +31,14 @@ blocks, and only D (its notification) or P's lease may free them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import random
-import re
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
@@ -46,15 +46,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvbridge.engine.outputs import KV_LOAD_FAILED
-from kvbridge.serving import proxy_first_token as first_token
-from kvbridge.serving.protocol import MAX_BODY_BYTES, parse_json_object, read_capped
-from kvbridge.serving.proxy_exchange import (REQUEST_ID_HEADER, Exchange, Exhausted, Failed, PassthroughStream,
-                                             RetryPolicy)
-from kvbridge.serving.routing import Upstream, UpstreamKind, UpstreamPool
+from kvbridge.kv_transfer.params import KV_LOAD_FAILED
+from kvbridge.openai_wire import (MAX_BODY_BYTES, REQUEST_ID_HEADER, ErrorInfo, ErrorResponse, error_type,
+                                  parse_json_object, read_capped, usable_request_id)
+from kvbridge.proxy import first_token
+from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy
+from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+Prefilled = tuple[Upstream, dict, bytes]  # step 1's result: P, its kv_transfer_params, its whole answer
 
 RELEASE_PATH = "/kvbridge/release_kv"
 # How long a decode instance may take to start a streamed answer (its status line, sent once it
@@ -63,8 +64,6 @@ RELEASE_PATH = "/kvbridge/release_kv"
 FIRST_BYTE_TIMEOUT_S = 30.0
 FIRST_BYTE_TIMEOUT = "first_byte_timeout"  # the failure's reason (metrics, logs)
 UPSTREAM_KEEPALIVE_S = 2.0
-# The same rule as completions.py: printable ASCII without spaces, else the server makes its own id.
-_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")
 BAD_KEY_MESSAGE = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
 
 
@@ -102,8 +101,7 @@ class ProxyMetrics:
 
 def openai_error(status: int, message: str, code: str, request_id: str | None = None) -> JSONResponse:
     """OpenAI's error body, typed like the API server's (invalid_request_error / server_error)."""
-    body = {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-                      "param": None, "code": code}}
+    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type(status), code=code)).model_dump()
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -340,7 +338,7 @@ class PDProxy:
         """Serve one completions or chat-completions request through P then D (colocated
         mode: straight to a decode-list instance)."""
         given = request.headers.get(REQUEST_ID_HEADER)
-        request_id = given if given and _REQUEST_ID_RE.fullmatch(given) else f"kvb-{uuid.uuid4().hex}"
+        request_id = given if usable_request_id(given) else f"kvb-{uuid.uuid4().hex}"
         if not self.authorized(request):
             return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
         raw = await _read_body(request, self.max_body_bytes)
@@ -429,50 +427,80 @@ class PDProxy:
             return 0
         return context_len
 
+    async def _attempts(self, pool: UpstreamPool, route: str, body: dict, headers: dict[str, str], request_id: str,
+                        prompt: str, judge: Callable[[Exchange], Awaitable[T | Failed]],
+                        first_byte_s: float | None = None) -> T | Exhausted:
+        """One leg: POST `body` to an instance of `pool` until `judge` makes the leg's result of
+        one's open answer. An attempt that failed before anything reached the client (connection,
+        timeout, a broken answer, 5xx, or what `judge` calls a failure) is retried on another
+        instance, within the retry count and time budget, after a backoff; each attempt counts in
+        its instance's breaker (a judged failure whose instance is not at fault as a success).
+        Exhausted: no attempt left, or no instance could be tried; its `received` says whether
+        any instance may have received the request."""
+        started = time.monotonic()
+        tried: list[Upstream] = []
+        received, last, reason = False, None, ""
+        for attempt in range(self.retry.retries + 1):
+            if attempt and not await self._before_retry(pool, tried, attempt, reason, started, request_id):
+                break
+            upstream = pool.pick(exclude=tried, prompt=prompt)
+            if upstream is None:
+                break
+            tried.append(upstream)
+            sent = await self._attempt(pool, upstream, route, body, headers, request_id, first_byte_s)
+            received |= isinstance(sent, Exchange) or sent.received
+            result = await judge(sent) if isinstance(sent, Exchange) else sent
+            if not isinstance(result, Failed):
+                pool.record(upstream, True)
+                return result
+            reason, last = result.reason, result.response
+            if result.instance_at_fault:
+                pool.record(upstream, False, reason)
+            else:
+                pool.record(upstream, True)
+        if last is None:
+            last = openai_error(503, f"no healthy {pool.kind.value} instance", "no_healthy_instance", request_id)
+        return Exhausted(last, received)
+
+    def _server_error(self, kind: UpstreamKind, answer: Response | Failed) -> Failed | None:
+        """`answer` as a failed attempt when it is one (reading it failed, or a 5xx), else None."""
+        if isinstance(answer, Failed):
+            return answer
+        if answer.status_code < 500:
+            return None
+        self.metrics.upstream_errors.labels(kind.value, "status").inc()
+        return Failed(f"status_{answer.status_code}", True, answer)
+
     async def _prefill(self, route: str, body: dict, headers: dict[str, str],
-                       request_id: str) -> tuple[Upstream, dict, bytes] | Response | Exhausted:
+                       request_id: str) -> Prefilled | Response | Exhausted:
         """Step 1: P's upstream, kv_transfer_params and whole answer; P's 4xx answer for the client; or, when
         every attempt failed (connection, timeout, a broken answer, 5xx, no kv_transfer_params)
         or no P could be tried, what the client gets without a fallback."""
         assert self.prefill is not None, "P/D mode only"
         started = time.monotonic()
-        tried: list[Upstream] = []
-        last: Response | None = None
-        reason = ""
-        for attempt in range(self.retry.retries + 1):
-            if attempt and not await self._before_retry(self.prefill, tried, attempt, reason, started, request_id):
-                break
-            upstream = self.prefill.pick(exclude=tried, prompt=prompt_text(body))
-            if upstream is None:
-                break
-            tried.append(upstream)
-            sent = await self._attempt(self.prefill, upstream, route, prefill_body(body), headers, request_id)
-            answer = await self._read_all(sent, request_id) if isinstance(sent, Exchange) else sent
-            if isinstance(answer, Failed):
-                reason, last = answer.reason, answer.response
-                self.prefill.record(upstream, False, reason)
-                continue
-            if answer.status_code >= 500:
-                reason, last = f"status_{answer.status_code}", answer
-                self.metrics.upstream_errors.labels(UpstreamKind.PREFILL.value, "status").inc()
-                self.prefill.record(upstream, False, reason)
-                continue
-            self.prefill.record(upstream, True)
-            if answer.status_code >= 400:  # the request's own fault: never retried
-                return answer
-            params = _kv_transfer_params(answer.body)
-            if params is None:
-                logger.warning("request %s: prefill instance %s returned no kv_transfer_params",
-                               request_id, upstream.url)
-                reason, last = "no_kv_transfer_params", openai_error(
-                    502, f"prefill instance {upstream.url} returned no kv_transfer_params (is it running with "
-                         "--kv-role producer?)", "no_kv_transfer_params", request_id)
-                continue
+        result = await self._attempts(self.prefill, route, prefill_body(body), headers, request_id, prompt_text(body),
+                                      functools.partial(self._prefill_answer, request_id=request_id))
+        if isinstance(result, tuple):
             self.metrics.prefill_seconds.observe(time.monotonic() - started)
-            return upstream, params, bytes(answer.body)
-        if last is None:
-            last = openai_error(503, "no healthy prefill instance", "no_healthy_instance", request_id)
-        return Exhausted(last)
+        return result
+
+    async def _prefill_answer(self, exchange: Exchange, request_id: str) -> Prefilled | Response | Failed:
+        """P's whole answer as step 1's result (a 4xx, the request's own fault, is never retried),
+        or why this attempt failed (an answer without kv_transfer_params: not P's breaker's failure)."""
+        answer = await self._read_all(exchange, request_id)
+        failed = self._server_error(UpstreamKind.PREFILL, answer)
+        if failed is not None:
+            return failed
+        if answer.status_code >= 400:  # the request's own fault: never retried
+            return answer
+        params = _kv_transfer_params(answer.body)
+        if params is None:
+            url = exchange.upstream.url
+            logger.warning("request %s: prefill instance %s returned no kv_transfer_params", request_id, url)
+            return Failed("no_kv_transfer_params", True, openai_error(
+                502, f"prefill instance {url} returned no kv_transfer_params (is it running with --kv-role "
+                     "producer?)", "no_kv_transfer_params", request_id), instance_at_fault=False)
+        return exchange.upstream, params, bytes(answer.body)
 
     async def _decode(self, route: str, body: dict, headers: dict[str, str], request_id: str,
                       prefilled: tuple[Upstream, dict] | None, first: bytes = b"") -> Response:
@@ -489,48 +517,30 @@ class PDProxy:
         # D sends a stream's status line once it admitted the request (before any KV moves), an
         # unstreamed answer's only when it is complete: only a stream's start can be bounded.
         first_byte_s = self.first_byte_timeout_s if body.get("stream") else None
-        started = time.monotonic()
-        tried: list[Upstream] = []
-        received, last, reason = False, None, ""
-        for attempt in range(self.retry.retries + 1):
-            if attempt and not await self._before_retry(self.decode, tried, attempt, reason, started, request_id):
-                break
-            upstream = self.decode.pick(exclude=tried, prompt=prompt_text(body))
-            if upstream is None:
-                break
-            tried.append(upstream)
-            sent = await self._attempt(self.decode, upstream, route, forwarded, headers, request_id, first_byte_s)
-            if isinstance(sent, Failed):
-                received |= sent.received
-                reason, last = sent.reason, sent.response
-                self.decode.record(upstream, False, reason)
-                continue
-            received = True
-            status = sent.response.status_code
-            if status < 400 and body.get("stream"):  # the first byte goes to the client: no retry after it
-                self.decode.record(upstream, True)
-                return PassthroughStream(sent, request_id, first)
-            answer = await self._read_all(sent, request_id)
-            if not isinstance(answer, Failed) and status >= 500 and _error_code(answer) == KV_LOAD_FAILED:
-                # D is fine; the request's KV could not be loaded and P has released it, so
-                # another D could not load it either: the client gets D's answer, D's breaker a success.
-                self.decode.record(upstream, True)
-                return answer
-            if isinstance(answer, Failed) or status >= 500:
-                reason = answer.reason if isinstance(answer, Failed) else f"status_{status}"
-                last = answer.response if isinstance(answer, Failed) else answer
-                if not isinstance(answer, Failed):
-                    self.metrics.upstream_errors.labels(UpstreamKind.DECODE.value, "status").inc()
-                self.decode.record(upstream, False, reason)
-                continue
-            self.decode.record(upstream, True)
-            return answer
-        if prefilled is not None and not received:
+        judge = functools.partial(self._decode_answer, request_id=request_id, stream=bool(body.get("stream")),
+                                  first=first)
+        result = await self._attempts(self.decode, route, forwarded, headers, request_id, prompt_text(body), judge,
+                                      first_byte_s)
+        if not isinstance(result, Exhausted):
+            return result
+        if prefilled is not None and not result.received:
             # Shielded: a client hanging up now must not cancel the release half-sent.
             await asyncio.shield(self.release_on_prefill(prefilled[0], prefilled[1], headers, request_id))
-        if last is None:
-            return openai_error(503, "no healthy decode instance", "no_healthy_instance", request_id)
-        return last
+        return result.response
+
+    async def _decode_answer(self, exchange: Exchange, request_id: str, stream: bool,
+                             first: bytes) -> Response | Failed:
+        """D's answer as step 2's result: a stream passed through (its first byte goes to the
+        client: no retry after it), or the whole answer; or why this attempt failed."""
+        status = exchange.response.status_code
+        if status < 400 and stream:
+            return PassthroughStream(exchange, request_id, first)
+        answer = await self._read_all(exchange, request_id)
+        if not isinstance(answer, Failed) and status >= 500 and _error_code(answer) == KV_LOAD_FAILED:
+            # D is fine; the request's KV could not be loaded and P has released it, so
+            # another D could not load it either: the client gets D's answer, D's breaker a success.
+            return answer
+        return self._server_error(UpstreamKind.DECODE, answer) or answer
 
     async def release_on_prefill(self, upstream: Upstream, params: dict, headers: dict[str, str],
                                  request_id: str) -> bool:
