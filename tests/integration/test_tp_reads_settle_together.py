@@ -42,7 +42,7 @@ from kvbridge.kv_transfer.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
-from kvbridge.kv_transfer.tp_mapping import RankKV, plan_request_reads, request_salt
+from kvbridge.kv_transfer.read_plan.tp_mapping import RankKV, plan_request_reads, request_salt
 from tests.integration.pd_harness import make_engine, prefill, settle
 
 TP = 3

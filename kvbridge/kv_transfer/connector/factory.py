@@ -16,7 +16,7 @@ from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
 from kvbridge.kv_transfer.failure import FailureHandler
 from kvbridge.kv_transfer.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable
-from kvbridge.kv_transfer.request_reads import KVGroups
+from kvbridge.kv_transfer.read_plan.request_reads import KVGroups
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 

@@ -52,13 +52,13 @@ from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, H
                                             HandshakeLayoutMismatch, HandshakeMetadata, RankLayout,
                                             encode_payload)
 from kvbridge.kv_transfer.handshake_manager import HandshakeManager
-from kvbridge.kv_transfer.block_mapping import BlockMappingError
+from kvbridge.kv_transfer.read_plan.block_mapping import BlockMappingError
 from kvbridge.kv_transfer.lease import CONTENT_MISMATCH, LeaseTable
-from kvbridge.kv_transfer.request_reads import KVGroups, request_descs
+from kvbridge.kv_transfer.read_plan.request_reads import KVGroups, request_descs
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.stats import KVTransferStats
-from kvbridge.kv_transfer.tp_mapping import (RankBlocks, RankKV, ReadPlan, ReleaseNotice, TPMappingError,
+from kvbridge.kv_transfer.read_plan.tp_mapping import (RankBlocks, RankKV, ReadPlan, ReleaseNotice, TPMappingError,
                                              check_pairing, plan_request_reads, request_salt)
 
 logger = logging.getLogger("kvbridge.kv_transfer")
