@@ -98,7 +98,7 @@ class Lease:
 READ_WATCH_S = 5.0
 # A granted read holds its blocks for this many of the reader's own read timeouts after the
 # grant (D starts no read later than one timeout after it asked, and abandons a read one timeout
-# after starting it: worker_side.py), whatever the lease's expiry: a lease that expired under a
+# after starting it: connector/receiving.py), whatever the lease's expiry: a lease that expired under a
 # read still copying would hand its blocks to another prompt while D reads them.
 READ_HOLD_TIMEOUTS = 2
 MAX_READ_TIMEOUT_S = 3600.0  # the longest read timeout a reader may name (it pins P's blocks)

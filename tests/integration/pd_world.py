@@ -183,7 +183,7 @@ class World:
         self.p = build_engine(case, KVRole.PRODUCER, self.fabric, self.clock, case.p_num_blocks, P_CHUNK)
         self.d = build_engine(case, KVRole.CONSUMER, self.fabric, self.clock, d_num_blocks)
         self.ranks = TwoRanks.install(self.d, self.fabric) if case.d_tp == 2 else None
-        self.gate = SideChannelGate(self.d.connectors[1]._side_client)
+        self.gate = SideChannelGate(self.d.connectors[1].receiving._side_client)
         self.p_alive = True
         self.tracks: list[Track] = []
         self.errors: list[str] = []
@@ -251,7 +251,7 @@ class World:
         return self.d.scheduler.requests.get(track.d_id)
 
     def d_live_reads(self) -> int:
-        return sum(len(recv.reads) for recv in self.d.connectors[1]._recvs.values())
+        return sum(len(recv.reads) for recv in self.d.connectors[1].receiving._recvs.values())
 
     def p_agent(self) -> FakeBackend:
         return self.p.connectors[1].local_agent.backend
@@ -269,7 +269,7 @@ class World:
 
     def rank_read_settled(self, rank: int) -> bool:
         return any(r.local_rank == rank and r.result is not None
-                   for recv in self.d.connectors[1]._recvs.values() for r in recv.reads.values())
+                   for recv in self.d.connectors[1].receiving._recvs.values() for r in recv.reads.values())
 
     # ---- finishing ------------------------------------------------------------------
     def settle(self) -> None:
@@ -284,7 +284,7 @@ class World:
         self.hold_reads(False)
 
     def _side_requests_pending(self) -> bool:
-        return bool(self.d.connectors[1]._side_requests) or self.gate.is_waiting("read_done")
+        return bool(self.d.connectors[1].receiving._side_requests) or self.gate.is_waiting("read_done")
 
     def shutdown(self) -> None:
         self.gate.open_all()
@@ -329,7 +329,7 @@ class TwoRanks:
             agents.append(agent)
             caches.append(cache)
             heads.append(shard.kv_heads)
-        worker._handshakes.close()  # register_ranks makes D's handshakes anew, for the two ranks
+        worker.receiving._handshakes.close()  # register_ranks makes D's handshakes anew, for the two ranks
         worker.register_ranks(regs)
         ranks = cls(compute, agents, caches, heads)
         engine.runner = ranks

@@ -213,7 +213,7 @@ def test_lost_read_done_notification_is_covered_by_the_lease(loaded, prompt, wan
 
     def unreachable(host, port, rid, gen):  # P's side channel fails for this one message
         raise HandshakeRefused(f"injected: cannot connect to side channel {host}:{port}")
-    d.connectors[1].control.read_done = unreachable
+    d.connectors[1].receiving.control.read_done = unreachable
     try:
         assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want  # the read itself succeeded
         # No "P still holds the blocks" check here: the 1 s lease may already have expired
