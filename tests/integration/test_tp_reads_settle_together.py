@@ -223,7 +223,7 @@ class MLAPrefillRanks:
     def __init__(self, fabric: FakeFabric, tp: int, backend: str = "fake") -> None:
         self.kv = KVTransferConfig(role=KVRole.PRODUCER, backend=backend, engine_id="p-mla", lease_seconds=30.0)
         self.stats = KVTransferStats()
-        self.leases = LeaseTable(30.0)
+        self.leases = LeaseTable(30.0, stats=self.stats)
         self.stats.held_blocks = self.leases.held_blocks
         self.side_channel = SideChannelServer({}, "127.0.0.1", 0).start()
         self.conn = KVBridgeWorkerConnector(self.kv, "p-mla", None, MLA_COMPAT, self.leases,

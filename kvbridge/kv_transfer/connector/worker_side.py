@@ -62,7 +62,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.stats = stats
         self.side_channel = side_channel
         self.receiving = KVReceiver(config, compat, failures, stats, prefix_caching, groups)
-        self.sending = (KVSender(engine_id, config.backend, compat, side_channel, leases, stats)
+        self.sending = (KVSender(engine_id, config.backend, compat, side_channel, leases)
                         if side_channel is not None else None)
         self.ranks: tuple[RankRegistration, ...] = ()
         self._closed = False
