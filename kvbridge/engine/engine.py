@@ -27,7 +27,7 @@ from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
-from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, parse_kv_transfer_params
+from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class LLMEngine:
         """P side: a request that finished (and was granted a lease) but whose answer cannot be
         sent: no reader will ever learn of its blocks, so free them now, not at expiry."""
         if req.kv_transfer_params_out is not None:
-            self.release_kv(parse_kv_transfer_params(req.kv_transfer_params_out))
+            self.release_kv(req.kv_transfer_params_out)
 
     def _ranks_have_work(self, sched: SchedulerOutput) -> bool:
         """Tokens to compute, finished requests to forget, transfer commands, or transfers to poll:

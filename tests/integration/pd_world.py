@@ -35,7 +35,7 @@ from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 from kvbridge.kv_transfer.control import MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE
 from kvbridge.kv_transfer.handshake import HandshakeTimeout
-from kvbridge.kv_transfer.params import parse_kv_transfer_params
+from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
 from kvbridge.kv_transfer.side_channel_frames import MSG_GET_METADATA
 
 LEASE_S = 30.0
@@ -203,7 +203,7 @@ class World:
             if track is not None:
                 track.p_outputs.append(out)
                 if out.finished and out.kv_transfer_params is not None:
-                    track.params = out.kv_transfer_params
+                    track.params = to_wire(out.kv_transfer_params)  # as P's HTTP answer carries them
                     if track.filler:
                         track.released = True
                         self.p.release_kv(parse_kv_transfer_params(track.params))

@@ -24,7 +24,7 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.output_processor import stop_holdback
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric
-from kvbridge.kv_transfer.params import parse_kv_transfer_params
+from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
 from tests.integration.pd_harness import decode, make_engine, settle, tokens
 
 _ids = itertools.count()
@@ -67,7 +67,7 @@ def prefill_one(p, prompt: list[int], sp: SamplingParams) -> tuple[dict, list[in
     outs = []
     while not (outs and outs[-1].finished):
         outs += [o for o in p.step() if o.request_id == rid]
-    return outs[-1].kv_transfer_params, tokens(outs), "".join(o.new_text for o in outs)
+    return to_wire(outs[-1].kv_transfer_params), tokens(outs), "".join(o.new_text for o in outs)
 
 
 def continue_on_d(p, d, prompt, params: dict, sp: SamplingParams, continued: list[int] | None = None):

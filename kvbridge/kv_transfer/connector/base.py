@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 if TYPE_CHECKING:
     from kvbridge.engine.request import Request
     from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, RankReport
+    from kvbridge.kv_transfer.params import KVTransferParams
 
 BlockIds = tuple[list[int], ...]
 
@@ -73,11 +74,12 @@ class SchedulerConnector(ABC):
         """Called with the worker half's output before the scheduler acts on it."""
 
     @abstractmethod
-    def request_finished(self, request: "Request", block_ids: BlockIds) -> tuple[bool, dict | None]:
+    def request_finished(self, request: "Request", block_ids: BlockIds) -> tuple[bool, "KVTransferParams | None"]:
         """Called exactly once when a request finishes (any reason) or is aborted.
 
         Returns (delay_free, kv_transfer_params): with delay_free the scheduler keeps
-        the blocks until the request id appears in finished_sending.
+        the blocks until the request id appears in finished_sending; the params (P: where
+        D reads them) ride the request's finishing output, typed until the HTTP edge.
         """
 
     def recompute_on_load_failure(self, request: "Request") -> bool:
