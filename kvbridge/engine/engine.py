@@ -26,7 +26,7 @@ from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp_executor import TPExecutor
-from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
+from kvbridge.kv_transfer.connector.base import KVConnectors, SchedulerConnector, WorkerConnector
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,9 @@ class EngineMetrics:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  connectors: tuple[SchedulerConnector, WorkerConnector] | None = None) -> None:
+        """`connectors`: the KV connector's (scheduler, worker) halves, or None (no P/D)."""
         configure_torch_threads(config.num_threads)
+        kv = KVConnectors(*connectors) if connectors is not None else None
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
@@ -74,7 +76,7 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         if tp > 1:
             check_arch_tp_split(loaded.arch, tp)
-            if connectors is not None and connectors[1].local_agent is not None:
+            if kv is not None and kv.worker.local_agent is not None:
                 raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer agent: "
                                  "build the connectors without a backend")
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
@@ -89,7 +91,7 @@ class LLMEngine:
         sliding = any(g.sliding_window is not None for g in groups)
         self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching, reserve_null=sliding),
                                                groups)
-        sched_conn, worker_conn = connectors if connectors is not None else (None, None)
+        sched_conn, worker_conn = (kv.scheduler, kv.worker) if kv is not None else (None, None)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, sched_conn)
         self.runner: ModelRunner | TPExecutor
         if tp > 1:  # the ranks load the weights (and create their transfer agents) themselves
@@ -102,7 +104,7 @@ class LLMEngine:
             registrations = [agent.registration] if agent is not None else []
         if worker_conn is not None:
             worker_conn.register_ranks(registrations)
-        self.connectors = connectors
+        self.connectors = kv
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self._eos_ids = frozenset(eos | set(self.tokenizer.stop_token_ids))
@@ -151,7 +153,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         if self.connectors is not None:
             try:
-                self.connectors[0].validate_request(len(prompt_token_ids), kv_transfer_params)
+                self.connectors.scheduler.validate_request(len(prompt_token_ids), kv_transfer_params)
             except ValueError as exc:
                 raise EngineRequestError(str(exc)) from None
         if not self.scheduler.can_admit():
@@ -191,7 +193,7 @@ class LLMEngine:
         free the blocks it holds for it. No-op without a connector."""
         if self.connectors is None:
             return
-        self.connectors[0].notify_rejected(request_id, kv_transfer_params)
+        self.connectors.scheduler.notify_rejected(request_id, kv_transfer_params)
 
     def release_kv(self, kv_transfer_params) -> bool:
         """P side: free the blocks held for a finished request at once (the proxy found no
@@ -199,7 +201,7 @@ class LLMEngine:
         name another engine."""
         if self.connectors is None or kv_transfer_params is None:
             return False
-        worker = self.connectors[1]
+        worker = self.connectors.worker
         p = kv_transfer_params
         if p.remote_engine_id != worker.engine_id or p.remote_request_id is None:
             return False
@@ -207,7 +209,7 @@ class LLMEngine:
 
     def prometheus_collectors(self) -> list:
         """Collectors a server registers on its /metrics registry (the KV connector's)."""
-        return [self.connectors[1].stats] if self.connectors is not None else []
+        return [self.connectors.worker.stats] if self.connectors is not None else []
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -217,16 +219,16 @@ class LLMEngine:
         connector messages in flight: the owner of the loop keeps stepping while True."""
         return (self.has_unfinished_requests() or self.scheduler.has_pending_work()
                 or (self.connectors is not None
-                    and (self.connectors[0].has_pending() or self.connectors[1].has_work())))
+                    and (self.connectors.scheduler.has_pending() or self.connectors.worker.has_work())))
 
     # ---- the step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if self.connectors is not None:
-            sched.kv_rank_commands = self.connectors[1].start_load_kv(sched.kv_connector_metadata)
+            sched.kv_rank_commands = self.connectors.worker.start_load_kv(sched.kv_connector_metadata)
         result = self.runner.execute(sched) if self._ranks_have_work(sched) else ModelRunnerOutput()
         if self.connectors is not None:
-            result.kv_connector_output = self.connectors[1].get_finished(result.kv_rank_reports)
+            result.kv_connector_output = self.connectors.worker.get_finished(result.kv_rank_reports)
         touched = self.scheduler.update_from_output(sched, result)
         outputs, self._pending = self._pending, []
         for req in touched:
@@ -286,23 +288,23 @@ class LLMEngine:
         """Tokens to compute, finished requests to forget, transfer commands, or transfers to poll:
         otherwise the step is the engine's alone (scheduling, leases, connector messages)."""
         return bool(sched.scheduled or sched.finished_req_ids or sched.kv_rank_commands
-                    or (self.connectors is not None and self.connectors[1].needs_rank_poll()))
+                    or (self.connectors is not None and self.connectors.worker.needs_rank_poll()))
 
     def transfers_in_flight(self) -> bool:
         """KV transfers under way (loads on D, reads of this engine's blocks on P): the loop's
         owner should step again promptly, or their completion waits for its back-off."""
-        return self.connectors is not None and self.connectors[1].has_transfers_in_flight()
+        return self.connectors is not None and self.connectors.worker.has_transfers_in_flight()
 
     def has_rank_commands(self) -> bool:
         """Transfer commands wait to ride the next step to the ranks (reads D planned after the
         ranks ran): the loop's owner should step again at once, not back off."""
-        return self.connectors is not None and self.connectors[1].has_rank_commands()
+        return self.connectors is not None and self.connectors.worker.has_rank_commands()
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """``wake`` is called from another thread when a transfer starts that needs this engine
         to step promptly (a remote reader was granted a read). It must be cheap and thread-safe."""
         if self.connectors is not None:
-            self.connectors[1].set_wakeup(wake)
+            self.connectors.worker.set_wakeup(wake)
 
     def metrics(self) -> EngineMetrics:
         s, kvm = self.scheduler, self.kv_cache_manager

@@ -183,7 +183,7 @@ class World:
         self.p = build_engine(case, KVRole.PRODUCER, self.fabric, self.clock, case.p_num_blocks, P_CHUNK)
         self.d = build_engine(case, KVRole.CONSUMER, self.fabric, self.clock, d_num_blocks)
         self.ranks = TwoRanks.install(self.d, self.fabric) if case.d_tp == 2 else None
-        self.gate = SideChannelGate(self.d.connectors[1].receiving._side_client)
+        self.gate = SideChannelGate(self.d.connectors.worker.receiving._side_client)
         self.p_alive = True
         self.tracks: list[Track] = []
         self.errors: list[str] = []
@@ -251,16 +251,16 @@ class World:
         return self.d.scheduler.requests.get(track.d_id)
 
     def d_live_reads(self) -> int:
-        return sum(len(recv.reads) for recv in self.d.connectors[1].receiving._recvs.values())
+        return sum(len(recv.reads) for recv in self.d.connectors.worker.receiving._recvs.values())
 
     def p_agent(self) -> FakeBackend:
-        return self.p.connectors[1].local_agent.backend
+        return self.p.connectors.worker.local_agent.backend
 
     def d_agents(self) -> list[FakeBackend]:
         """The transfer agents D reads with: its own, or its two ranks'."""
         if self.ranks is not None:
             return [a.backend for a in self.ranks.agents]
-        return [self.d.connectors[1].local_agent.backend]
+        return [self.d.connectors.worker.local_agent.backend]
 
     def hold_reads(self, held: bool, ranks: slice = slice(None)) -> None:
         """Reads on these D agents stay in progress (True) or may complete (other faults stay)."""
@@ -269,7 +269,7 @@ class World:
 
     def rank_read_settled(self, rank: int) -> bool:
         return any(r.local_rank == rank and r.result is not None
-                   for recv in self.d.connectors[1].receiving._recvs.values() for r in recv.reads.values())
+                   for recv in self.d.connectors.worker.receiving._recvs.values() for r in recv.reads.values())
 
     # ---- finishing ------------------------------------------------------------------
     def settle(self) -> None:
@@ -284,7 +284,7 @@ class World:
         self.hold_reads(False)
 
     def _side_requests_pending(self) -> bool:
-        return bool(self.d.connectors[1].receiving._side_requests) or self.gate.is_waiting("read_done")
+        return bool(self.d.connectors.worker.receiving._side_requests) or self.gate.is_waiting("read_done")
 
     def shutdown(self) -> None:
         self.gate.open_all()
@@ -314,7 +314,7 @@ class TwoRanks:
 
     @classmethod
     def install(cls, engine: LLMEngine, fabric: FakeFabric) -> "TwoRanks":
-        worker = engine.connectors[1]
+        worker = engine.connectors.worker
         compute = engine.runner
         compute.agent = None  # the whole-model runner only computes
         arch, layout = compute.arch, compute.layout

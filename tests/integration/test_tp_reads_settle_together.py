@@ -158,7 +158,7 @@ def test_each_d_rank_reads_exactly_its_heads_and_p_frees_on_the_one_read_done(lo
             others = [b for b in range(NUM_BLOCKS) if b not in local_ids]
             assert not cache[others].any()  # nothing else written
         settle(p)
-        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
+        assert p.metrics().num_held_for_remote == 0 and p.connectors.worker.stats.expired_leases == 0
         assert d.stats.transfers == 1 and all(a.num_live_reads == 0 for a in d.agents)
     finally:
         d.close()
@@ -186,8 +186,8 @@ def test_a_failed_read_fails_the_request_only_after_the_other_reads_settle(loade
         assert all(a.num_live_reads == 0 for a in d.agents)
         assert "D rank 0 from P rank 0; 1 of 3 reads failed" in out.failure_causes["d-req"]
         settle(p)
-        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
-        assert p.connectors[1].stats.early_releases == 1  # P granted the read: D told it to free at once
+        assert p.metrics().num_held_for_remote == 0 and p.connectors.worker.stats.expired_leases == 0
+        assert p.connectors.worker.stats.early_releases == 1  # P granted the read: D told it to free at once
         d.agents[0].backend.set_faults(FaultConfig())  # the fault clears: the next request reads cleanly
         d.agents[2].backend.set_faults(FaultConfig())
         params = prefill(p, prompt)

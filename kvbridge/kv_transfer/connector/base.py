@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+
+from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
 
 if TYPE_CHECKING:
     from kvbridge.engine.request import Request
@@ -65,9 +67,10 @@ class SchedulerConnector(ABC):
         """Called right after blocks were allocated for a request the connector asked about."""
 
     @abstractmethod
-    def build_connector_meta(self) -> Any:
+    def build_connector_meta(self) -> ConnectorMetadata:
         """Called at the end of every schedule(); returns this step's metadata for the
-        worker half and resets the per-step state."""
+        worker half (what to receive, what to release, which leases to renew) and resets
+        the per-step state."""
 
     @abstractmethod
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -102,9 +105,10 @@ class WorkerConnector(ABC):
         """Every rank's transfer agent blob and KV layout, rank order, once at start."""
 
     @abstractmethod
-    def start_load_kv(self, metadata: Any) -> list["RankCommands"] | None:
-        """Before the ranks run: take this step's metadata; return one RankCommands per rank,
-        or None when no rank has anything to do."""
+    def start_load_kv(self, metadata: ConnectorMetadata | None) -> list["RankCommands"] | None:
+        """Before the ranks run: take this step's metadata (None: the step ran without a
+        connector's schedule); return one RankCommands per rank, or None when no rank has
+        anything to do."""
 
     @abstractmethod
     def get_finished(self, reports: Sequence["RankReport"] = ()) -> KVConnectorOutput:
@@ -128,3 +132,10 @@ class WorkerConnector(ABC):
 
     def shutdown(self) -> None:
         """Releases transfers, registrations and threads; idempotent."""
+
+
+class KVConnectors(NamedTuple):
+    """One engine's two connector halves, by name (built together: connector/factory.py)."""
+
+    scheduler: SchedulerConnector
+    worker: WorkerConnector
