@@ -72,43 +72,62 @@ class LLMEngine:
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = min(config.max_model_len or loaded.arch.max_position_embeddings,
                                  loaded.arch.max_position_embeddings)
-        cache = config.cache
-        tp = config.tensor_parallel_size
-        if tp > 1:
-            check_arch_tp_split(loaded.arch, tp)
-            if kv is not None and kv.worker.local_agent is not None:
-                raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer agent: "
-                                 "build the connectors without a backend")
-        num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
-            loaded.arch, cache.block_size, DTYPES[config.dtype], tp))
-        self.num_blocks = num_blocks
+        self._check_tp_split(kv)
+        self.num_blocks = self._count_blocks()
         # Tokens per scheduler block: the configured size, or a multiple of it for a hybrid Mamba
         # model (kv_cache_layout.py); the attention kernel keeps the configured size.
-        self.block_size = logical_block_size(loaded.arch, cache.block_size, tp)
-        groups = [KVCacheGroupSpec(g.kind, self.block_size, g.layer_ids, g.sliding_window)
-                  for g in layer_groups(loaded.arch)]
-        self._mamba_groups = sum(g.kind is KVCacheKind.MAMBA for g in groups)
-        sliding = any(g.sliding_window is not None for g in groups)
-        self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching, reserve_null=sliding),
-                                               groups)
-        sched_conn, worker_conn = (kv.scheduler, kv.worker) if kv is not None else (None, None)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, sched_conn)
-        self.runner: ModelRunner | TPExecutor
-        if tp > 1:  # the ranks load the weights (and create their transfer agents) themselves
-            self.runner = TPExecutor(config, num_blocks, worker_conn.rank_agent_spec if worker_conn else None)
-            registrations = self.runner.registrations
-        else:
-            agent = worker_conn.local_agent if worker_conn is not None else None
-            self.runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, cache.block_size,
-                                      num_blocks, config.seed, agent)
-            registrations = [agent.registration] if agent is not None else []
-        if worker_conn is not None:
-            worker_conn.register_ranks(registrations)
+        self.block_size = logical_block_size(loaded.arch, config.cache.block_size, config.tensor_parallel_size)
+        self._mamba_groups = sum(g.kind is KVCacheKind.MAMBA for g in layer_groups(loaded.arch))
+        self.kv_cache_manager = self._make_kv_cache_manager()
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
+                                   kv.scheduler if kv is not None else None)
+        self.runner = self._start_runner(loaded, kv.worker if kv is not None else None)
         self.connectors = kv
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self._eos_ids = frozenset(eos | set(self.tokenizer.stop_token_ids))
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
+
+    def _check_tp_split(self, kv: KVConnectors | None) -> None:
+        """At TP N the model must split over the ranks, and each rank process creates its own
+        transfer agent (so the connectors come without one). Raises ValueError."""
+        tp = self.config.tensor_parallel_size
+        if tp > 1:
+            check_arch_tp_split(self.arch, tp)
+            if kv is not None and kv.worker.local_agent is not None:
+                raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer agent: "
+                                 "build the connectors without a backend")
+
+    def _count_blocks(self) -> int:
+        """The configured number of KV blocks, or as many as the configured memory holds."""
+        cache = self.config.cache
+        return cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
+            self.arch, cache.block_size, DTYPES[self.config.dtype], self.config.tensor_parallel_size))
+
+    def _make_kv_cache_manager(self) -> KVCacheManager:
+        """One KV cache group per kind of layer (full, sliding window, Mamba) over one block pool."""
+        groups = [KVCacheGroupSpec(g.kind, self.block_size, g.layer_ids, g.sliding_window)
+                  for g in layer_groups(self.arch)]
+        sliding = any(g.sliding_window is not None for g in groups)
+        pool = BlockPool(self.num_blocks, self.config.cache.enable_prefix_caching, reserve_null=sliding)
+        return KVCacheManager(pool, groups)
+
+    def _start_runner(self, loaded: LoadedModel, worker: WorkerConnector | None) -> ModelRunner | TPExecutor:
+        """The model runner (TP 1), or the TP ranks, which load the weights and create their
+        transfer agents themselves; the worker connector learns every rank's agent and layout."""
+        config = self.config
+        runner: ModelRunner | TPExecutor
+        if config.tensor_parallel_size > 1:
+            runner = TPExecutor(config, self.num_blocks, worker.rank_agent_spec if worker else None)
+            registrations = runner.registrations
+        else:
+            agent = worker.local_agent if worker is not None else None
+            runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, config.cache.block_size,
+                                 self.num_blocks, config.seed, agent)
+            registrations = [agent.registration] if agent is not None else []
+        if worker is not None:
+            worker.register_ranks(registrations)
+        return runner
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -223,23 +242,40 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if self.connectors is not None:
-            sched.kv_rank_commands = self.connectors.worker.start_load_kv(sched.kv_connector_metadata)
-        result = self.runner.execute(sched) if self._ranks_have_work(sched) else ModelRunnerOutput()
-        if self.connectors is not None:
-            result.kv_connector_output = self.connectors.worker.get_finished(result.kv_rank_reports)
-        touched = self.scheduler.update_from_output(sched, result)
-        outputs, self._pending = self._pending, []
-        for req in touched:
-            out = self._postprocess(req, result)
-            if out is not None:
-                outputs.append(out)
+        """One step: schedule -> run -> postprocess. Returns the outputs of the requests that
+        made progress or finished (those finished between steps first)."""
+        sched = self._schedule()
+        result = self._run(sched)
+        outputs = self._postprocess(sched, result)
         if not sched.scheduled and not outputs and not self.transfers_in_flight():
             time.sleep(IDLE_SLEEP_S)
         return outputs
 
-    def _postprocess(self, req: Request, result: ModelRunnerOutput) -> RequestOutput | None:
+    def _schedule(self) -> SchedulerOutput:
+        """What the ranks compute this step, with the worker connector's commands for them."""
+        sched = self.scheduler.schedule()
+        if self.connectors is not None:
+            sched.kv_rank_commands = self.connectors.worker.start_load_kv(sched.kv_connector_metadata)
+        return sched
+
+    def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The ranks' step (when they have work), and the worker connector's reading of their reports."""
+        result = self.runner.execute(sched) if self._ranks_have_work(sched) else ModelRunnerOutput()
+        if self.connectors is not None:
+            result.kv_connector_output = self.connectors.worker.get_finished(result.kv_rank_reports)
+        return result
+
+    def _postprocess(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """The scheduler takes the step's result; every request it touched gets its output."""
+        touched = self.scheduler.update_from_output(sched, result)
+        outputs, self._pending = self._pending, []
+        for req in touched:
+            out = self._request_output(req, result)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _request_output(self, req: Request, result: ModelRunnerOutput) -> RequestOutput | None:
         """The request's output for this step: detokenise, apply stop strings, build it.
         A failure here is this request's alone (its bookkeeping is bad, not the engine's):
         the request finishes with an error output and the batch goes on. None for a
@@ -249,18 +285,23 @@ class LLMEngine:
                          req.request_id, req.status.name)
             return None
         try:
-            stop = self.output_processor.detokenize(req)
-            if stop is not None and not req.status.is_finished:
-                self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
-            elif stop is not None and req.finish_reason is FinishReason.LENGTH:
-                # The token that reached max_tokens also completed a stop string: the text ends
-                # at the stop string, so that is the reason (as vLLM checks stops before length;
-                # a prefill's one-token answer tells the proxy the request is over).
-                req.finish_reason = FinishReason.STOP
+            self._apply_stop_string(req, self.output_processor.detokenize(req))
             lp = result.logprobs.get(req.request_id)
             return self.output_processor.make_output(req, [lp] if lp is not None else None)
         except Exception as exc:
             return self._fail_request(req, exc)
+
+    def _apply_stop_string(self, req: Request, stop: str | None) -> None:
+        """`stop`: the stop string this step's text completed, if any. It finishes a running
+        request; and a request the same token finished by length ends at the stop string, so
+        that is its reason (as vLLM checks stops before length; a prefill's one-token answer
+        tells the proxy the request is over)."""
+        if stop is None:
+            return
+        if not req.status.is_finished:
+            self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
+        elif req.finish_reason is FinishReason.LENGTH:
+            req.finish_reason = FinishReason.STOP
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
         """Finish one request whose output stage raised, with an error output (HTTP 500 or an
