@@ -214,8 +214,8 @@ def run_chaos(num_requests: int = 32, concurrency: int = 8, fault_rate: float = 
                            concurrency, max_tokens, rng, report))
         report.blocks_free = _wait_free([p_engine, d_engine], timeout_s=lease_s * 3 + 10)
         report.servers_alive = all(httpx.get(s.url + "/health", timeout=5).status_code == 200 for s in servers)
-        d_stats = d_engine._engine.connectors[1].stats
-        p_stats = p_engine._engine.connectors[1].stats
+        d_stats = d_engine._engine.connectors.worker.stats
+        p_stats = p_engine._engine.connectors.worker.stats
         report.failures_by_class = dict(d_stats.failed_transfers)
         report.expired_leases, report.early_releases = p_stats.expired_leases, p_stats.early_releases
         report.swapped, report.content_mismatches = swapper.swapped, p_stats.content_mismatches

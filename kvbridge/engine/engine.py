@@ -26,8 +26,8 @@ from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp_executor import TPExecutor
-from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
-from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, parse_kv_transfer_params
+from kvbridge.kv_transfer.connector.base import KVConnectors, SchedulerConnector, WorkerConnector
+from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -63,50 +63,71 @@ class EngineMetrics:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  connectors: tuple[SchedulerConnector, WorkerConnector] | None = None) -> None:
+        """`connectors`: the KV connector's (scheduler, worker) halves, or None (no P/D)."""
         configure_torch_threads(config.num_threads)
+        kv = KVConnectors(*connectors) if connectors is not None else None
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = min(config.max_model_len or loaded.arch.max_position_embeddings,
                                  loaded.arch.max_position_embeddings)
-        cache = config.cache
-        tp = config.tensor_parallel_size
-        if tp > 1:
-            check_arch_tp_split(loaded.arch, tp)
-            if connectors is not None and connectors[1].local_agent is not None:
-                raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer agent: "
-                                 "build the connectors without a backend")
-        num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
-            loaded.arch, cache.block_size, DTYPES[config.dtype], tp))
-        self.num_blocks = num_blocks
+        self._check_tp_split(kv)
+        self.num_blocks = self._count_blocks()
         # Tokens per scheduler block: the configured size, or a multiple of it for a hybrid Mamba
         # model (kv_cache_layout.py); the attention kernel keeps the configured size.
-        self.block_size = logical_block_size(loaded.arch, cache.block_size, tp)
-        groups = [KVCacheGroupSpec(g.kind, self.block_size, g.layer_ids, g.sliding_window)
-                  for g in layer_groups(loaded.arch)]
-        self._mamba_groups = sum(g.kind is KVCacheKind.MAMBA for g in groups)
-        sliding = any(g.sliding_window is not None for g in groups)
-        self.kv_cache_manager = KVCacheManager(BlockPool(num_blocks, cache.enable_prefix_caching, reserve_null=sliding),
-                                               groups)
-        sched_conn, worker_conn = connectors if connectors is not None else (None, None)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, sched_conn)
-        self.runner: ModelRunner | TPExecutor
-        if tp > 1:  # the ranks load the weights (and create their transfer agents) themselves
-            self.runner = TPExecutor(config, num_blocks, worker_conn.rank_agent_spec if worker_conn else None)
-            registrations = self.runner.registrations
-        else:
-            agent = worker_conn.local_agent if worker_conn is not None else None
-            self.runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, cache.block_size,
-                                      num_blocks, config.seed, agent)
-            registrations = [agent.registration] if agent is not None else []
-        if worker_conn is not None:
-            worker_conn.register_ranks(registrations)
-        self.connectors = connectors
+        self.block_size = logical_block_size(loaded.arch, config.cache.block_size, config.tensor_parallel_size)
+        self._mamba_groups = sum(g.kind is KVCacheKind.MAMBA for g in layer_groups(loaded.arch))
+        self.kv_cache_manager = self._make_kv_cache_manager()
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
+                                   kv.scheduler if kv is not None else None)
+        self.runner = self._start_runner(loaded, kv.worker if kv is not None else None)
+        self.connectors = kv
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self._eos_ids = frozenset(eos | set(self.tokenizer.stop_token_ids))
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
+
+    def _check_tp_split(self, kv: KVConnectors | None) -> None:
+        """At TP N the model must split over the ranks, and each rank process creates its own
+        transfer agent (so the connectors come without one). Raises ValueError."""
+        tp = self.config.tensor_parallel_size
+        if tp > 1:
+            check_arch_tp_split(self.arch, tp)
+            if kv is not None and kv.worker.local_agent is not None:
+                raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer agent: "
+                                 "build the connectors without a backend")
+
+    def _count_blocks(self) -> int:
+        """The configured number of KV blocks, or as many as the configured memory holds."""
+        cache = self.config.cache
+        return cache.num_blocks or max(1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
+            self.arch, cache.block_size, DTYPES[self.config.dtype], self.config.tensor_parallel_size))
+
+    def _make_kv_cache_manager(self) -> KVCacheManager:
+        """One KV cache group per kind of layer (full, sliding window, Mamba) over one block pool."""
+        groups = [KVCacheGroupSpec(g.kind, self.block_size, g.layer_ids, g.sliding_window)
+                  for g in layer_groups(self.arch)]
+        sliding = any(g.sliding_window is not None for g in groups)
+        pool = BlockPool(self.num_blocks, self.config.cache.enable_prefix_caching, reserve_null=sliding)
+        return KVCacheManager(pool, groups)
+
+    def _start_runner(self, loaded: LoadedModel, worker: WorkerConnector | None) -> ModelRunner | TPExecutor:
+        """The model runner (TP 1), or the TP ranks, which load the weights and create their
+        transfer agents themselves; the worker connector learns every rank's agent and layout."""
+        config = self.config
+        runner: ModelRunner | TPExecutor
+        if config.tensor_parallel_size > 1:
+            runner = TPExecutor(config, self.num_blocks, worker.rank_agent_spec if worker else None)
+            registrations = runner.registrations
+        else:
+            agent = worker.local_agent if worker is not None else None
+            runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, config.cache.block_size,
+                                 self.num_blocks, config.seed, agent)
+            registrations = [agent.registration] if agent is not None else []
+        if worker is not None:
+            worker.register_ranks(registrations)
+        return runner
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -151,7 +172,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         if self.connectors is not None:
             try:
-                self.connectors[0].validate_request(len(prompt_token_ids), kv_transfer_params)
+                self.connectors.scheduler.validate_request(len(prompt_token_ids), kv_transfer_params)
             except ValueError as exc:
                 raise EngineRequestError(str(exc)) from None
         if not self.scheduler.can_admit():
@@ -191,7 +212,7 @@ class LLMEngine:
         free the blocks it holds for it. No-op without a connector."""
         if self.connectors is None:
             return
-        self.connectors[0].notify_rejected(request_id, kv_transfer_params)
+        self.connectors.scheduler.notify_rejected(request_id, kv_transfer_params)
 
     def release_kv(self, kv_transfer_params) -> bool:
         """P side: free the blocks held for a finished request at once (the proxy found no
@@ -199,7 +220,7 @@ class LLMEngine:
         name another engine."""
         if self.connectors is None or kv_transfer_params is None:
             return False
-        worker = self.connectors[1]
+        worker = self.connectors.worker
         p = kv_transfer_params
         if p.remote_engine_id != worker.engine_id or p.remote_request_id is None:
             return False
@@ -207,7 +228,7 @@ class LLMEngine:
 
     def prometheus_collectors(self) -> list:
         """Collectors a server registers on its /metrics registry (the KV connector's)."""
-        return [self.connectors[1].stats] if self.connectors is not None else []
+        return [self.connectors.worker.stats] if self.connectors is not None else []
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -217,27 +238,44 @@ class LLMEngine:
         connector messages in flight: the owner of the loop keeps stepping while True."""
         return (self.has_unfinished_requests() or self.scheduler.has_pending_work()
                 or (self.connectors is not None
-                    and (self.connectors[0].has_pending() or self.connectors[1].has_work())))
+                    and (self.connectors.scheduler.has_pending() or self.connectors.worker.has_work())))
 
     # ---- the step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if self.connectors is not None:
-            sched.kv_rank_commands = self.connectors[1].start_load_kv(sched.kv_connector_metadata)
-        result = self.runner.execute(sched) if self._ranks_have_work(sched) else ModelRunnerOutput()
-        if self.connectors is not None:
-            result.kv_connector_output = self.connectors[1].get_finished(result.kv_rank_reports)
-        touched = self.scheduler.update_from_output(sched, result)
-        outputs, self._pending = self._pending, []
-        for req in touched:
-            out = self._postprocess(req, result)
-            if out is not None:
-                outputs.append(out)
+        """One step: schedule -> run -> postprocess. Returns the outputs of the requests that
+        made progress or finished (those finished between steps first)."""
+        sched = self._schedule()
+        result = self._run(sched)
+        outputs = self._postprocess(sched, result)
         if not sched.scheduled and not outputs and not self.transfers_in_flight():
             time.sleep(IDLE_SLEEP_S)
         return outputs
 
-    def _postprocess(self, req: Request, result: ModelRunnerOutput) -> RequestOutput | None:
+    def _schedule(self) -> SchedulerOutput:
+        """What the ranks compute this step, with the worker connector's commands for them."""
+        sched = self.scheduler.schedule()
+        if self.connectors is not None:
+            sched.kv_rank_commands = self.connectors.worker.start_load_kv(sched.kv_connector_metadata)
+        return sched
+
+    def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The ranks' step (when they have work), and the worker connector's reading of their reports."""
+        result = self.runner.execute(sched) if self._ranks_have_work(sched) else ModelRunnerOutput()
+        if self.connectors is not None:
+            result.kv_connector_output = self.connectors.worker.get_finished(result.kv_rank_reports)
+        return result
+
+    def _postprocess(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """The scheduler takes the step's result; every request it touched gets its output."""
+        touched = self.scheduler.update_from_output(sched, result)
+        outputs, self._pending = self._pending, []
+        for req in touched:
+            out = self._request_output(req, result)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _request_output(self, req: Request, result: ModelRunnerOutput) -> RequestOutput | None:
         """The request's output for this step: detokenise, apply stop strings, build it.
         A failure here is this request's alone (its bookkeeping is bad, not the engine's):
         the request finishes with an error output and the batch goes on. None for a
@@ -247,18 +285,23 @@ class LLMEngine:
                          req.request_id, req.status.name)
             return None
         try:
-            stop = self.output_processor.detokenize(req)
-            if stop is not None and not req.status.is_finished:
-                self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
-            elif stop is not None and req.finish_reason is FinishReason.LENGTH:
-                # The token that reached max_tokens also completed a stop string: the text ends
-                # at the stop string, so that is the reason (as vLLM checks stops before length;
-                # a prefill's one-token answer tells the proxy the request is over).
-                req.finish_reason = FinishReason.STOP
+            self._apply_stop_string(req, self.output_processor.detokenize(req))
             lp = result.logprobs.get(req.request_id)
             return self.output_processor.make_output(req, [lp] if lp is not None else None)
         except Exception as exc:
             return self._fail_request(req, exc)
+
+    def _apply_stop_string(self, req: Request, stop: str | None) -> None:
+        """`stop`: the stop string this step's text completed, if any. It finishes a running
+        request; and a request the same token finished by length ends at the stop string, so
+        that is its reason (as vLLM checks stops before length; a prefill's one-token answer
+        tells the proxy the request is over)."""
+        if stop is None:
+            return
+        if not req.status.is_finished:
+            self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_reason=stop)
+        elif req.finish_reason is FinishReason.LENGTH:
+            req.finish_reason = FinishReason.STOP
 
     def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
         """Finish one request whose output stage raised, with an error output (HTTP 500 or an
@@ -280,29 +323,29 @@ class LLMEngine:
         """P side: a request that finished (and was granted a lease) but whose answer cannot be
         sent: no reader will ever learn of its blocks, so free them now, not at expiry."""
         if req.kv_transfer_params_out is not None:
-            self.release_kv(parse_kv_transfer_params(req.kv_transfer_params_out))
+            self.release_kv(req.kv_transfer_params_out)
 
     def _ranks_have_work(self, sched: SchedulerOutput) -> bool:
         """Tokens to compute, finished requests to forget, transfer commands, or transfers to poll:
         otherwise the step is the engine's alone (scheduling, leases, connector messages)."""
         return bool(sched.scheduled or sched.finished_req_ids or sched.kv_rank_commands
-                    or (self.connectors is not None and self.connectors[1].needs_rank_poll()))
+                    or (self.connectors is not None and self.connectors.worker.needs_rank_poll()))
 
     def transfers_in_flight(self) -> bool:
         """KV transfers under way (loads on D, reads of this engine's blocks on P): the loop's
         owner should step again promptly, or their completion waits for its back-off."""
-        return self.connectors is not None and self.connectors[1].has_transfers_in_flight()
+        return self.connectors is not None and self.connectors.worker.has_transfers_in_flight()
 
     def has_rank_commands(self) -> bool:
         """Transfer commands wait to ride the next step to the ranks (reads D planned after the
         ranks ran): the loop's owner should step again at once, not back off."""
-        return self.connectors is not None and self.connectors[1].has_rank_commands()
+        return self.connectors is not None and self.connectors.worker.has_rank_commands()
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """``wake`` is called from another thread when a transfer starts that needs this engine
         to step promptly (a remote reader was granted a read). It must be cheap and thread-safe."""
         if self.connectors is not None:
-            self.connectors[1].set_wakeup(wake)
+            self.connectors.worker.set_wakeup(wake)
 
     def metrics(self) -> EngineMetrics:
         s, kvm = self.scheduler, self.kv_cache_manager

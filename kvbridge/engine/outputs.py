@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvbridge.engine.request import FinishReason
+
+if TYPE_CHECKING:
+    from kvbridge.kv_transfer.params import KVTransferParams
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,8 @@ class RequestOutput:
     `new_token_ids` / `new_text` are deltas since the previous output of the same request.
     `finished` is set exactly once per request; then `finish_reason` is not None.
     `kv_transfer_params` is set only on the finishing output of a request whose
-    connector returned parameters (P side: where D can read the KV).
+    connector returned parameters (P side: where D can read the KV); the HTTP edge writes
+    it as JSON (params.to_wire).
     `error` is a human-readable cause when finish_reason is ERROR; `error_code` says what
     kind of failure it was where the API answers it differently (KV_LOAD_FAILED).
     """
@@ -40,7 +45,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: "KVTransferParams | None" = None
     error: str | None = None
     stop_reason: str | int | None = None
     error_code: str | None = None

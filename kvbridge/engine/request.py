@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvbridge.engine.sampling_params import SamplingParams
 
@@ -50,8 +50,9 @@ class Request:
     stop_reason: str | int | None = None
     error: str | None = None
     error_code: str | None = None  # machine-readable kind of `error` (kv_transfer.params.KV_LOAD_FAILED)
-    # Set by the connector's scheduler half; carried to the API on the finishing output.
-    kv_transfer_params_out: dict[str, Any] | None = None
+    # Set by the connector's scheduler half (P: where D reads this request's KV); carried to
+    # the API on the finishing output, and written as JSON only there (params.to_wire).
+    kv_transfer_params_out: "KVTransferParams | None" = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
 
     @property

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput
+from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
+from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankReport
 
 BlockIds = tuple[list[int], ...]
 
@@ -27,8 +28,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     finished_req_ids: set[str]  # requests that ended since the last step; the runner drops their state
-    kv_connector_metadata: Any = None
-    kv_rank_commands: list | None = None  # one rank_agent.RankCommands per TP rank, from the worker connector
+    kv_connector_metadata: ConnectorMetadata | None = None  # from the scheduler connector, for the worker half
+    kv_rank_commands: list[RankCommands] | None = None  # one per TP rank, from the worker connector
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -40,5 +41,5 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     sampling_errors: dict[str, str] = field(default_factory=dict)  # request id -> why it got no token
-    kv_rank_reports: list = field(default_factory=list)  # rank_agent.RankReport of each rank with an agent
+    kv_rank_reports: list[RankReport] = field(default_factory=list)  # of each rank with an agent
     kv_connector_output: KVConnectorOutput | None = None  # the worker connector's reading of the reports

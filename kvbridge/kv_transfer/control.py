@@ -21,31 +21,54 @@ that carries a notification is not DONE on D until P's agent has progressed
 after 20 ms; without the notification it completes when the copy ends). P's
 side-channel thread answers at once, whatever P's engine loop is doing.
 
-P registers the handlers (ControlServer); D calls them through ControlClient, from a
-worker thread, each bounded by a timeout. Every body is validated: the channel is
-reachable by anyone who can connect.
+P registers the handlers (ControlServer), which parse each body into a typed message
+(CheckRead, LeaseKey, Heartbeat) and hand it to the lease table (lease.py), the one owner of
+P's held blocks; D calls them through ControlClient, from a worker thread, each bounded by a
+timeout. Every body is validated: the channel is reachable by anyone who can connect.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import queue
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
-from kvbridge.kv_transfer.lease import MAX_READ_TIMEOUT_S, LeaseTable, Refusal
+from kvbridge.kv_transfer.lease import MAX_READ_TIMEOUT_S, LeaseTable
 from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
-from kvbridge.kv_transfer.stats import KVTransferStats
-
-logger = logging.getLogger(__name__)
 
 MSG_CHECK_READ = "kv_check_read"
 MSG_READ_DONE = "kv_read_done"
 MSG_RELEASE = "kv_release"
 MSG_HEARTBEAT = "kv_heartbeat"
 MAX_HEARTBEAT_ITEMS = 4096
+
+
+@dataclass(frozen=True)
+class LeaseKey:
+    """A lease as D names it: P's request id and the lease's generation."""
+
+    request_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class CheckRead:
+    """kv_check_read: may D read these of P's blocks now?"""
+
+    key: LeaseKey
+    blocks: tuple[list[int], ...]
+    content: str  # content_digest of D's prompt
+    connect: bool  # D has not completed a read from this P lately: P must step promptly
+    read_timeout_s: float | None  # D's read timeout (None: not sent)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """kv_heartbeat: D still waits for these leases."""
+
+    keys: tuple[LeaseKey, ...]
 
 
 def _load(body: bytes) -> dict[str, Any]:
@@ -58,13 +81,48 @@ def _load(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def _rid_gen(obj: Any) -> tuple[str, int]:
+def _lease_key(obj: Any) -> LeaseKey:
     if not isinstance(obj, (list, tuple)) or len(obj) != 2:
         raise HandlerRefusal("expected [request_id, generation]")
     rid, gen = obj
     if not isinstance(rid, str) or not rid or type(gen) is not int:
         raise HandlerRefusal("request_id must be a string and generation an int")
-    return rid, gen
+    return LeaseKey(rid, gen)
+
+
+def parse_lease_key(body: bytes) -> LeaseKey:
+    """kv_read_done and kv_release: {"rid", "gen"}. Raises HandlerRefusal."""
+    obj = _load(body)
+    return _lease_key([obj.get("rid"), obj.get("gen")])
+
+
+def parse_check_read(body: bytes) -> CheckRead:
+    """kv_check_read (module doc). Raises HandlerRefusal naming the first bad field."""
+    obj = _load(body)
+    key = _lease_key([obj.get("rid"), obj.get("gen")])
+    blocks = obj.get("blocks")
+    if (not isinstance(blocks, list) or not all(isinstance(g, list) for g in blocks)
+            or not all(type(b) is int for g in blocks for b in g)):
+        raise HandlerRefusal("blocks must be a list of lists of ints")
+    content = obj.get("content")
+    if not isinstance(content, str) or not 0 < len(content) <= 128:
+        raise HandlerRefusal("content must be the digest of the reader's prompt")
+    connect = obj.get("connect", True)
+    if not isinstance(connect, bool):
+        raise HandlerRefusal("connect must be a boolean")
+    read_timeout = obj.get("read_timeout_s")
+    if read_timeout is not None and (type(read_timeout) not in (int, float)
+                                     or not 0 < read_timeout <= MAX_READ_TIMEOUT_S):
+        raise HandlerRefusal(f"read_timeout_s must be a number of seconds in (0, {MAX_READ_TIMEOUT_S:g}]")
+    return CheckRead(key, tuple(blocks), content, connect, read_timeout)
+
+
+def parse_heartbeat(body: bytes) -> Heartbeat:
+    """kv_heartbeat: {"items": [[rid, gen], ...]}, at most MAX_HEARTBEAT_ITEMS. Raises HandlerRefusal."""
+    items = _load(body).get("items")
+    if not isinstance(items, list) or len(items) > MAX_HEARTBEAT_ITEMS:
+        raise HandlerRefusal("items must be a list of [request_id, generation]")
+    return Heartbeat(tuple(_lease_key(item) for item in items))
 
 
 def _rid_gen_body(rid: str, gen: int) -> bytes:
@@ -76,15 +134,12 @@ def incarnation_of(agent_metadata: bytes) -> str:
 
 
 class ControlServer:
-    """P side. Released request ids are queued for the engine thread (drain_released)."""
+    """P side: parses D's control messages and hands them to the lease table, which owns every
+    change to a lease (lease.py). A message that does not parse, or a read the table refuses,
+    is answered with the reason (HandlerRefusal)."""
 
-    def __init__(self, server: SideChannelServer, leases: LeaseTable, stats: KVTransferStats) -> None:
+    def __init__(self, server: SideChannelServer, leases: LeaseTable) -> None:
         self.leases = leases
-        self.stats = stats
-        # Called (on the side-channel thread) when a read from a reader that may still need
-        # UCX wire-up is granted: that read completes only once P's agent progresses.
-        self.on_read_granted: Callable[[], None] | None = None
-        self._released: "queue.SimpleQueue[str]" = queue.SimpleQueue()
         # Identifies this process's transfer agent; D compares it with the agent it
         # handshook with, to notice a P restarted under the same address.
         self.incarnation = ""
@@ -94,70 +149,26 @@ class ControlServer:
         server.register_handler(MSG_HEARTBEAT, self._heartbeat)
 
     def _check_read(self, body: bytes) -> bytes:
-        obj = _load(body)
-        rid, gen = _rid_gen([obj.get("rid"), obj.get("gen")])
-        blocks = obj.get("blocks")
-        if (not isinstance(blocks, list) or not all(isinstance(g, list) for g in blocks)
-                or not all(type(b) is int for g in blocks for b in g)):
-            raise HandlerRefusal("blocks must be a list of lists of ints")
-        content = obj.get("content")
-        if not isinstance(content, str) or not 0 < len(content) <= 128:
-            raise HandlerRefusal("content must be the digest of the reader's prompt")
-        connect = obj.get("connect", True)
-        if not isinstance(connect, bool):
-            raise HandlerRefusal("connect must be a boolean")
-        read_timeout = obj.get("read_timeout_s")
-        if read_timeout is not None and (type(read_timeout) not in (int, float)
-                                         or not 0 < read_timeout <= MAX_READ_TIMEOUT_S):
-            raise HandlerRefusal(f"read_timeout_s must be a number of seconds in (0, {MAX_READ_TIMEOUT_S:g}]")
-        refusal = self.leases.check_read(rid, gen, tuple(blocks), content, watch=connect,
-                                         read_timeout_s=read_timeout)
+        msg = parse_check_read(body)
+        refusal = self.leases.check_read(msg.key.request_id, msg.key.generation, msg.blocks, msg.content,
+                                         watch=msg.connect, read_timeout_s=msg.read_timeout_s)
         if refusal is not None:
-            self.stats.incr("refused_reads")
-            if refusal.kind is Refusal.CONTENT:  # the table ended the lease: free the blocks now
-                self.stats.incr("content_mismatches")
-                self._released.put(rid)
             raise HandlerRefusal(refusal.reason)
-        if connect and self.on_read_granted is not None:
-            try:
-                self.on_read_granted()
-            except Exception:  # a wake-up is an optimisation: never refuse a read over it
-                logger.exception("the read-granted hook failed")
         return self.incarnation.encode()
 
     def _read_done(self, body: bytes) -> bytes:
-        return self._end_lease(body, early=False)
+        key = parse_lease_key(body)
+        self.leases.read_done(key.request_id, key.generation)
+        return b"ok"
 
     def _release(self, body: bytes) -> bytes:
-        return self._end_lease(body, early=True)
-
-    def _end_lease(self, body: bytes, early: bool) -> bytes:
-        """Free a lease's blocks (queued for the engine thread); `early`: nothing was read."""
-        obj = _load(body)
-        rid, gen = _rid_gen([obj.get("rid"), obj.get("gen")])
-        if self.leases.release(rid, gen):
-            if early:
-                self.stats.incr("early_releases")
-            self._released.put(rid)
+        key = parse_lease_key(body)
+        self.leases.release(key.request_id, key.generation)
         return b"ok"
 
     def _heartbeat(self, body: bytes) -> bytes:
-        items = _load(body).get("items")
-        if not isinstance(items, list) or len(items) > MAX_HEARTBEAT_ITEMS:
-            raise HandlerRefusal("items must be a list of [request_id, generation]")
-        renewed = sum(self.leases.renew(*_rid_gen(item)) for item in items)
+        renewed = sum(self.leases.renew(k.request_id, k.generation) for k in parse_heartbeat(body).keys)
         return str(renewed).encode()
-
-    def queue_released(self, request_id: str) -> None:
-        self._released.put(request_id)
-
-    def drain_released(self) -> list[str]:
-        out = []
-        while True:
-            try:
-                out.append(self._released.get_nowait())
-            except queue.Empty:
-                return out
 
 
 class ControlClient:

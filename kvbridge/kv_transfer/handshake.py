@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
-from kvbridge.kv_transfer.block_mapping import check_block_ratios
+from kvbridge.kv_transfer.read_plan.block_mapping import check_block_ratios
 
 KVBRIDGE_CONNECTOR_VERSION = 1
 PAYLOAD_MAGIC = b"KVBH"

@@ -1,5 +1,11 @@
 """P side: leases on the blocks of finished requests kept for a remote reader.
 
+`LeaseTable` is the one owner of P's held blocks: it grants a lease, checks and renews it,
+ends it (D's read-done or release, P's own release, a content mismatch) or expires it, and
+says which requests' blocks may be freed now (`finished_sending`); the engine's scheduler
+frees them when told. The side channel's control code (control.py) only parses D's messages
+and hands them here.
+
 A lease is granted when a request with do_remote_decode finishes. It ends when D's
 read-done or release notification arrives (the blocks are freed), or when it
 expires (freed anyway, counted). D's heartbeats renew the leases of requests it
@@ -27,8 +33,8 @@ naming live blocks of another prompt) and ends that lease at once. The blocks D 
 must be exactly the granted ones, in order, or a suffix of them (D reads only what its
 own prefix cache lacks): a repeated or reordered id is refused.
 
-Thread-safe: the side-channel thread validates reads while the engine thread grants,
-releases and expires.
+Thread-safe: the side-channel thread validates reads and ends leases while the engine
+thread grants, releases and expires; ended leases wait in a queue for the engine thread.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import heapq
+import logging
+import queue
 import secrets
 import struct
 import threading
@@ -43,6 +51,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
+
+from kvbridge.kv_transfer.stats import KVTransferStats
+
+logger = logging.getLogger("kvbridge.kv_transfer")
 
 BlockIds = tuple[list[int], ...]
 
@@ -98,7 +110,7 @@ class Lease:
 READ_WATCH_S = 5.0
 # A granted read holds its blocks for this many of the reader's own read timeouts after the
 # grant (D starts no read later than one timeout after it asked, and abandons a read one timeout
-# after starting it: worker_side.py), whatever the lease's expiry: a lease that expired under a
+# after starting it: connector/receiving.py), whatever the lease's expiry: a lease that expired under a
 # read still copying would hand its blocks to another prompt while D reads them.
 READ_HOLD_TIMEOUTS = 2
 MAX_READ_TIMEOUT_S = 3600.0  # the longest read timeout a reader may name (it pins P's blocks)
@@ -107,14 +119,24 @@ CONTENT_MISMATCH = "content mismatch"
 
 
 class LeaseTable:
+    """`stats`: where refused reads, content mismatches, early releases and expiries are counted
+    (a fresh KVTransferStats when none is passed); `engine_id`: named on its log lines."""
+
     def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 read_watch_s: float = READ_WATCH_S) -> None:
+                 read_watch_s: float = READ_WATCH_S, stats: KVTransferStats | None = None,
+                 engine_id: str = "") -> None:
         if lease_seconds <= 0:
             raise ValueError("lease_seconds must be positive")
         self.lease_seconds = lease_seconds
         self.read_watch_s = read_watch_s
+        self.stats = stats if stats is not None else KVTransferStats()
+        self.engine_id = engine_id
+        # Called (on the side-channel thread) when a read from a reader that may still need
+        # UCX wire-up is granted: that read completes only once P's agent progresses.
+        self.on_read_granted: Callable[[], None] | None = None
         self._clock = clock
         self._lock = threading.Lock()
+        self._released: "queue.SimpleQueue[str]" = queue.SimpleQueue()  # ended leases, for the engine thread
         self._leases: dict[str, Lease] = {}
         # request id -> (until when its granted read counts as in flight, whether it is watched)
         self._reading: dict[str, tuple[float, bool]] = {}
@@ -164,12 +186,33 @@ class LeaseTable:
                    content: str, watch: bool = True, read_timeout_s: float | None = None) -> ReadRefusal | None:
         """Before D reads: None if the lease is live, grants these blocks and holds the KV of
         the prompt whose digest is `content`, or that prompt followed by exactly the tokens P
-        sampled (Lease.holds; the lease is renewed); else why not. `watch`: the granted read
-        counts in ``reads_in_flight(watched=True)`` too. A content
-        mismatch also ends the lease (the caller frees the blocks): the params that named it
-        were swapped or replayed, and the KV is no use to the reader that presented them.
+        sampled (Lease.holds; the lease is renewed); else why not (counted). `watch`: the
+        granted read counts in ``reads_in_flight(watched=True)`` too, and wakes the engine
+        loop (``on_read_granted``). A content mismatch also ends the lease and queues its
+        blocks to be freed (counted): the params that named it were swapped or replayed, and
+        the KV is no use to the reader that presented them.
         `read_timeout_s`: the reader's own read timeout; a granted read keeps the blocks for
         READ_HOLD_TIMEOUTS of it (the lease cannot expire under a read still copying)."""
+        refusal = self._check_read(request_id, generation, block_ids, content, watch, read_timeout_s)
+        if refusal is not None:
+            self.stats.incr("refused_reads")
+            if refusal.kind is Refusal.CONTENT:  # the lease ended: free the blocks now
+                self.stats.incr("content_mismatches")
+                self._released.put(request_id)
+        elif watch:
+            self._wake()
+        return refusal
+
+    def _wake(self) -> None:
+        if self.on_read_granted is None:
+            return
+        try:
+            self.on_read_granted()
+        except Exception:  # a wake-up is an optimisation: never refuse a read over it
+            logger.exception("the read-granted hook failed")
+
+    def _check_read(self, request_id: str, generation: int, block_ids: BlockIds, content: str, watch: bool,
+                    read_timeout_s: float | None) -> ReadRefusal | None:
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
@@ -205,14 +248,46 @@ class LeaseTable:
             granted_by = now + self.read_watch_s - min_age_s  # `until` of a read granted min_age_s ago
             return any((watch or not watched) and until <= granted_by for until, watch in self._reading.values())
 
+    def read_done(self, request_id: str, generation: int) -> bool:
+        """D read the blocks: end the lease and queue them to be freed. True if this call ended it."""
+        return self._end(request_id, generation)
+
     def release(self, request_id: str, generation: int) -> bool:
-        """End the lease (read done or not wanted). True if this call ended it."""
+        """Nobody will read the blocks (D's release, or P's own: no D could be reached): end the
+        lease and queue them to be freed (counted as an early release). True if this call ended it."""
+        ended = self._end(request_id, generation)
+        if ended:
+            self.stats.incr("early_releases")
+        return ended
+
+    def _end(self, request_id: str, generation: int) -> bool:
         with self._lock:
             if self._live(request_id, generation) is None:
                 return False
             del self._leases[request_id]
             self._reading.pop(request_id, None)
-            return True
+        self._released.put(request_id)
+        return True
+
+    def finished_sending(self) -> set[str]:
+        """The engine thread, once per step: the requests whose blocks may be freed now (their
+        lease ended since the last call, or expired: counted and logged)."""
+        done = set(self.drain_released())
+        for rid in self.pop_expired():
+            self.stats.incr("expired_leases")
+            logger.warning("lease expired: request_id=%s engine=%s; freeing its KV blocks unread", rid,
+                           self.engine_id)
+            done.add(rid)
+        return done
+
+    def drain_released(self) -> list[str]:
+        """The requests whose lease ended (not expired) since the last call, in order."""
+        out = []
+        while True:
+            try:
+                out.append(self._released.get_nowait())
+            except queue.Empty:
+                return out
 
     def pop_expired(self) -> list[str]:
         """Leases past their expiry, removed. Cost: O(log n) per heap entry popped."""

@@ -223,6 +223,11 @@ def to_wire(params: KVTransferParams) -> dict[str, Any]:
     return wire
 
 
+def wire_or_none(params: KVTransferParams | None) -> dict[str, Any] | None:
+    """`to_wire` of params that may be absent: what a response body carries (the HTTP edge)."""
+    return to_wire(params) if params is not None else None
+
+
 def _normalise_block_ids(value: object) -> BlockIds:
     if not isinstance(value, (list, tuple)):
         raise KVTransferParamsError(

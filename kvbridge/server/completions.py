@@ -35,7 +35,7 @@ from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedErro
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params
+from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params, wire_or_none
 from kvbridge.server import protocol as p
 from kvbridge.server.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
 from kvbridge.server.metrics import RequestTimer, ServerMetrics
@@ -233,12 +233,12 @@ class CompletionHandlers:
                                   finish_reason=reason)
             return wire.ChatCompletionResponse(id=job.response_id, created=job.created,
                                             model=self.engine.model_name, choices=[choice],
-                                            usage=usage, kv_transfer_params=last.kv_transfer_params)
+                                            usage=usage, kv_transfer_params=wire_or_none(last.kv_transfer_params))
         lp = p.completion_logprobs(logprobs, token_text, 0) if job.params.logprobs is not None else None
         choice = wire.CompletionChoice(text="".join(text), logprobs=lp, finish_reason=reason)
         return wire.CompletionResponse(id=job.response_id, created=job.created,
                                     model=self.engine.model_name, choices=[choice], usage=usage,
-                                    kv_transfer_params=last.kv_transfer_params)
+                                    kv_transfer_params=wire_or_none(last.kv_transfer_params))
 
     async def _stream(self, job: _Job, stream: RequestStream, timer: RequestTimer,
                       watcher: asyncio.Task[None]) -> AsyncIterator[str]:
@@ -304,7 +304,7 @@ class _ChunkMaker:
 
     def finish(self, output: RequestOutput) -> str:
         reason = output.finish_reason.value if output.finish_reason else None
-        extra = {"kv_transfer_params": output.kv_transfer_params} if output.kv_transfer_params else {}
+        extra = {"kv_transfer_params": wire_or_none(output.kv_transfer_params)} if output.kv_transfer_params else {}
         if self.job.chat:
             return self.delta(wire.DeltaMessage(), reason, **extra)
         return self._chunk([wire.CompletionChoice(text="", logprobs=None, finish_reason=reason)],

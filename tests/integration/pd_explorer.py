@@ -257,12 +257,12 @@ def check(world: World) -> list[str]:
         if m.num_held_for_remote or m.num_running or m.num_waiting:
             problems.append(f"{name}: requests left: {m}")
     if w.p_alive:
-        if len(w.p.connectors[1].leases):
-            problems.append(f"P: {len(w.p.connectors[1].leases)} leases still held")
-        expired = w.p.connectors[1].stats.expired_leases
+        if len(w.p.connectors.worker.leases):
+            problems.append(f"P: {len(w.p.connectors.worker.leases)} leases still held")
+        expired = w.p.connectors.worker.stats.expired_leases
         if expired and not w.expiry_expected:
             problems.append(f"P: {expired} leases expired although D said read-done or release")
-    recomputed = w.d.connectors[1].stats.recomputed_requests
+    recomputed = w.d.connectors.worker.stats.recomputed_requests
     if recomputed and not w.faulted:
         problems.append(f"D: {recomputed} requests recomputed although no transfer was faulted")
     for t in w.tracks:

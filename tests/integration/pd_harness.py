@@ -12,7 +12,7 @@ from kvbridge.engine.loader import LoadedModel
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.connector.factory import build_connectors
-from kvbridge.kv_transfer.params import parse_kv_transfer_params
+from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
 
 _ids = itertools.count()
 
@@ -47,7 +47,7 @@ def prefill(p: LLMEngine, prompt: list[int], request_id: str | None = None, time
     while time.monotonic() < deadline:
         for out in p.step():
             if out.request_id == rid and out.finished:
-                return out.kv_transfer_params
+                return to_wire(out.kv_transfer_params)  # as P's HTTP answer carries them
     raise TimeoutError("P did not finish the prefill")
 
 

@@ -35,7 +35,7 @@ from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 from kvbridge.kv_transfer.control import MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE
 from kvbridge.kv_transfer.handshake import HandshakeTimeout
-from kvbridge.kv_transfer.params import parse_kv_transfer_params
+from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
 from kvbridge.kv_transfer.side_channel_frames import MSG_GET_METADATA
 
 LEASE_S = 30.0
@@ -183,7 +183,7 @@ class World:
         self.p = build_engine(case, KVRole.PRODUCER, self.fabric, self.clock, case.p_num_blocks, P_CHUNK)
         self.d = build_engine(case, KVRole.CONSUMER, self.fabric, self.clock, d_num_blocks)
         self.ranks = TwoRanks.install(self.d, self.fabric) if case.d_tp == 2 else None
-        self.gate = SideChannelGate(self.d.connectors[1]._side_client)
+        self.gate = SideChannelGate(self.d.connectors.worker.receiving._side_client)
         self.p_alive = True
         self.tracks: list[Track] = []
         self.errors: list[str] = []
@@ -203,7 +203,7 @@ class World:
             if track is not None:
                 track.p_outputs.append(out)
                 if out.finished and out.kv_transfer_params is not None:
-                    track.params = out.kv_transfer_params
+                    track.params = to_wire(out.kv_transfer_params)  # as P's HTTP answer carries them
                     if track.filler:
                         track.released = True
                         self.p.release_kv(parse_kv_transfer_params(track.params))
@@ -251,16 +251,16 @@ class World:
         return self.d.scheduler.requests.get(track.d_id)
 
     def d_live_reads(self) -> int:
-        return sum(len(recv.reads) for recv in self.d.connectors[1]._recvs.values())
+        return sum(len(recv.reads) for recv in self.d.connectors.worker.receiving._recvs.values())
 
     def p_agent(self) -> FakeBackend:
-        return self.p.connectors[1].local_agent.backend
+        return self.p.connectors.worker.local_agent.backend
 
     def d_agents(self) -> list[FakeBackend]:
         """The transfer agents D reads with: its own, or its two ranks'."""
         if self.ranks is not None:
             return [a.backend for a in self.ranks.agents]
-        return [self.d.connectors[1].local_agent.backend]
+        return [self.d.connectors.worker.local_agent.backend]
 
     def hold_reads(self, held: bool, ranks: slice = slice(None)) -> None:
         """Reads on these D agents stay in progress (True) or may complete (other faults stay)."""
@@ -269,7 +269,7 @@ class World:
 
     def rank_read_settled(self, rank: int) -> bool:
         return any(r.local_rank == rank and r.result is not None
-                   for recv in self.d.connectors[1]._recvs.values() for r in recv.reads.values())
+                   for recv in self.d.connectors.worker.receiving._recvs.values() for r in recv.reads.values())
 
     # ---- finishing ------------------------------------------------------------------
     def settle(self) -> None:
@@ -284,7 +284,7 @@ class World:
         self.hold_reads(False)
 
     def _side_requests_pending(self) -> bool:
-        return bool(self.d.connectors[1]._side_requests) or self.gate.is_waiting("read_done")
+        return bool(self.d.connectors.worker.receiving._side_requests) or self.gate.is_waiting("read_done")
 
     def shutdown(self) -> None:
         self.gate.open_all()
@@ -314,7 +314,7 @@ class TwoRanks:
 
     @classmethod
     def install(cls, engine: LLMEngine, fabric: FakeFabric) -> "TwoRanks":
-        worker = engine.connectors[1]
+        worker = engine.connectors.worker
         compute = engine.runner
         compute.agent = None  # the whole-model runner only computes
         arch, layout = compute.arch, compute.layout
@@ -329,7 +329,7 @@ class TwoRanks:
             agents.append(agent)
             caches.append(cache)
             heads.append(shard.kv_heads)
-        worker._handshakes.close()  # register_ranks makes D's handshakes anew, for the two ranks
+        worker.receiving._handshakes.close()  # register_ranks makes D's handshakes anew, for the two ranks
         worker.register_ranks(regs)
         ranks = cls(compute, agents, caches, heads)
         engine.runner = ranks

@@ -40,7 +40,7 @@ from kvbridge.engine.engine import EngineMetrics, LLMEngine
 from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
-from kvbridge.kv_transfer.params import KVTransferParams
+from kvbridge.kv_transfer.params import KVTransferParams, parse_kv_transfer_params, to_wire
 from kvbridge.server.api_server import bind_socket, build_app
 from kvbridge.server.async_engine import AsyncEngine
 
@@ -68,7 +68,7 @@ class InstrumentedEngine:
         self.notified: list[tuple[str, KVTransferParams]] = []
         self.fail_requests: dict[str, str] = {}  # request id -> error, like a failed KV load
         self.explode = False  # the next step raises, like a broken device
-        self.returned_params: dict[str, dict] = {}  # request id -> kv_transfer_params, like P's connector
+        self.returned_params: dict[str, dict] = {}  # request id -> kv_transfer_params' JSON, like P's answer
         self._failed: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:
@@ -86,7 +86,7 @@ class InstrumentedEngine:
             if out.request_id in self._failed:
                 continue  # the abort that freed a failed request's blocks
             if out.finished and out.request_id in self.returned_params:
-                out.kv_transfer_params = self.returned_params[out.request_id]
+                out.kv_transfer_params = parse_kv_transfer_params(self.returned_params[out.request_id])
             error = self.fail_requests.get(out.request_id)
             if error is None:
                 outputs.append(out)
@@ -353,7 +353,7 @@ def test_request_id_header_is_honoured_and_echoed(inst: Instance) -> None:
 
 def test_kv_transfer_params_from_the_engine_are_returned_at_the_top_level(inst: Instance,
                                                                          llm: InstrumentedEngine) -> None:
-    params = {**REMOTE_PREFILL, "remote_request_id": "kvp-1"}
+    params = to_wire(parse_kv_transfer_params({**REMOTE_PREFILL, "remote_request_id": "kvp-1"}))
     llm.returned_params.update({"kvp-1": params, "kvp-2": params})
     body = {"prompt": "Hi", "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}}
     r = post(inst, "/v1/completions", body, headers={"X-Request-Id": "kvp-1"})

@@ -68,7 +68,7 @@ def test_bamba_pd_at_any_tp_pairing_gives_the_colocated_text(model, prompts, wan
                     prefix_caching=p_tp == d_tp)  # different ratios need prefix caching off on D
     try:
         assert (p.block_size, d.block_size) == (4 * {1: 6, 2: 4}[p_tp], 4 * {1: 6, 2: 4}[d_tp])
-        stats = d.connectors[1].stats
+        stats = d.connectors.worker.stats
         for i, prompt in enumerate(prompts):
             params = prefill(p, prompt)
             assert params["remote_block_size"] == p.block_size
@@ -80,7 +80,7 @@ def test_bamba_pd_at_any_tp_pairing_gives_the_colocated_text(model, prompts, wan
         assert stats.transfers == len(prompts) and not stats.failed_transfers
         settle(p, d)
         assert all_free(p, d)
-        assert p.connectors[1].stats.expired_leases == 0 and p.metrics().num_held_for_remote == 0
+        assert p.connectors.worker.stats.expired_leases == 0 and p.metrics().num_held_for_remote == 0
     finally:
         p.shutdown()
         d.shutdown()
@@ -92,7 +92,7 @@ def test_different_ratios_with_prefix_caching_on_are_refused_per_policy(model, p
     d = make_engine(model, KVRole.CONSUMER, backend_name="tcp", block_size=BLOCK, policy=policy)
     try:
         outs = decode(d, p, prompts[0], prefill(p, prompts[0]), GREEDY)
-        stats = d.connectors[1].stats
+        stats = d.connectors.worker.stats
         assert stats.transfers == 0 and stats.handshake_failures.get("layout_mismatch") == 1
         if policy is LoadFailurePolicy.RECOMPUTE:
             assert tokens(outs) == want[0]
@@ -117,7 +117,7 @@ def test_a_failed_load_recomputes_from_the_first_token_and_frees_every_group(mod
                     block_size=BLOCK)
     try:
         assert tokens(decode(d, p, prompts[0], prefill(p, prompts[0]), GREEDY)) == want[0]
-        stats = d.connectors[1].stats
+        stats = d.connectors.worker.stats
         assert stats.recomputed_requests == 1 and sum(stats.failed_transfers.values()) == 1
         settle(p, d)
         assert all_free(p, d) and p.metrics().num_held_for_remote == 0
@@ -134,7 +134,7 @@ def test_a_one_token_prompt_leaves_p_nothing_to_send(model, want):
     try:
         prompt = [model.tokenizer.encode("Hi")[0]]
         assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == colocated.generate([prompt], GREEDY)[0]
-        assert d.connectors[1].stats.transfers == 0
+        assert d.connectors.worker.stats.transfers == 0
         settle(p, d)
         assert all_free(p, d) and p.metrics().num_held_for_remote == 0
     finally:

@@ -56,7 +56,7 @@ def test_pd_output_equals_colocated(loaded, colocated, pd, text):
     assert tokens(decode(d, p, prompt, params, GREEDY)) == want
     settle(p, d)
     assert p.metrics().num_held_for_remote == 0  # freed on the read-done notification
-    assert d.connectors[1].stats.transfers == 1
+    assert d.connectors.worker.stats.transfers == 1
 
 
 def test_partial_prefix_hit_on_d_reads_only_missing_blocks(loaded, colocated, pd):
@@ -67,9 +67,9 @@ def test_partial_prefix_hit_on_d_reads_only_missing_blocks(loaded, colocated, pd
     assert d.generate([prompt[:20]], SamplingParams(max_tokens=1, temperature=0))  # D caches 1 block
     params = prefill(p, prompt)
     assert tokens(decode(d, p, prompt, params, GREEDY)) == want
-    stats = d.connectors[1].stats
+    stats = d.connectors.worker.stats
     n_blocks = -(-len(prompt) // 16)
-    block_bytes = d.connectors[1].ranks[0].layout.block_len_bytes[0]
+    block_bytes = d.connectors.worker.ranks[0].layout.block_len_bytes[0]
     assert stats.bytes == (n_blocks - 1) * block_bytes
 
 
@@ -98,7 +98,7 @@ def test_abort_before_scheduling_releases_p_blocks_at_once(loaded, pd):
     d.abort_request("x")
     settle(p, d)
     assert p.metrics().num_held_for_remote == 0
-    assert p.connectors[1].stats.early_releases == 1
+    assert p.connectors.worker.stats.early_releases == 1
 
 
 def test_rejected_request_notifies_p(loaded, pd):
@@ -107,7 +107,7 @@ def test_rejected_request_notifies_p(loaded, pd):
     params = prefill(p, prompt)
     d.notify_kv_transfer_rejected("rejected", parse_kv_transfer_params(params))
     settle(p, d)
-    assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.early_releases == 1
+    assert p.metrics().num_held_for_remote == 0 and p.connectors.worker.stats.early_releases == 1
 
 
 def test_lease_expiry_frees_blocks_and_a_late_read_is_refused(loaded, colocated):
@@ -118,11 +118,11 @@ def test_lease_expiry_frees_blocks_and_a_late_read_is_refused(loaded, colocated)
         prompt = prompt_of(loaded, "Name a planet.")
         params = prefill(p, prompt)
         settle(p)  # nobody reads: the lease expires (settle returns once it has)
-        assert p.connectors[1].stats.expired_leases == 1 and p.metrics().num_held_for_remote == 0
+        assert p.connectors.worker.stats.expired_leases == 1 and p.metrics().num_held_for_remote == 0
         outs = decode(d, p, prompt, params, GREEDY)  # a late reader: refused, recomputed
         assert tokens(outs) == colocated.generate([prompt], GREEDY)[0]
-        assert d.connectors[1].stats.failed_transfers["stale_lease"] == 1
-        assert p.connectors[1].stats.refused_reads == 1
+        assert d.connectors.worker.stats.failed_transfers["stale_lease"] == 1
+        assert p.connectors.worker.stats.refused_reads == 1
     finally:
         settle(p, d)
         p.shutdown()
@@ -182,7 +182,7 @@ def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
     d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D", lease_s=lease,
                     max_num_seqs=1)
     clock = LeaseClock()
-    leases = p.connectors[1].leases  # shared by both of P's connector halves and its control server
+    leases = p.connectors.worker.leases  # shared by both of P's connector halves and its control server
     leases._clock = clock  # LeaseTable takes a clock; build_connectors passes none
     renewals = leases.renew = Renewals(leases.renew, clock)
     try:
@@ -211,7 +211,7 @@ def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
                 step_both()
             clock.now += lease / 3
             p.step()  # P checks its leases at the new time
-            assert p.connectors[1].stats.expired_leases == 0, "the lease expired although D renewed it"
+            assert p.connectors.worker.stats.expired_leases == 0, "the lease expired although D renewed it"
         d.abort_request("hog")  # only now may the remote request start its read
         aborted = True
         deadline = time.monotonic() + 120
@@ -219,7 +219,7 @@ def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
             assert time.monotonic() < deadline, "D did not finish"
             step_both()
         assert got == want
-        assert p.connectors[1].stats.expired_leases == 0 and d.connectors[1].stats.transfers == 1
+        assert p.connectors.worker.stats.expired_leases == 0 and d.connectors.worker.stats.transfers == 1
     finally:
         settle(p, d)
         p.shutdown()
@@ -234,8 +234,8 @@ def test_full_prefix_hit_on_d_sends_only_a_release(loaded, colocated, pd):
     params = prefill(p, prompt)
     assert tokens(decode(d, p, prompt, params, GREEDY)) == want
     settle(p, d)
-    assert d.connectors[1].stats.transfers == 0 and d.connectors[1].stats.bytes == 0
-    assert p.connectors[1].stats.early_releases == 1 and p.metrics().num_held_for_remote == 0
+    assert d.connectors.worker.stats.transfers == 0 and d.connectors.worker.stats.bytes == 0
+    assert p.connectors.worker.stats.early_releases == 1 and p.metrics().num_held_for_remote == 0
 
 
 def test_p_polls_promptly_only_for_reads_between_agents_not_yet_wired_up(loaded, colocated):
@@ -246,7 +246,7 @@ def test_p_polls_promptly_only_for_reads_between_agents_not_yet_wired_up(loaded,
     p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P")
     d_agent = fabric.create_agent("D")
     d = make_engine(loaded, KVRole.CONSUMER, d_agent, engine_id="D", transfer_timeout_s=0.5)
-    leases = p.connectors[1].leases
+    leases = p.connectors.worker.leases
     asked: list[bool] = []
     in_flight_after_check: list[bool] = []
     check_read = leases.check_read
@@ -270,7 +270,7 @@ def test_p_polls_promptly_only_for_reads_between_agents_not_yet_wired_up(loaded,
         params = prefill(p, prompts[2])
         outs = decode(d, p, prompts[2], params, GREEDY)  # times out, then recomputes (the policy)
         assert tokens(outs) == colocated.generate([prompts[2]], GREEDY)[0]
-        assert d.connectors[1].stats.failed_transfers.get("transfer_timeout") == 1
+        assert d.connectors.worker.stats.failed_transfers.get("transfer_timeout") == 1
         assert asked == [True, False, False]
         settle(p, d)
 
@@ -284,7 +284,7 @@ def test_p_polls_promptly_only_for_reads_between_agents_not_yet_wired_up(loaded,
         assert tokens(decode(d, p, prompts[4], params, GREEDY)) == colocated.generate([prompts[4]], GREEDY)[0]
         assert asked == [True, False, False, True, False]  # wired up again: no pause makes it watched
         settle(p, d)
-        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
+        assert p.metrics().num_held_for_remote == 0 and p.connectors.worker.stats.expired_leases == 0
     finally:
         leases.check_read = check_read
         p.shutdown()
@@ -300,7 +300,7 @@ def test_p_polls_its_ranks_for_an_unwatched_read_only_once_it_is_overdue(loaded,
     prompt = prompt_of(loaded, "Describe Porto in two sentences.")
     params = prefill(p, prompt)
     p.step()
-    worker = p.connectors[1]
+    worker = p.connectors.worker
     assert not worker.needs_rank_poll()
     rid, gen = params["remote_request_id"], params["lease_generation"]
     blocks = parse_kv_transfer_params(params).remote_block_ids

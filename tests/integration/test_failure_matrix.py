@@ -58,7 +58,7 @@ def want(loaded, prompt):
 
 
 def p_payload(p) -> bytes:
-    return p.connectors[1].side_channel._payloads[0]
+    return p.connectors.worker.side_channel._payloads[0]
 
 
 @contextlib.contextmanager
@@ -96,23 +96,23 @@ def rogue_side_channel(fault: str, p):
     elif fault == "hash":
         payload = good[:6] + bytes(b ^ 0xFF for b in good[6:38]) + good[38:]
     elif fault == "layout":
-        w = p.connectors[1]
+        w = p.connectors.worker
         meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(),
                                  dataclasses.replace(w.ranks[0].layout, block_size=32, kv_layout="NHD"))
         payload = encode_payload(meta, w.compat.hash())
     elif fault == "tp_pairing":  # a P of TP 1 that holds only KV head 0 of 3: D's heads 1, 2 are nowhere
-        w = p.connectors[1]
+        w = p.connectors.worker
         layout = w.ranks[0].layout
         meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(), dataclasses.replace(
             layout, num_kv_heads=1, block_len_bytes=(layout.block_len_bytes[0] // layout.num_kv_heads,)))
         payload = encode_payload(meta, w.compat.hash())
     elif fault == "huge_tp":  # a P claiming a million ranks: D refuses rather than fetch them all
-        w = p.connectors[1]
+        w = p.connectors.worker
         meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(),
                                  dataclasses.replace(w.ranks[0].layout, tp_size=10**6))
         payload = encode_payload(meta, w.compat.hash())
     elif fault == "mla":  # a P serving an MLA model (its real description and hash) to D's SmolLM2
-        w = p.connectors[1]
+        w = p.connectors.worker
         meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(), w.ranks[0].layout)
         payload = encode_payload(meta, compatibility_of(EngineConfig(), MLA_ARCH, "tiny-deepseek-v2"))
     else:  # undecodable
@@ -155,22 +155,22 @@ def test_handshake_failures_follow_the_policy(loaded, prompt, want, fault, polic
             with rogue_side_channel(fault, p) as port:
                 outs = decode(d, p, prompt, {**params, "remote_port": port}, GREEDY)
         check_outcome(outs, policy, want)
-        assert d.connectors[1].stats.failed_transfers["handshake"] == 1
+        assert d.connectors.worker.stats.failed_transfers["handshake"] == 1
         if fault in ("tp_pairing", "huge_tp"):  # refused before any read, with the reason
-            assert d.connectors[1].stats.handshake_failures["layout_mismatch"] == 1
-            assert d.connectors[1].stats.transfers == 0
+            assert d.connectors.worker.stats.handshake_failures["layout_mismatch"] == 1
+            assert d.connectors.worker.stats.transfers == 0
             if policy is LoadFailurePolicy.FAIL:
                 reason = "different KV heads (3 here, 1 remote)" if fault == "tp_pairing" else "TP size 1000000"
                 assert reason in outs[-1].error
         if fault == "mla":  # refused on the hash, before any read, saying why
-            assert d.connectors[1].stats.handshake_failures["hash_mismatch"] == 1
-            assert d.connectors[1].stats.transfers == 0
+            assert d.connectors.worker.stats.handshake_failures["hash_mismatch"] == 1
+            assert d.connectors.worker.stats.transfers == 0
             if policy is LoadFailurePolicy.FAIL:
                 assert MLA_REASON in outs[-1].error and "use_mla (peer true, local false)" in outs[-1].error
         # The engine lives on and the real P still works.
         assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
         settle(p, d)  # the abandoned lease expires on P
-        assert p.connectors[1].stats.expired_leases == 1
+        assert p.connectors.worker.stats.expired_leases == 1
     finally:
         p.shutdown()
         d.shutdown()
@@ -188,21 +188,21 @@ def test_transfer_failures_follow_the_policy(loaded, prompt, want, fault, policy
         check_outcome(decode(d, p, prompt, params, GREEDY), policy, want)
         # One failure, counted once in its own class (a failed READ setup was once also
         # polled as a READ and failed again as transfer_poll).
-        assert dict(d.connectors[1].stats.failed_transfers) == {TRANSFER_FAULTS[fault]: 1}
+        assert dict(d.connectors.worker.stats.failed_transfers) == {TRANSFER_FAULTS[fault]: 1}
         # D's release after the failure frees P's blocks (settle waits for the message to be sent
         # and applied); the 30 s lease cannot have expired, and P counts the release as early.
         settle(p, d)
-        stats = p.connectors[1].stats
+        stats = p.connectors.worker.stats
         assert p.metrics().num_held_for_remote == 0 and stats.expired_leases == 0 and stats.early_releases == 1
         # The engine lives on: with the fault gone (a fresh P if it died), D serves again.
         if fault == "peer_killed":
             p.shutdown()
             p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P2"), engine_id="P2", lease_s=LONG_LEASE_S)
         else:
-            d.connectors[1].backend.set_faults(FaultConfig())
+            d.connectors.worker.backend.set_faults(FaultConfig())
         assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
         settle(p, d)  # the read-done frees the second request's blocks
-        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
+        assert p.metrics().num_held_for_remote == 0 and p.connectors.worker.stats.expired_leases == 0
     finally:
         p.shutdown()
         d.shutdown()
@@ -213,14 +213,14 @@ def test_lost_read_done_notification_is_covered_by_the_lease(loaded, prompt, wan
 
     def unreachable(host, port, rid, gen):  # P's side channel fails for this one message
         raise HandshakeRefused(f"injected: cannot connect to side channel {host}:{port}")
-    d.connectors[1].control.read_done = unreachable
+    d.connectors.worker.receiving.control.read_done = unreachable
     try:
         assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want  # the read itself succeeded
         # No "P still holds the blocks" check here: the 1 s lease may already have expired
         # during a slow decode. What freed them is told by the counters: the lease, no release.
         settle(p, d)
-        assert d.connectors[1].stats.failed_notifications == 1 and d.connectors[1].stats.transfers == 1
-        stats = p.connectors[1].stats
+        assert d.connectors.worker.stats.failed_notifications == 1 and d.connectors.worker.stats.transfers == 1
+        stats = p.connectors.worker.stats
         assert stats.expired_leases == 1 and stats.early_releases == 0 and p.metrics().num_held_for_remote == 0
     finally:
         p.shutdown()
@@ -235,8 +235,8 @@ def test_failed_release_notification_is_counted_and_the_lease_frees(loaded, prom
             d.add_request("gone", prompt, GREEDY, parse_kv_transfer_params({**params, "remote_port": port}))
             d.abort_request("gone")  # aborted before scheduling: D sends a release to a dead port
             settle(p, d)
-        assert d.connectors[1].stats.failed_notifications == 1
-        assert p.connectors[1].stats.expired_leases == 1
+        assert d.connectors.worker.stats.failed_notifications == 1
+        assert p.connectors.worker.stats.expired_leases == 1
     finally:
         p.shutdown()
         d.shutdown()
@@ -268,14 +268,14 @@ def test_mla_read_failure_follows_the_policy_and_frees_p(mla, policy):
     fabric, p, d = engines(model, policy, FaultConfig(error_state=True), lease_s=LONG_LEASE_S)
     try:
         check_outcome(decode(d, p, prompt, prefill(p, prompt), GREEDY), policy, want)
-        assert dict(d.connectors[1].stats.failed_transfers) == {"transfer_state": 1}
+        assert dict(d.connectors.worker.stats.failed_transfers) == {"transfer_state": 1}
         settle(p, d)
-        stats = p.connectors[1].stats
+        stats = p.connectors.worker.stats
         assert p.metrics().num_held_for_remote == 0 and stats.expired_leases == 0 and stats.early_releases == 1
-        d.connectors[1].backend.set_faults(FaultConfig())
+        d.connectors.worker.backend.set_faults(FaultConfig())
         assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
         settle(p, d)
-        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
+        assert p.metrics().num_held_for_remote == 0 and p.connectors.worker.stats.expired_leases == 0
         for e in (p, d):
             assert e.metrics().num_free_blocks == e.metrics().num_total_blocks
     finally:

@@ -23,7 +23,7 @@ from kvbridge.config import KVRole
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric
-from kvbridge.kv_transfer.params import parse_kv_transfer_params
+from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
 from kvbridge.stop_strings import stop_holdback
 from tests.integration.pd_harness import decode, make_engine, settle, tokens
 
@@ -67,7 +67,7 @@ def prefill_one(p, prompt: list[int], sp: SamplingParams) -> tuple[dict, list[in
     outs = []
     while not (outs and outs[-1].finished):
         outs += [o for o in p.step() if o.request_id == rid]
-    return outs[-1].kv_transfer_params, tokens(outs), "".join(o.new_text for o in outs)
+    return to_wire(outs[-1].kv_transfer_params), tokens(outs), "".join(o.new_text for o in outs)
 
 
 def continue_on_d(p, d, prompt, params: dict, sp: SamplingParams, continued: list[int] | None = None):
@@ -137,9 +137,9 @@ def test_a_continuation_from_another_token_is_refused_by_p_and_recomputed(loaded
     greedy = SamplingParams(max_tokens=6, temperature=0)
     params, first, _ = prefill_one(p, prompt, greedy)
     forged = (first[0] + 1) % loaded.arch.vocab_size
-    before = p.connectors[1].stats.content_mismatches
+    before = p.connectors.worker.stats.content_mismatches
     outs = continue_on_d(p, d, prompt, params, greedy, continued=[forged])
-    assert p.connectors[1].stats.content_mismatches == before + 1
+    assert p.connectors.worker.stats.content_mismatches == before + 1
     # D recomputed prompt + the forged token itself: a correct continuation of what it was given.
     want = colocated.generate([prompt + [forged]], SamplingParams(max_tokens=5, temperature=0))[0]
     assert tokens(outs) == want
@@ -154,11 +154,11 @@ def test_swapped_params_are_refused_and_each_request_continues_from_its_own_toke
                                            "Write two lines about a cat on a warm windowsill."))
     params_a, first_a, _ = prefill_one(p, a, greedy)
     params_b, first_b, _ = prefill_one(p, b, greedy)
-    before = p.connectors[1].stats.content_mismatches
+    before = p.connectors.worker.stats.content_mismatches
     # A's prompt and token with B's params, and B's with A's: P holds neither sequence there.
     outs_a = continue_on_d(p, d, a, params_b, greedy, continued=first_a)
     outs_b = continue_on_d(p, d, b, params_a, greedy, continued=first_b)
-    assert p.connectors[1].stats.content_mismatches == before + 2
+    assert p.connectors.worker.stats.content_mismatches == before + 2
     assert first_a + tokens(outs_a) == colocated.generate([a], greedy)[0]
     assert first_b + tokens(outs_b) == colocated.generate([b], greedy)[0]
     settle(p, d)

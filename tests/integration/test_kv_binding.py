@@ -87,7 +87,7 @@ def _reference(ref_url: str, prompt: str) -> str:
 
 
 def _stats(engine: AsyncEngine):
-    return engine.call_threadsafe(lambda e: e.connectors[1].stats).result(timeout=WAIT_S)
+    return engine.call_threadsafe(lambda e: e.connectors.worker.stats).result(timeout=WAIT_S)
 
 
 def _wait_nothing_held(p: AsyncEngine) -> bool:

@@ -46,7 +46,7 @@ def test_d_rejection_frees_p_blocks_at_once(servers, cause):
                         json={**body, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
     held = lambda: p.call_threadsafe(lambda e: e.metrics().num_held_for_remote).result(timeout=10)  # noqa: E731
     stats = lambda: p.call_threadsafe(  # noqa: E731
-        lambda e: (e.connectors[1].stats.early_releases, e.connectors[1].stats.expired_leases)).result(timeout=10)
+        lambda e: (e.connectors.worker.stats.early_releases, e.connectors.worker.stats.expired_leases)).result(timeout=10)
     assert held() == 1
     early, expired = stats()
     r = httpx.post(d_url + "/v1/completions", timeout=60, json={**body, **BAD[cause], "kv_transfer_params": params})

@@ -91,8 +91,8 @@ def test_p_releases_the_lease_of_a_request_whose_answer_failed(model):
         outs = run(p, ["r"])
         assert outs["r"][-1].finish_reason is FinishReason.ERROR and outs["r"][-1].kv_transfer_params is None
         settle(p)
-        stats = p.connectors[1].stats
-        assert len(p.connectors[1].leases) == 0 and stats.expired_leases == 0
+        stats = p.connectors.worker.stats
+        assert len(p.connectors.worker.leases) == 0 and stats.expired_leases == 0
         assert p.metrics().num_free_blocks == p.metrics().num_total_blocks
     finally:
         p.shutdown()

@@ -61,7 +61,7 @@ def test_p_and_d_with_the_same_key_transfer_and_outsiders_are_refused(loaded, pr
     fabric = FakeFabric(seed=3)
     p, d = engine(loaded, fabric, KVRole.PRODUCER, KEY), engine(loaded, fabric, KVRole.CONSUMER, KEY)
     try:
-        side_channel = p.connectors[1].side_channel
+        side_channel = p.connectors.worker.side_channel
         assert side_channel.authenticated
         params = prefill(p, prompt)
         host, port = params["remote_host"], params["remote_port"]
@@ -75,7 +75,7 @@ def test_p_and_d_with_the_same_key_transfer_and_outsiders_are_refused(loaded, pr
         # D, with the key: handshake, lease check, read and read-done all go through.
         assert tokens(decode(d, p, prompt, params, GREEDY)) == want
         settle(p, d)
-        assert d.connectors[1].stats.transfers == 1 and p.metrics().num_held_for_remote == 0
+        assert d.connectors.worker.stats.transfers == 1 and p.metrics().num_held_for_remote == 0
         assert side_channel.num_unauthenticated == 2
     finally:
         settle(p, d)
@@ -95,10 +95,10 @@ def test_a_d_without_ps_key_gets_nothing_and_follows_the_policy(loaded, prompt, 
             assert tokens(outs) == want
         else:
             assert outs[-1].finish_reason is FinishReason.ERROR and not tokens(outs)
-        assert d.connectors[1].stats.failed_transfers["handshake"] == 1
-        assert d.connectors[1].stats.transfers == 0
-        assert p.connectors[1].side_channel.num_unauthenticated >= 1
-        assert p.connectors[1].side_channel.num_served == 0  # no handler ran for D
+        assert d.connectors.worker.stats.failed_transfers["handshake"] == 1
+        assert d.connectors.worker.stats.transfers == 0
+        assert p.connectors.worker.side_channel.num_unauthenticated >= 1
+        assert p.connectors.worker.side_channel.num_served == 0  # no handler ran for D
     finally:
         settle(p, d)  # until P's lease expires
         p.shutdown()

@@ -60,7 +60,7 @@ def test_hybrid_pd_with_partial_and_full_prefix_hits_on_d(model, prompts, want, 
     d = make_engine(model, KVRole.CONSUMER, backend_name=backend, block_size=BLOCK)
     try:
         assert len(d.kv_cache_manager.groups) == 2
-        stats = d.connectors[1].stats
+        stats = d.connectors.worker.stats
         # 1. Nothing cached on D: it reads every block of both groups, none of them P's null block
         #    although P's chunks ran past the window.
         params = prefill(p, prompts[0])
@@ -83,7 +83,7 @@ def test_hybrid_pd_with_partial_and_full_prefix_hits_on_d(model, prompts, want, 
         settle(p, d)
         for e in (p, d):
             assert e.metrics().num_free_blocks == e.metrics().num_total_blocks
-        assert p.connectors[1].stats.expired_leases == 0 and p.metrics().num_held_for_remote == 0
+        assert p.connectors.worker.stats.expired_leases == 0 and p.metrics().num_held_for_remote == 0
     finally:
         p.shutdown()
         d.shutdown()

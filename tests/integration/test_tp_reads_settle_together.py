@@ -42,7 +42,7 @@ from kvbridge.kv_transfer.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
-from kvbridge.kv_transfer.tp_mapping import RankKV, plan_request_reads, request_salt
+from kvbridge.kv_transfer.read_plan.tp_mapping import RankKV, plan_request_reads, request_salt
 from tests.integration.pd_harness import make_engine, prefill, settle
 
 TP = 3
@@ -158,7 +158,7 @@ def test_each_d_rank_reads_exactly_its_heads_and_p_frees_on_the_one_read_done(lo
             others = [b for b in range(NUM_BLOCKS) if b not in local_ids]
             assert not cache[others].any()  # nothing else written
         settle(p)
-        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
+        assert p.metrics().num_held_for_remote == 0 and p.connectors.worker.stats.expired_leases == 0
         assert d.stats.transfers == 1 and all(a.num_live_reads == 0 for a in d.agents)
     finally:
         d.close()
@@ -186,8 +186,8 @@ def test_a_failed_read_fails_the_request_only_after_the_other_reads_settle(loade
         assert all(a.num_live_reads == 0 for a in d.agents)
         assert "D rank 0 from P rank 0; 1 of 3 reads failed" in out.failure_causes["d-req"]
         settle(p)
-        assert p.metrics().num_held_for_remote == 0 and p.connectors[1].stats.expired_leases == 0
-        assert p.connectors[1].stats.early_releases == 1  # P granted the read: D told it to free at once
+        assert p.metrics().num_held_for_remote == 0 and p.connectors.worker.stats.expired_leases == 0
+        assert p.connectors.worker.stats.early_releases == 1  # P granted the read: D told it to free at once
         d.agents[0].backend.set_faults(FaultConfig())  # the fault clears: the next request reads cleanly
         d.agents[2].backend.set_faults(FaultConfig())
         params = prefill(p, prompt)
@@ -223,7 +223,7 @@ class MLAPrefillRanks:
     def __init__(self, fabric: FakeFabric, tp: int, backend: str = "fake") -> None:
         self.kv = KVTransferConfig(role=KVRole.PRODUCER, backend=backend, engine_id="p-mla", lease_seconds=30.0)
         self.stats = KVTransferStats()
-        self.leases = LeaseTable(30.0)
+        self.leases = LeaseTable(30.0, stats=self.stats)
         self.stats.held_blocks = self.leases.held_blocks
         self.side_channel = SideChannelServer({}, "127.0.0.1", 0).start()
         self.conn = KVBridgeWorkerConnector(self.kv, "p-mla", None, MLA_COMPAT, self.leases,

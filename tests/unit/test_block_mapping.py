@@ -1,5 +1,5 @@
 """Logical/kernel block mapping and the prefix-caching trim for hybrid models
-(kvbridge.kv_transfer.block_mapping): seed 004's cases by name, then exhaustive small
+(kvbridge.kv_transfer.read_plan.block_mapping): seed 004's cases by name, then exhaustive small
 ranges checked against a token-position oracle."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.kv_transfer import block_mapping
-from kvbridge.kv_transfer.block_mapping import (BlockMappingError, GroupKind, KernelReadIds, apply_prefix_caching,
+from kvbridge.kv_transfer.read_plan import block_mapping
+from kvbridge.kv_transfer.read_plan.block_mapping import (BlockMappingError, GroupKind, KernelReadIds, apply_prefix_caching,
                                                 check_block_ratios, group_kind, kernel_block_count,
                                                 logical_to_kernel_block_ids)
 

@@ -26,10 +26,10 @@ KNOWN_UPWARD = {
     ("kvbridge.kv_transfer.connector.factory", "kvbridge.engine.model_runner"),
     ("kvbridge.kv_transfer.connector.factory", "kvbridge.engine.models.config"),
     ("kvbridge.kv_transfer.connector.scheduler_side", "kvbridge.engine.request"),
-    ("kvbridge.kv_transfer.mamba_mapping", "kvbridge.engine.layers.mamba2"),
-    ("kvbridge.kv_transfer.mamba_mapping", "kvbridge.engine.models.config"),
-    ("kvbridge.kv_transfer.mamba_mapping", "kvbridge.engine.tp"),
-    ("kvbridge.kv_transfer.request_reads", "kvbridge.engine.models.config"),
+    ("kvbridge.kv_transfer.read_plan.mamba_mapping", "kvbridge.engine.layers.mamba2"),
+    ("kvbridge.kv_transfer.read_plan.mamba_mapping", "kvbridge.engine.models.config"),
+    ("kvbridge.kv_transfer.read_plan.mamba_mapping", "kvbridge.engine.tp"),
+    ("kvbridge.kv_transfer.read_plan.request_reads", "kvbridge.engine.models.config"),
 }
 
 

@@ -10,7 +10,6 @@ from kvbridge.kv_transfer.control import ControlClient, ControlServer
 from kvbridge.kv_transfer.handshake import HandshakeError
 from kvbridge.kv_transfer.lease import LeaseTable, Refusal, content_digest
 from kvbridge.kv_transfer.side_channel import SideChannelServer
-from kvbridge.kv_transfer.stats import KVTransferStats
 
 BLOCKS = ([3, 4, 5],)
 PROMPT = content_digest(list(range(1, 34)))  # 33 tokens: three blocks of 16
@@ -130,7 +129,7 @@ def test_check_read_renews_and_heartbeat_renewal_is_bounded(table) -> None:
 def control():
     leases = LeaseTable(30.0)
     with SideChannelServer({0: b"{}"}, "127.0.0.1") as server:
-        cs = ControlServer(server, leases, KVTransferStats())
+        cs = ControlServer(server, leases)
         yield cs, leases, server.port
 
 
@@ -140,7 +139,7 @@ def test_a_granted_check_read_wakes_the_engine_once_if_the_reader_is_connecting(
     is in flight, but P's loop is neither woken nor kept stepping promptly."""
     cs, leases, port = control
     woken = []
-    cs.on_read_granted = lambda: woken.append(1)
+    leases.on_read_granted = lambda: woken.append(1)
     cs.incarnation = "inc-1"
     leases.grant("r1", BLOCKS, 7, PROMPT)
     client = ControlClient(timeout_s=2.0)
@@ -151,7 +150,7 @@ def test_a_granted_check_read_wakes_the_engine_once_if_the_reader_is_connecting(
     assert woken == ([1] if connect else []) and leases.reads_in_flight()
     assert leases.reads_in_flight(watched=True) is connect
     client.release("127.0.0.1", port, "r1", 7)
-    assert not leases.reads_in_flight() and cs.drain_released() == ["r1"]
+    assert not leases.reads_in_flight() and leases.drain_released() == ["r1"]
 
 
 @pytest.mark.parametrize("connect", ["yes", 1, None])
@@ -170,7 +169,7 @@ def test_a_failing_wake_hook_does_not_refuse_the_read(control) -> None:
 
     def broken() -> None:
         raise RuntimeError("boom")
-    cs.on_read_granted = broken
+    leases.on_read_granted = broken
     leases.grant("r1", BLOCKS, 7, PROMPT)
     assert ControlClient(timeout_s=2.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT) == ""
     assert leases.reads_in_flight()
@@ -214,8 +213,8 @@ def test_a_content_mismatch_over_the_side_channel_frees_the_blocks_and_is_counte
     leases.grant("r1", BLOCKS, 7, PROMPT)
     with pytest.raises(HandshakeError, match="content mismatch"):
         ControlClient(timeout_s=2.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS, OTHER_PROMPT)
-    assert cs.drain_released() == ["r1"] and "r1" not in leases
-    assert cs.stats.content_mismatches == 1 and cs.stats.refused_reads == 1
+    assert leases.drain_released() == ["r1"] and "r1" not in leases
+    assert leases.stats.content_mismatches == 1 and leases.stats.refused_reads == 1
 
 
 def test_a_check_read_without_a_content_digest_is_refused(control) -> None:

@@ -18,7 +18,6 @@ from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.side_channel_frames import (AUTH_FRAME_MAGIC, MSG_GET_METADATA, REPLY_ERROR, REPLY_OK,
                                                       decode_frame, derive_key, encode_authenticated_frame,
                                                       encode_frame)
-from kvbridge.kv_transfer.stats import KVTransferStats
 from tests.unit.side_channel_helpers import BLOCKS, CONTENT, HOST, PAYLOADS, RANK0, exchange
 
 KEY = "sk-test-key"
@@ -33,7 +32,7 @@ def _send_once(port: int, frame: bytes) -> bytes:
 def keyed() -> Iterator[tuple[SideChannelServer, ControlServer, LeaseTable]]:
     leases = LeaseTable(30.0)
     with SideChannelServer(PAYLOADS, HOST, key=KEY) as server:
-        control = ControlServer(server, leases, KVTransferStats())
+        control = ControlServer(server, leases)
         leases.grant("r1", BLOCKS, 7, CONTENT)
         yield server, control, leases
         leases.release("r1", 7)
@@ -46,10 +45,10 @@ def test_an_unauthenticated_release_is_refused_and_changes_nothing(keyed) -> Non
             ControlClient(timeout_s=5.0, client=client).release(HOST, server.port, "r1", 7)
         with pytest.raises(HandshakePeerError, match="authentication"):
             ControlClient(timeout_s=5.0, client=client).heartbeat(HOST, server.port, [("r1", 7)])
-    assert "r1" in leases and control.drain_released() == []
+    assert "r1" in leases and leases.drain_released() == []
     assert server.num_unauthenticated == 4 and server.num_served == 0
     ControlClient(timeout_s=5.0, client=HandshakeClient(key=KEY)).release(HOST, server.port, "r1", 7)
-    assert "r1" not in leases and control.drain_released() == ["r1"]
+    assert "r1" not in leases and leases.drain_released() == ["r1"]
     assert server.num_served == 1
 
 
@@ -79,7 +78,7 @@ def test_forged_stale_and_replayed_frames_are_refused(keyed) -> None:
         assert reply.msg_type == REPLY_ERROR and b"authentication" in reply.body
     assert "r1" in leases and server.num_served == 0
     assert decode_frame(_send_once(server.port, good), 1 << 20).msg_type == REPLY_OK
-    assert "r1" not in leases and control.drain_released() == ["r1"]
+    assert "r1" not in leases and leases.drain_released() == ["r1"]
     leases.grant("r1", BLOCKS, 8, CONTENT)  # a new lease: a replay of the old frame must not touch it
     replay = decode_frame(_send_once(server.port, good), 1 << 20)
     assert replay.msg_type == REPLY_ERROR and b"replayed" in replay.body

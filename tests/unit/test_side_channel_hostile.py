@@ -14,7 +14,6 @@ from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.side_channel_frames import MSG_GET_METADATA, REPLY_OK, encode_frame
-from kvbridge.kv_transfer.stats import KVTransferStats
 from tests.unit.side_channel_helpers import BLOCKS, CONTENT, HOST, PAYLOADS, RANK0, exchange
 
 
@@ -25,7 +24,7 @@ def test_idle_connections_do_not_lock_peers_out() -> None:
     eviction as the only way in."""
     leases = LeaseTable(30.0)
     with SideChannelServer(PAYLOADS, HOST, read_timeout_s=30.0, max_connections=32) as server:
-        control = ControlServer(server, leases, KVTransferStats())
+        ControlServer(server, leases)
         established = socket.create_connection((HOST, server.port), timeout=5.0)
         idle: list[socket.socket] = []
         try:
@@ -36,7 +35,7 @@ def test_idle_connections_do_not_lock_peers_out() -> None:
             assert HandshakeClient().fetch(HOST, server.port, 0, timeout=5.0) == PAYLOADS[0]
             leases.grant("r1", BLOCKS, 7, CONTENT)
             ControlClient(timeout_s=5.0).release(HOST, server.port, "r1", 7)
-            assert "r1" not in leases and control.drain_released() == ["r1"]
+            assert "r1" not in leases and leases.drain_released() == ["r1"]
             # The peer that had already been served keeps its connection through the flood.
             assert exchange(established, encode_frame(MSG_GET_METADATA, RANK0)) == encode_frame(
                 REPLY_OK, PAYLOADS[0])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvbridge.engine.tp import TPSplitError, check_tp_split, rank_shard, shard_plan
-from kvbridge.kv_transfer.tp_mapping import (HeadSpan, RankBlocks, RankKV, ReleaseNotice, TPMappingError,
+from kvbridge.kv_transfer.read_plan.tp_mapping import (HeadSpan, RankBlocks, RankKV, ReleaseNotice, TPMappingError,
                                              block_read_descs, check_pairing, plan_request_reads, rank_reads,
                                              reads_per_remote_rank, request_salt)
 

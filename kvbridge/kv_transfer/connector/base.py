@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+
+from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
 
 if TYPE_CHECKING:
     from kvbridge.engine.request import Request
     from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, RankReport
+    from kvbridge.kv_transfer.params import KVTransferParams
 
 BlockIds = tuple[list[int], ...]
 
@@ -64,20 +67,22 @@ class SchedulerConnector(ABC):
         """Called right after blocks were allocated for a request the connector asked about."""
 
     @abstractmethod
-    def build_connector_meta(self) -> Any:
+    def build_connector_meta(self) -> ConnectorMetadata:
         """Called at the end of every schedule(); returns this step's metadata for the
-        worker half and resets the per-step state."""
+        worker half (what to receive, what to release, which leases to renew) and resets
+        the per-step state."""
 
     @abstractmethod
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Called with the worker half's output before the scheduler acts on it."""
 
     @abstractmethod
-    def request_finished(self, request: "Request", block_ids: BlockIds) -> tuple[bool, dict | None]:
+    def request_finished(self, request: "Request", block_ids: BlockIds) -> tuple[bool, "KVTransferParams | None"]:
         """Called exactly once when a request finishes (any reason) or is aborted.
 
         Returns (delay_free, kv_transfer_params): with delay_free the scheduler keeps
-        the blocks until the request id appears in finished_sending.
+        the blocks until the request id appears in finished_sending; the params (P: where
+        D reads them) ride the request's finishing output, typed until the HTTP edge.
         """
 
     def recompute_on_load_failure(self, request: "Request") -> bool:
@@ -100,9 +105,10 @@ class WorkerConnector(ABC):
         """Every rank's transfer agent blob and KV layout, rank order, once at start."""
 
     @abstractmethod
-    def start_load_kv(self, metadata: Any) -> list["RankCommands"] | None:
-        """Before the ranks run: take this step's metadata; return one RankCommands per rank,
-        or None when no rank has anything to do."""
+    def start_load_kv(self, metadata: ConnectorMetadata | None) -> list["RankCommands"] | None:
+        """Before the ranks run: take this step's metadata (None: the step ran without a
+        connector's schedule); return one RankCommands per rank, or None when no rank has
+        anything to do."""
 
     @abstractmethod
     def get_finished(self, reports: Sequence["RankReport"] = ()) -> KVConnectorOutput:
@@ -126,3 +132,10 @@ class WorkerConnector(ABC):
 
     def shutdown(self) -> None:
         """Releases transfers, registrations and threads; idempotent."""
+
+
+class KVConnectors(NamedTuple):
+    """One engine's two connector halves, by name (built together: connector/factory.py)."""
+
+    scheduler: SchedulerConnector
+    worker: WorkerConnector

@@ -16,7 +16,7 @@ from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
 from kvbridge.kv_transfer.failure import FailureHandler
 from kvbridge.kv_transfer.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable
-from kvbridge.kv_transfer.request_reads import KVGroups
+from kvbridge.kv_transfer.read_plan.request_reads import KVGroups
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 
@@ -55,7 +55,7 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
         raise ValueError("no kv_transfer configuration")
     engine_id = kv.engine_id or f"kvbridge-{uuid.uuid4().hex[:12]}"
     stats = KVTransferStats()
-    leases = LeaseTable(kv.lease_seconds, clock=clock)
+    leases = LeaseTable(kv.lease_seconds, clock=clock, stats=stats, engine_id=engine_id)
     stats.held_blocks = leases.held_blocks
     side_channel = None
     if kv.role in (KVRole.PRODUCER, KVRole.BOTH):

@@ -37,7 +37,7 @@ from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec,
 from kvbridge.kv_transfer.failure import recompute_on_failure
 from kvbridge.kv_transfer.handshake_manager import is_trusted_host
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
-from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams, KVTransferParamsError, to_wire
+from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams, KVTransferParamsError
 from kvbridge.kv_transfer.stats import KVTransferStats
 
 logger = logging.getLogger("kvbridge.kv_transfer")
@@ -178,7 +178,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         for rid in output.finished_recving:
             self._waiting.pop(rid, None)
 
-    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
         rid = request.request_id
         self._waiting.pop(rid, None)
         p = request.kv_transfer_params
@@ -208,7 +208,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             remote_engine_id=self.engine_id, remote_request_id=rid, remote_host=host, remote_port=port,
             tp_size=self.tp_size, remote_num_tokens=request.num_prompt_tokens, remote_block_size=self.block_size,
             lease_generation=generation, generated_token_ids=tuple(generated) if generated else None)
-        return True, to_wire(params)
+        return True, params
 
     def recompute_on_load_failure(self, request: Request) -> bool:
         recompute = recompute_on_failure(self.config.load_failure_policy, self.config.recompute_max_tokens,

@@ -33,7 +33,7 @@ from typing import Sequence
 from kvbridge.engine.layers.mamba2 import Mamba2Shard, mamba2_shard
 from kvbridge.engine.models.config import Mamba2Config
 from kvbridge.engine.tp import TPSplitError
-from kvbridge.kv_transfer.tp_mapping import Desc, HeadSpan, TPMappingError, strided_descs
+from kvbridge.kv_transfer.read_plan.tp_mapping import Desc, HeadSpan, TPMappingError, strided_descs
 
 
 @dataclass(frozen=True)
