@@ -4,7 +4,8 @@ Requests are validated strictly (a string is not an int, a bool is not a number)
 unknown fields are ignored, because OpenAI clients send extras. Every check a client
 can fail is a pydantic validator, so the server turns all of them into one HTTP 400.
 Features that would change what the client gets back and that kvbridge does not
-implement (n > 1, echo, penalties, logit_bias, tools) are refused rather than ignored.
+implement (n > 1, echo, presence and frequency penalties, logit_bias, tools) are refused rather
+than ignored. A sampling field left out (None) takes the model's default (--generation-config).
 
 Responses and stream chunks mirror OpenAI's shapes; like vLLM they carry
 `kv_transfer_params` at the top level when the engine returned some (P side).
