@@ -72,3 +72,12 @@ def test_up_passes_the_generation_config_to_p_and_d_and_p_answers_one_token(tmp_
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_up_with_a_bad_generation_config_fails_before_anything_starts(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    up = subprocess.run([sys.executable, "-m", "kvbridge.cli", "up", "--port", "0", "--generation-config",
+                         str(tmp_path)], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert up.returncode == 2
+    assert f"error: {tmp_path / 'generation_config.json'}: top_p must be a number in (0, 1], got 0" in up.stderr
+    assert "started" not in up.stderr  # no child was ever spawned
