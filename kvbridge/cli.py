@@ -58,6 +58,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(on CPU at TP > 1, this process's CPUs split in equal runs, one per rank), none, or one "
                         "list per rank such as 0-3|4-7 (default: %(default)s)")
     e.add_argument("--seed", type=int, default=0, help="seed of the sampler (default: %(default)s)")
+    e.add_argument("--generation-config", default="auto",
+                   help="sampling defaults of requests that omit them, as vLLM's option: auto (the model folder's "
+                        "generation_config.json; for the default model, the sampling its authors publish), vllm "
+                        "(none: OpenAI's defaults) or a folder holding a generation_config.json; a request's own "
+                        "values always win (default: %(default)s)")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block, a power of two "
                    "(default: %(default)s)")
     e.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-gb)")
@@ -141,13 +146,18 @@ def engine_config_from_args(a: argparse.Namespace):
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_waiting=a.max_waiting),
-        kv_transfer=kv, tensor_parallel_size=getattr(a, "tensor_parallel_size", 1), cpu_bind=a.cpu_bind)
+        kv_transfer=kv, tensor_parallel_size=getattr(a, "tensor_parallel_size", 1), cpu_bind=a.cpu_bind,
+        generation_config=a.generation_config)
 
 
 def _checked_engine_config(a: argparse.Namespace) -> EngineConfig | None:
-    """engine_config_from_args, or None after printing (as argparse would) why the options are invalid."""
+    """engine_config_from_args, or None after printing (as argparse would) why the options are invalid
+    (a --generation-config whose file cannot be used included)."""
+    from kvbridge.engine.generation_config import sampling_defaults
     try:
-        return engine_config_from_args(a)
+        config = engine_config_from_args(a)
+        sampling_defaults(config.generation_config, config.model)
+        return config
     except ValueError as exc:
         print(f"kvbridge serve: error: {exc}", file=sys.stderr)
         return None

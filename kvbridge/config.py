@@ -135,6 +135,8 @@ class EngineConfig:
     tp_step_timeout_s: float = 600.0
     # Which CPUs each rank computes on: auto, none or one list per rank ("0-3|4-7"); engine/cpu_bind.py.
     cpu_bind: str = "auto"
+    # The model's sampling defaults for requests that omit them: auto, vllm or a folder (engine/generation_config.py).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

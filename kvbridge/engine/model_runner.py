@@ -171,7 +171,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         sampled = [s for s in sched.scheduled if s.sample]
         result = self.sampler.sample(logits, [s.request_id for s in sampled], [s.sampling_params for s in sampled],
-                                     [s.num_output_tokens for s in sampled])
+                                     [s.num_output_tokens for s in sampled], [s.penalty_token_ids for s in sampled])
         out.sampled_token_ids = result.tokens
         out.logprobs = result.logprobs
         out.sampling_errors = result.errors

@@ -19,6 +19,8 @@ class SamplingParams:
     temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means disabled
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one's probability; 0 disables it
+    repetition_penalty: float = 1.0  # > 1 discourages the prompt's and output's tokens (vLLM's rule); 1 disables it
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -35,6 +37,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be non-negative (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be finite and positive, got {self.repetition_penalty}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must fit in 64 bits ({SEED_MIN} to {SEED_MAX}), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
@@ -43,3 +49,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalises_repetition(self) -> bool:
+        return self.repetition_penalty != 1.0

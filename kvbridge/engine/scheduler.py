@@ -185,10 +185,12 @@ class Scheduler:
     def _scheduled(self, req: Request, num_new: int, block_ids) -> ScheduledRequest:
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + num_new]
+        sample = start + num_new == req.num_tokens
+        penalised = sample and req.sampling_params.penalises_repetition
         return ScheduledRequest(
             request_id=req.request_id, token_ids=tokens, start_pos=start, block_ids=block_ids,
-            sample=start + num_new == req.num_tokens, sampling_params=req.sampling_params,
-            num_output_tokens=req.num_output_tokens)
+            sample=sample, sampling_params=req.sampling_params, num_output_tokens=req.num_output_tokens,
+            penalty_token_ids=tuple(req.all_token_ids) if penalised else ())
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the blocks, start over from the prompt + output so far."""

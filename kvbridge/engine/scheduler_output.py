@@ -22,6 +22,8 @@ class ScheduledRequest:
     sample: bool  # this step reaches the request's last known token: sample the next one
     sampling_params: SamplingParams
     num_output_tokens: int  # output tokens so far (seeds the per-request generator offset)
+    # With `sample` and a repetition penalty: the prompt's and output's tokens, which the penalty discourages.
+    penalty_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

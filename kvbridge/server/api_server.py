@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbridge import openai_wire as wire
 from kvbridge.config import EngineConfig
+from kvbridge.engine.generation_config import NO_DEFAULTS, SamplingDefaults, sampling_defaults, startup_lines
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.server.async_engine import AsyncEngine, EngineState
@@ -154,13 +155,16 @@ async def _on_unexpected(raw: Request, exc: Exception) -> Response:
     return as_api_error(exc, raw.headers.get(wire.REQUEST_ID_HEADER, "-")).response()
 
 
-def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, api_key: str | None = None,
+              sampling_defaults: SamplingDefaults = NO_DEFAULTS) -> FastAPI:
     """The FastAPI app of one instance. The caller owns `engine` (and shuts it down).
+    `sampling_defaults`: what a request that omits a sampling field gets (--generation-config).
     `app.state.registry` is the Prometheus registry /metrics serves: other components
     may register their collectors on it."""
     app = FastAPI(title="kvbridge", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics()
-    app.state.instance = _Instance(engine, CompletionHandlers(engine, metrics), metrics, api_key)
+    app.state.instance = _Instance(engine, CompletionHandlers(engine, metrics, sampling_defaults), metrics,
+                                       api_key)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.registry = metrics.registry
@@ -225,6 +229,7 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    defaults = sampling_defaults(config.generation_config, config.model)  # a bad file fails before the model loads
     kv = config.kv_transfer
     if kv is not None and kv.backend == "nixl":  # before any NIXL agent (or TP rank) starts: UCX reads it once
         apply_ucx_net_devices(os.environ, kv.public_host)
@@ -238,7 +243,9 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
         sock.close()
         raise
     sock.listen(2048)
-    server = _Server(uvicorn.Config(build_app(engine, api_key), log_level=log_level,
+    for i, line in enumerate(startup_lines(defaults)):  # as vLLM: a warning, then the defaults
+        logger.log(logging.WARNING if i == 0 else logging.INFO, "%s", line)
+    server = _Server(uvicorn.Config(build_app(engine, api_key, defaults), log_level=log_level,
                                     timeout_graceful_shutdown=10), engine)
     bound_port = sock.getsockname()[1]
     shown_host = f"[{host}]" if ":" in host else host

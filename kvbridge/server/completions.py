@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvbridge import openai_wire as wire
 from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedError, EngineRequestError
+from kvbridge.engine.generation_config import SamplingDefaults
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
@@ -82,9 +83,10 @@ class _Job:
 class CompletionHandlers:
     """Serves the completions and chat completions requests of one instance's engine."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, defaults: SamplingDefaults) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.defaults = defaults  # the model's sampling defaults (--generation-config)
         self.created = int(time.time())
         # A prompt text longer than this has more tokens than the context holds, whatever
         # its content: it is refused without being tokenised (a 10 MB prompt took 9 s).
@@ -149,8 +151,7 @@ class CompletionHandlers:
             prompt_ids = list(request.prompt)
         max_tokens = self._check_length(request, len(prompt_ids))
         try:
-            params = (request.to_sampling_params(max_tokens) if chat
-                      else request.to_sampling_params())
+            params = request.to_sampling_params(max_tokens, self.defaults)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         if not params.ignore_eos:  # end-of-turn tokens besides eos (e.g. <|endoftext|>)
@@ -170,7 +171,8 @@ class CompletionHandlers:
 
     def _check_length(self, request: p.CompletionRequest | p.ChatCompletionRequest,
                       num_prompt: int) -> int:
-        """The request's max_tokens (chat without one: what the context leaves), or 400."""
+        """The request's max_tokens; without one, the model's default (at most what the context
+        leaves, as vLLM), else what the context leaves (chat) or COMPLETION_MAX_TOKENS; or 400."""
         limit = self.engine.max_model_len
         param = "messages" if isinstance(request, p.ChatCompletionRequest) else "prompt"
         if num_prompt >= limit:
@@ -178,10 +180,15 @@ class CompletionHandlers:
                            f"the prompt has {num_prompt} tokens and at least one token must be "
                            "generated. Please shorten the prompt.",
                            param=param, code="context_length_exceeded")
-        if isinstance(request, p.ChatCompletionRequest):
-            max_tokens = request.requested_max_tokens or limit - num_prompt
+        requested = request.requested_max_tokens
+        if requested is not None:
+            max_tokens = requested
+        elif self.defaults.max_tokens is not None:
+            max_tokens = min(self.defaults.max_tokens, limit - num_prompt)
+        elif isinstance(request, p.ChatCompletionRequest):
+            max_tokens = limit - num_prompt
         else:
-            max_tokens = request.max_tokens
+            max_tokens = p.COMPLETION_MAX_TOKENS
         if num_prompt + max_tokens > limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. "
                            f"However, you requested {num_prompt + max_tokens} tokens "

@@ -7,7 +7,8 @@ Requests are validated strictly (a string is not an int, a bool is not a number)
 unknown fields are ignored, because OpenAI clients send extras. Every check a client
 can fail is a pydantic validator, so the server turns all of them into one HTTP 400.
 Features that would change what the client gets back and that kvbridge does not
-implement (n > 1, echo, penalties, logit_bias, tools) are refused rather than ignored.
+implement (n > 1, echo, presence and frequency penalties, logit_bias, tools) are refused rather
+than ignored. A sampling field left out (None) takes the model's default (--generation-config).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from kvbridge.engine.generation_config import SamplingDefaults
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from kvbridge.openai_wire import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 MAX_LOGPROBS = 20  # SamplingParams' limit
 MAX_STOP_STRINGS = 16
+COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when neither it nor the model gives one (OpenAI's)
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -40,9 +43,12 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None  # None: the served model
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # extension; 0 or -1 disable it
+    # Sampling: None (omitted) takes the model's default (--generation-config), else OpenAI's.
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension; 0 or -1 disable it
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension; 0 disables it
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # extension; 1 disables it
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension
@@ -102,20 +108,28 @@ class _Request(BaseModel):
     def include_usage_chunk(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, defaults: SamplingDefaults) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stops),
+            max_tokens=max_tokens, temperature=_given(self.temperature, defaults.temperature, 1.0),
+            top_p=_given(self.top_p, defaults.top_p, 1.0), top_k=max(_given(self.top_k, defaults.top_k, 0), 0),
+            min_p=_given(self.min_p, defaults.min_p, 0.0),
+            repetition_penalty=_given(self.repetition_penalty, defaults.repetition_penalty, 1.0),
+            seed=self.seed, stop=tuple(stops),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+def _given(value: Any, default: Any, neutral: Any) -> Any:
+    """The request's value, else the model's default, else OpenAI's (`neutral`)."""
+    return value if value is not None else default if default is not None else neutral
 
 
 class CompletionRequest(_Request):
     """POST /v1/completions. `prompt` is text or token ids; a batch of exactly one is unwrapped."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # None: the model's default, else COMPLETION_MAX_TOKENS
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -153,8 +167,12 @@ class CompletionRequest(_Request):
             raise ValueError("suffix is not supported")
         return value
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
+        return self._sampling_params(max_tokens, self.logprobs, defaults)
 
 
 class ContentPart(BaseModel):
@@ -213,9 +231,9 @@ class ChatCompletionRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
 
 # ---------------------------------------------------------------- logprob conversion

