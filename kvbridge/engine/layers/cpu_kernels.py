@@ -18,10 +18,13 @@ once and attends with the gather + SDPA path (the path CUDA and non-fp32 caches 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,7 +47,34 @@ def _cpu_identity() -> str:
 def build_dir() -> Path:
     from kvbridge.engine.loader.cache import default_cache_dir  # here: the loader package imports the models
 
-    return default_cache_dir() / "cpu-kernels" / f"torch-{torch.__version__}-{_cpu_identity()}"
+    return default_cache_dir() / "cpu-kernels" / f"torch-{torch.__version__}-{_cpu_identity()}-{_source_identity()}"
+
+
+def _source_identity() -> str:
+    """The kernels' sources, by content: another version of them builds in its own folder rather
+    than rebuilding (and waiting on) this one's."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One builder at a time per folder, on an flock the OS drops when its holder dies. Holding
+    it, a `lock` file left by torch's own lock (a file that exists while a build runs) is stale:
+    its builder was killed mid-build (Ctrl-C, a timeout), and torch would wait for it forever,
+    at every later start."""
+    with open(directory / "kvbridge-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a kernel build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load(verbose: bool = False) -> None:
@@ -53,9 +83,10 @@ def load(verbose: bool = False) -> None:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name="kvbridge_cpu_kernels", sources=[str(s) for s in SOURCES],
-                       build_directory=str(directory), is_python_module=False, verbose=verbose,
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"])
+    with _build_lock(directory):
+        cpp_extension.load(name="kvbridge_cpu_kernels", sources=[str(s) for s in SOURCES],
+                           build_directory=str(directory), is_python_module=False, verbose=verbose,
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"])
 
 
 def available() -> bool:

@@ -1,0 +1,37 @@
+"""A kernel build killed mid-way (Ctrl-C at the first start, a test's timeout) leaves torch's
+`lock` file in the build folder, and torch waits for that file to go before it even loads a
+finished build: every later start hung, forever. kvbridge's builders take turns on an flock (the
+OS drops it with its holder) and, holding it, remove the stale file. The kernels are built by
+scripts/install.sh, so this loads the real build in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from kvbridge.engine.layers import cpu_kernels
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start() -> None:
+    directory = cpu_kernels.build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    stale = directory / "lock"
+    stale.touch()  # what torch's lock leaves when its builder is killed
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "from kvbridge.engine.layers import cpu_kernels; cpu_kernels.load()"],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True, text=True,
+            timeout=180)
+    finally:
+        stale.unlink(missing_ok=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left by a kernel build that was killed" in done.stderr
+
+
+def test_other_kernel_sources_build_in_their_own_folder(tmp_path, monkeypatch) -> None:
+    here = cpu_kernels.build_dir()
+    changed = tmp_path / "paged_decode.cpp"
+    changed.write_bytes(cpu_kernels.SOURCES[0].read_bytes() + b"\n// another version\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [changed, *cpu_kernels.SOURCES[1:]])
+    assert cpu_kernels.build_dir() != here and cpu_kernels.build_dir().parent == here.parent
