@@ -13,12 +13,10 @@ from typing import Callable, Sequence
 
 from kvbridge.config import EngineConfig
 from kvbridge.engine.block_pool import BlockPool
-from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheKind, KVCacheManager
-from kvbridge.engine.kv_groups import layer_groups
-from kvbridge.engine.models import check_arch_tp_split
+from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from kvbridge.engine.loader import LoadedModel, load_model
-from kvbridge.engine.kv_cache_layout import logical_block_size
-from kvbridge.engine.model_runner import DTYPES, ModelRunner, configure_torch_threads, kv_bytes_per_block
+from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads, kv_bytes_per_block
+from kvbridge.engine.models import check_arch_tp_split
 from kvbridge.engine.output_processor import OutputProcessor
 from kvbridge.engine.outputs import REQUEST_OUTPUT_FAILED, RequestOutput
 from kvbridge.engine.request import FinishReason, Request
@@ -28,6 +26,9 @@ from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, parse_kv_transfer_params
+from kvbridge.spec.dtypes import DTYPES
+from kvbridge.spec.kv_cache_layout import logical_block_size
+from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class LLMEngine:
             loaded.arch, cache.block_size, DTYPES[config.dtype], tp))
         self.num_blocks = num_blocks
         # Tokens per scheduler block: the configured size, or a multiple of it for a hybrid Mamba
-        # model (kv_cache_layout.py); the attention kernel keeps the configured size.
+        # model (spec/kv_cache_layout.py); the attention kernel keeps the configured size.
         self.block_size = logical_block_size(loaded.arch, cache.block_size, tp)
         groups = [KVCacheGroupSpec(g.kind, self.block_size, g.layer_ids, g.sliding_window)
                   for g in layer_groups(loaded.arch)]

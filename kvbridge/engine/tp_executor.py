@@ -3,7 +3,7 @@
 The engine process (global rank 0 of a gloo process group of N + 1) spawns N rank
 processes with `torch.multiprocessing` (spawn). Rank process i (global rank i + 1, TP
 rank i) loads the model, keeps its shard of the weights and of the KV cache (its KV
-heads; `engine/tp.py`) and sums partial layer outputs with `all_reduce` over a group of
+heads; `spec/tp_split.py`) and sums partial layer outputs with `all_reduce` over a group of
 the N ranks (gloo on CPU, NCCL on CUDA). Each engine step is ONE broadcast of the step's
 inputs (the scheduler output, which carries the connector metadata) and ONE gather of the
 ranks' outputs over the default gloo group (`tp_channel.StepChannel`: a fixed-size frame
@@ -65,8 +65,8 @@ import torch.multiprocessing as mp
 from kvbridge.config import EngineConfig
 from kvbridge.engine.cpu_bind import CpuBindError, format_cpus, rank_cpus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvbridge.engine.tp import rank_shard
 from kvbridge.engine.tp_channel import StepChannel
+from kvbridge.spec.tp_split import rank_shard
 
 logger = logging.getLogger(__name__)
 

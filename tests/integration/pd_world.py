@@ -29,7 +29,6 @@ from kvbridge.engine.loader import LoadedModel
 from kvbridge.engine.models import kv_cache_shape
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.engine.tp import rank_shard
 from kvbridge.kv_transfer.backends.fake import FakeBackend, FakeFabric
 from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent
@@ -37,6 +36,7 @@ from kvbridge.kv_transfer.control import MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ
 from kvbridge.kv_transfer.handshake import HandshakeTimeout
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.kv_transfer.side_channel_frames import MSG_GET_METADATA
+from kvbridge.spec.tp_split import rank_shard
 
 LEASE_S = 30.0
 WAIT_S = 20.0  # the longest any one wait for a step's effect may take (a bug, not a slow machine)

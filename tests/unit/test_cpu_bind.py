@@ -108,9 +108,9 @@ class _RecordingAgent:
 @pytest.mark.parametrize("readers", [0, 1, 2])
 def test_the_runner_waits_for_the_other_ranks_only_before_a_step_whose_reads_span_ranks(readers):
     from kvbridge.engine.model_runner import ModelRunner
-    from kvbridge.engine.models.config import ModelFamily
     from kvbridge.engine.scheduler_output import SchedulerOutput
-    from kvbridge.engine.tp import rank_shard
+    from kvbridge.spec.model_config import ModelFamily
+    from kvbridge.spec.tp_split import rank_shard
     from tests.unit.test_loader import random_weights, tiny_arch
 
     arch = tiny_arch(ModelFamily.LLAMA)

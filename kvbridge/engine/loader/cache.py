@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
 from kvbridge.engine.tokenizer import Tokenizer
+from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
 
 logger = logging.getLogger(__name__)
 

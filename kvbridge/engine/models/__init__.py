@@ -8,10 +8,10 @@ Contract (the model runner codes against it):
   head_size] (Llama family: entries 0 = K, 1 = V of head_dim each, num_kv_heads this rank's;
   MLA: one KV head, one entry = the latent of kv_lora_rank + qk_rope_head_dim values, the
   same on every TP rank; see ModelArchConfig.cache_*). num_layers becomes the layers per KV
-  cache group when a model mixes full and sliding-window layers (kv_groups.py); then
+  cache group when a model mixes full and sliding-window layers (spec/kv_groups.py); then
   `forward` gets one AttentionMetadata per group. With kernel blocks smaller than the
   scheduler's blocks (hybrid Mamba models) the first dimension counts kernel blocks, and a
-  Bamba model also keeps its Mamba states in the same memory (kv_cache_layout.py: the runner
+  Bamba model also keeps its Mamba states in the same memory (spec/kv_cache_layout.py: the runner
   allocates the tensor from a `KVCacheLayout` and binds the layout to the model). Block-major, so a block of every
   layer is contiguous for KV transfers, and head-major within a block, so a run of heads
   of a block is contiguous too (a decode rank of another TP size reads its heads as one
@@ -28,9 +28,11 @@ from collections.abc import Callable
 import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
-from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
 from kvbridge.engine.models.weights import WeightSlot
-from kvbridge.engine.tp import RankShard, TPSplitError, check_tp_split
+from kvbridge.spec.kv_groups import slots_per_block
+from kvbridge.spec.mamba_shard import mamba2_shard
+from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
+from kvbridge.spec.tp_split import RankShard, TPSplitError, check_tp_split
 
 
 class CausalLM(torch.nn.Module, ABC):
@@ -68,8 +70,6 @@ def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int,
                    num_kv_heads: int | None = None) -> tuple[int, ...]:
     """The shape of the single KV cache tensor the runner allocates for `arch` (for a TP rank:
     `num_kv_heads` = the heads it holds; default all)."""
-    from kvbridge.engine.kv_groups import slots_per_block
-
     heads = arch.cache_kv_heads if num_kv_heads is None else num_kv_heads
     return (num_blocks, heads, slots_per_block(arch), arch.cache_entries, block_size, arch.cache_head_size)
 
@@ -78,7 +78,6 @@ def check_arch_tp_split(arch: ModelArchConfig, tp_size: int) -> None:
     """Raises TPSplitError when `tp_size` ranks cannot split this model (heads, MLP, experts)."""
     check_tp_split(arch.num_heads, arch.cache_kv_heads, tp_size, arch.intermediate_size)
     if arch.mamba is not None:
-        from kvbridge.engine.layers.mamba2 import mamba2_shard
         mamba2_shard(arch.mamba, tp_size, 0)  # raises TPSplitError naming the Mamba heads or groups
     if arch.moe is not None:
         moe = arch.moe
