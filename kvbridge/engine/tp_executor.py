@@ -63,9 +63,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvbridge.config import EngineConfig
-from kvbridge.engine.cpu_bind import CpuBindError, format_cpus, rank_cpus
+from kvbridge.engine.cpu_bind import rank_cpus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp_channel import StepChannel
+from kvbridge.spec.cpu_lists import CpuBindError, format_cpus
 from kvbridge.spec.tp_split import rank_shard
 
 logger = logging.getLogger(__name__)
