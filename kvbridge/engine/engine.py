@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 from kvbridge.config import EngineConfig
 from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads, kv_bytes_per_block
 from kvbridge.engine.models import check_arch_tp_split
@@ -114,7 +115,6 @@ class LLMEngine:
         loaded = load_model(config.model)
         connectors = None
         if config.kv_transfer is not None:
-            from kvbridge.kv_transfer.connector.factory import build_connectors
             connectors = build_connectors(config, loaded.arch, loaded.name)
         return cls(config, loaded, connectors)
 

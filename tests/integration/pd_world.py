@@ -25,12 +25,12 @@ import torch
 
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel
 from kvbridge.engine.models import kv_cache_shape
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeBackend, FakeFabric
-from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 from kvbridge.kv_transfer.control import MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE
 from kvbridge.kv_transfer.handshake import HandshakeTimeout

@@ -27,11 +27,11 @@ import pytest
 import torch
 
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig
+from kvbridge.engine.kv_connector_factory import compatibility_of
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.models import kv_cache_shape
 from kvbridge.kv_transfer.backends import create_backend
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
-from kvbridge.kv_transfer.connector.factory import compatibility_of
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, RemoteEngine
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankReport
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector

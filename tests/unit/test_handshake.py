@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.config import EngineConfig
-from kvbridge.kv_transfer.connector.factory import compatibility_of
+from kvbridge.engine.kv_connector_factory import compatibility_of
 from kvbridge.kv_transfer.handshake import (
     KVBRIDGE_CONNECTOR_VERSION,
     PAYLOAD_MAGIC,

@@ -13,10 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
 FLOOR = {"spec": 0, "config": 0, "kv_transfer": 1, "engine": 2, "serving": 3, "cli": 4, "chaos": 4, "__main__": 4}
 
-KNOWN_UPWARD = {
-    ("kvbridge.kv_transfer.connector.base", "kvbridge.engine.request"),
-    ("kvbridge.kv_transfer.connector.scheduler_side", "kvbridge.engine.request"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def modules() -> dict[str, Path]:

@@ -13,8 +13,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from kvbridge.kv_transfer.connector.request_view import ConnectorRequest
+
 if TYPE_CHECKING:
-    from kvbridge.engine.request import Request
     from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, RankReport
 
 BlockIds = tuple[list[int], ...]
@@ -46,11 +47,12 @@ class SchedulerConnector(ABC):
     """Scheduler half. Every method is called on the engine thread."""
 
     @abstractmethod
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: ConnectorRequest) -> None:
         """Called when a request is added to the scheduler."""
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_local_computed: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_local_computed: int) -> tuple[int | None, bool]:
         """Called for a WAITING request on its first schedule.
 
         Returns (n, load_async): n prompt tokens beyond the local prefix hit will
@@ -59,7 +61,7 @@ class SchedulerConnector(ABC):
         """
 
     @abstractmethod
-    def update_state_after_alloc(self, request: "Request", block_ids: BlockIds,
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
                                  num_local_computed: int, num_external_tokens: int) -> None:
         """Called right after blocks were allocated for a request the connector asked about."""
 
@@ -73,14 +75,14 @@ class SchedulerConnector(ABC):
         """Called with the worker half's output before the scheduler acts on it."""
 
     @abstractmethod
-    def request_finished(self, request: "Request", block_ids: BlockIds) -> tuple[bool, dict | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, dict | None]:
         """Called exactly once when a request finishes (any reason) or is aborted.
 
         Returns (delay_free, kv_transfer_params): with delay_free the scheduler keeps
         the blocks until the request id appears in finished_sending.
         """
 
-    def recompute_on_load_failure(self, request: "Request") -> bool:
+    def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         """The load-failure policy: True to recompute the request's invalid blocks
         locally, False to finish it with an error."""
         return True

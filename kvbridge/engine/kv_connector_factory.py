@@ -1,4 +1,6 @@
-"""Builds the two connector halves of one engine and the parts they share."""
+"""Builds the two connector halves of one engine and the parts they share: engine wiring, so it
+lives with the engine; it reads the model's shape (spec/) and the engine's configuration and
+gives kv_transfer's halves only what they need (block size, KV cache groups, element size)."""
 
 from __future__ import annotations
 
