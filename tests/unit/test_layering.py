@@ -86,19 +86,9 @@ def test_no_new_upward_import_between_the_packages():
     assert KNOWN_UPWARD - upward == set(), "gone (good): strike them from KNOWN_UPWARD"
 
 
-# Today's one circle, inside engine/ (layers -> cpu_kernels -> loader.cache -> models -> layers), held
-# apart only by imports inside functions (issue 28).
-KNOWN_CIRCLE = frozenset({
-    "kvbridge.engine.layers.activation", "kvbridge.engine.layers.attention", "kvbridge.engine.layers.cpu_kernels",
-    "kvbridge.engine.layers.mla_attention", "kvbridge.engine.layers.norm", "kvbridge.engine.layers.rotary",
-    "kvbridge.engine.loader.cache", "kvbridge.engine.models", "kvbridge.engine.models.bamba",
-    "kvbridge.engine.models.deepseek", "kvbridge.engine.models.llama"})
-
-
 def test_no_file_joins_an_import_circle():
     found = circles(imports())
-    assert all(c <= KNOWN_CIRCLE for c in found), [sorted(c - KNOWN_CIRCLE) for c in found]
-    assert found == [KNOWN_CIRCLE], "the circle shrank or broke up (good): update KNOWN_CIRCLE"
+    assert found == [], [sorted(c) for c in found]
 
 
 def test_the_checks_see_an_upward_import_and_a_circle():

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbridge.engine.layers.linear import Linear
-from kvbridge.engine.models.weights import WeightSlot, whole
+from kvbridge.engine.layers.weights import WeightSlot, whole
 from kvbridge.spec.mamba_shard import mamba2_shard
 from kvbridge.spec.model_config import Mamba2Config
 

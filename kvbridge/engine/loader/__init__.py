@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from kvbridge.engine.loader.cache import ModelParts, default_cache_dir, load_cached, store
+from kvbridge.engine.cache_dir import default_cache_dir
+from kvbridge.engine.loader.cache import ModelParts, load_cached, store
 from kvbridge.engine.loader.gguf import read_gguf
 from kvbridge.engine.loader.safetensors import read_hf_folder
 from kvbridge.engine.tokenizer import Tokenizer

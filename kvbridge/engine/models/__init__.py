@@ -22,48 +22,19 @@ Contract (the model runner codes against it):
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
-from kvbridge.engine.models.weights import WeightSlot
+from kvbridge.engine.models.bamba import BambaForCausalLM
+from kvbridge.engine.models.base import CausalLM
+from kvbridge.engine.models.deepseek import DeepseekForCausalLM
+from kvbridge.engine.models.llama import LlamaForCausalLM
 from kvbridge.spec.kv_groups import slots_per_block
 from kvbridge.spec.mamba_shard import mamba2_shard
 from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
 from kvbridge.spec.tp_split import RankShard, TPSplitError, check_tp_split
-
-
-class CausalLM(torch.nn.Module, ABC):
-    """A decoder-only LM over a paged KV cache."""
-
-    arch: ModelArchConfig
-
-    @abstractmethod
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in; ValueError names any missing/unexpected/mis-shaped one."""
-
-    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every Hugging Face tensor `load_weights` takes, with its whole (unsharded) shape."""
-        return {name: slot.checkpoint_shape() for name, slot in self._weight_slots().items()}
-
-    @abstractmethod
-    def _weight_slots(self) -> dict[str, WeightSlot]:
-        """Where each checkpoint tensor goes (models/weights.py)."""
-
-    @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """int64 [T] token ids and absolute positions -> final hidden states [T, hidden].
-
-        Writes the new tokens' K/V into kv_cache at attn.slot_mapping, and attends each token
-        to its sequence's earlier context (read from the cache) and causally to the new tokens.
-        """
-
-    @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab]."""
 
 
 def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int,
@@ -91,11 +62,6 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device 
                 shard: RankShard | None = None, all_reduce: Callable | None = None) -> CausalLM:
     """An eval-mode model for arch on device, weights allocated in dtype but not yet loaded.
     With a TP `shard`, only that rank's part, summing partial outputs with `all_reduce`."""
-    # Imported here because the family modules import CausalLM from this package.
-    from kvbridge.engine.models.bamba import BambaForCausalLM
-    from kvbridge.engine.models.deepseek import DeepseekForCausalLM
-    from kvbridge.engine.models.llama import LlamaForCausalLM
-
     families: dict[ModelFamily, type[CausalLM]] = {
         ModelFamily.LLAMA: LlamaForCausalLM,
         ModelFamily.QWEN2: LlamaForCausalLM,  # differs by arch.attention_bias

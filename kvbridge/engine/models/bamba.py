@@ -28,10 +28,10 @@ from kvbridge.engine.layers.linear import Linear
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata, Mamba2Mixer, mamba2_weight_slots
 from kvbridge.engine.layers.norm import RMSNorm
 from kvbridge.engine.layers.rotary import RotaryEmbedding
-from kvbridge.engine.models import CausalLM
+from kvbridge.engine.layers.weights import Embedding, WeightSlot, load_slots, whole
+from kvbridge.engine.models.base import CausalLM
 from kvbridge.engine.models.llama import (HeadAndPrepack, LlamaAttention, LlamaMLP, attention_weight_slots,
                                           mlp_weight_slots)
-from kvbridge.engine.models.weights import Embedding, WeightSlot, load_slots, whole
 from kvbridge.spec.kv_cache_layout import KVCacheLayout
 from kvbridge.spec.kv_groups import layer_groups, layer_slots
 from kvbridge.spec.model_config import ModelArchConfig

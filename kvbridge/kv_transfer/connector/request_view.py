@@ -4,10 +4,9 @@ engine/request.py's `Request` is one."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from kvbridge.kv_transfer.params import KVTransferParams
+from kvbridge.kv_transfer.params import KVTransferParams
 
 # The finish reasons (values of the engine's FinishReason, a str enum) after which P's blocks hold
 # a prompt's KV worth reading: anything else (abort, error) frees them at once.
