@@ -134,7 +134,7 @@ class EngineConfig:
     # A step's rank processes must answer within this long, or they are killed and the engine fails.
     tp_step_timeout_s: float = 600.0
     # Which CPUs each rank computes on: auto, none or one list per rank ("0-3|4-7");
-    # spec/cpu_lists.py reads it, engine/cpu_bind.py applies it.
+    # spec/cpu_lists.py reads it, engine/tp/cpu_bind.py applies it.
     cpu_bind: str = "auto"
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
 """The grammar of a `--cpu-bind` value (`EngineConfig.cpu_bind`), checked when the configuration
-is made; engine/cpu_bind.py decides from it which CPUs each tensor-parallel rank runs on.
+is made; engine/tp/cpu_bind.py decides from it which CPUs each tensor-parallel rank runs on.
 
 The values:
   auto   on CPU at TP > 1: this process's allowed CPUs in TP equal contiguous runs, in rank

@@ -1,4 +1,4 @@
-"""`--cpu-bind`: which CPUs each tensor-parallel rank process runs on (engine/cpu_bind.py, spec/cpu_lists.py), and
+"""`--cpu-bind`: which CPUs each tensor-parallel rank process runs on (engine/tp/cpu_bind.py, spec/cpu_lists.py), and
 the barrier before a step's reads on two or more ranks (rank_agent.reads_start_together)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.config import EngineConfig
-from kvbridge.engine.cpu_bind import rank_cpus
+from kvbridge.engine.tp.cpu_bind import rank_cpus
 from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankReport, ReadOp, reads_start_together
 from kvbridge.spec.cpu_lists import CpuBindError, check_spec, format_cpus, parse_cpu_list
 
