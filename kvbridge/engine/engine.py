@@ -24,7 +24,7 @@ from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvbridge.engine.tp.executor import TPExecutor
+from kvbridge.engine.tp.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import SchedulerConnector, WorkerConnector
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, parse_kv_transfer_params
 from kvbridge.spec.dtypes import DTYPES

@@ -34,7 +34,7 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.tp.cpu_bind import rank_cpus
-from kvbridge.engine.tp.executor import TPExecutorError
+from kvbridge.engine.tp.tp_executor import TPExecutorError
 from kvbridge.serving.api_server import build_app
 from kvbridge.serving.async_engine import AsyncEngine
 from kvbridge.serving.cluster import free_ports
