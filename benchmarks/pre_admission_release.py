@@ -28,8 +28,8 @@ from tqdm import tqdm  # noqa: E402
 from kvbridge.chaos import ThreadServer  # noqa: E402
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig  # noqa: E402
 from kvbridge.engine.engine import LLMEngine  # noqa: E402
+from kvbridge.engine.kv_connector_factory import build_connectors  # noqa: E402
 from kvbridge.engine.loader import load_model  # noqa: E402
-from kvbridge.kv_transfer.connector.factory import build_connectors  # noqa: E402
 from kvbridge.server.api_server import build_app  # noqa: E402
 from kvbridge.server.async_engine import AsyncEngine  # noqa: E402
 

@@ -31,10 +31,10 @@ import uvicorn
 
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
-from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.proxy.app import build_proxy_app
 from kvbridge.server.api_server import bind_socket, build_app
 from kvbridge.server.async_engine import AsyncEngine

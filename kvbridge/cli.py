@@ -208,7 +208,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         print("kvbridge up: error: give the model once, as MODEL or as --model", file=sys.stderr)
         return 2
     model = a.model_option or a.model
-    from kvbridge.kv_transfer.net import is_unspecified
+    from kvbridge.spec.hosts import is_unspecified
     if is_unspecified(a.host):
         print(f"kvbridge up: error: --host {a.host} is no address the proxy and the instances can reach each "
               "other at: give one address of this host (see README, multi-host recipe)", file=sys.stderr)

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvbridge.engine.cpu_bind import check_spec
-from kvbridge.kv_transfer.net import is_unspecified
+from kvbridge.spec.cpu_lists import check_spec
+from kvbridge.spec.hosts import is_unspecified
 
 
 class KVRole(str, Enum):
@@ -133,7 +133,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A step's rank processes must answer within this long, or they are killed and the engine fails.
     tp_step_timeout_s: float = 600.0
-    # Which CPUs each rank computes on: auto, none or one list per rank ("0-3|4-7"); engine/cpu_bind.py.
+    # Which CPUs each rank computes on: auto, none or one list per rank ("0-3|4-7");
+    # spec/cpu_lists.py reads it, engine/tp/cpu_bind.py applies it.
     cpu_bind: str = "auto"
     # The model's sampling defaults for requests that omit them: auto, vllm or a folder (engine/generation_config.py).
     generation_config: str = "auto"

@@ -13,21 +13,23 @@ from typing import Callable, Sequence
 
 from kvbridge.config import EngineConfig
 from kvbridge.engine.block_pool import BlockPool
-from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheKind, KVCacheManager
-from kvbridge.engine.kv_groups import layer_groups
-from kvbridge.engine.models import check_arch_tp_split
+from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel, load_model
-from kvbridge.engine.kv_cache_layout import logical_block_size
-from kvbridge.engine.model_runner import DTYPES, ModelRunner, configure_torch_threads, kv_bytes_per_block
+from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads, kv_bytes_per_block
+from kvbridge.engine.models import check_arch_tp_split
 from kvbridge.engine.output_processor import OutputProcessor
 from kvbridge.engine.outputs import REQUEST_OUTPUT_FAILED, RequestOutput
 from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvbridge.engine.tp_executor import TPExecutor
+from kvbridge.engine.tp.tp_executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import KVConnectors, SchedulerConnector, WorkerConnector
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS
+from kvbridge.spec.dtypes import DTYPES
+from kvbridge.spec.kv_cache_layout import logical_block_size
+from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class LLMEngine:
         self._check_tp_split(kv)
         self.num_blocks = self._count_blocks()
         # Tokens per scheduler block: the configured size, or a multiple of it for a hybrid Mamba
-        # model (kv_cache_layout.py); the attention kernel keeps the configured size.
+        # model (spec/kv_cache_layout.py); the attention kernel keeps the configured size.
         self.block_size = logical_block_size(loaded.arch, config.cache.block_size, config.tensor_parallel_size)
         self._mamba_groups = sum(g.kind is KVCacheKind.MAMBA for g in layer_groups(loaded.arch))
         self.kv_cache_manager = self._make_kv_cache_manager()
@@ -134,7 +136,6 @@ class LLMEngine:
         loaded = load_model(config.model)
         connectors = None
         if config.kv_transfer is not None:
-            from kvbridge.kv_transfer.connector.factory import build_connectors
             connectors = build_connectors(config, loaded.arch, loaded.name)
         return cls(config, loaded, connectors)
 

@@ -6,7 +6,7 @@ for block tables and prefix caching it behaves exactly like full attention: ever
 of the context stays); sliding window and Mamba state are further specs. Each group
 has one block table per request, and block ids cross every boundary as a tuple
 of lists, one list per group, so hybrid models need no interface change.
-All groups share one block pool (kv_cache_layout.py: one block is one page whatever
+All groups share one block pool (spec/kv_cache_layout.py: one block is one page whatever
 the group). Prefix caching works on token-indexed groups by chained hashes of full
 blocks' token ids; a model with a Mamba group gets no prefix hits (a Mamba state is one
 request's whole context, not a run of tokens), and a request holds one block per Mamba
@@ -15,31 +15,14 @@ group from its first token on.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Sequence
 
 from kvbridge.engine.block_pool import BlockPool, KVBlock
 from kvbridge.engine.request import Request
+from kvbridge.spec.kv_groups import KVCacheKind
 
 BlockIds = tuple[list[int], ...]
-
-
-class KVCacheKind(enum.Enum):
-    FULL_ATTENTION = "full_attention"
-    MLA = "mla"  # multi-head latent attention: one compressed latent per token, all heads share it
-    SLIDING_WINDOW = "sliding_window"  # a token sees the last `sliding_window` tokens only
-    MAMBA = "mamba"  # one recurrent state (conv + SSM) per request: its one block, whatever its length
-
-    @property
-    def keeps_every_token(self) -> bool:
-        """A request's blocks cover its whole context, block i holding tokens [i*bs, (i+1)*bs)."""
-        return self in (KVCacheKind.FULL_ATTENTION, KVCacheKind.MLA)
-
-    @property
-    def token_indexed(self) -> bool:
-        """Block i holds tokens [i*bs, (i+1)*bs) (every kind but a Mamba state)."""
-        return self is not KVCacheKind.MAMBA
 
 
 @dataclass(frozen=True)

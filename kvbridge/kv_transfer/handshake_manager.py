@@ -21,8 +21,8 @@ from functools import lru_cache
 from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
                                             HandshakeLayoutMismatch, HandshakeMetadata,
                                             HandshakeRefused, RankLayout, decode_payload)
-from kvbridge.kv_transfer.net import IPAddress, parse_ip
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
+from kvbridge.spec.hosts import IPAddress, parse_ip
 
 logger = logging.getLogger(__name__)
 

@@ -20,28 +20,11 @@ import socket
 import struct
 from collections.abc import MutableMapping
 
+from kvbridge.spec.hosts import parse_ip
+
 logger = logging.getLogger(__name__)
 
 _SIOCGIFADDR = 0x8915  # from <linux/sockios.h>
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-def parse_ip(host: str) -> IPAddress | None:
-    """`host` as an address ("[::1]" too; an IPv4-mapped IPv6 address as its IPv4 one:
-    ::ffff:127.0.0.1 is 127.0.0.1), or None for a name or garbage."""
-    try:
-        ip = ipaddress.ip_address(host.strip().strip("[]"))
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
-def is_unspecified(host: str) -> bool:
-    """0.0.0.0 or :: (bind to every interface): not an address a peer can be told."""
-    ip = parse_ip(host)
-    return ip is not None and ip.is_unspecified
 
 
 def _ipv4_of(name: str) -> ipaddress.IPv4Address | None:

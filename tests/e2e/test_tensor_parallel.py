@@ -27,18 +27,18 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from kvbridge.chaos import ThreadServer
 from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.engine.cpu_bind import rank_cpus
-from kvbridge.engine.tp import TPSplitError
-from kvbridge.engine.tp_executor import TPExecutorError
-from kvbridge.chaos import ThreadServer
+from kvbridge.engine.tp.cpu_bind import rank_cpus
+from kvbridge.engine.tp.tp_executor import TPExecutorError
 from kvbridge.launcher.cluster import free_ports
 from kvbridge.server.api_server import build_app
 from kvbridge.server.async_engine import AsyncEngine
+from kvbridge.spec.tp_split import TPSplitError
 from tests.e2e.processes import children, gone, listening, rank_pids
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -8,10 +8,10 @@ import time
 
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.base import TransferBackend
-from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
 
 _ids = itertools.count()

@@ -25,18 +25,18 @@ import torch
 
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel
 from kvbridge.engine.models import kv_cache_shape
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.engine.tp import rank_shard
 from kvbridge.kv_transfer.backends.fake import FakeBackend, FakeFabric
-from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 from kvbridge.kv_transfer.control import MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE
 from kvbridge.kv_transfer.handshake import HandshakeTimeout
 from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
 from kvbridge.kv_transfer.side_channel_frames import MSG_GET_METADATA
+from kvbridge.spec.tp_split import rank_shard
 
 LEASE_S = 30.0
 WAIT_S = 20.0  # the longest any one wait for a step's effect may take (a bug, not a slow machine)

@@ -4,7 +4,7 @@ of Hugging Face `transformers`, unsplit and split over 2 real gloo ranks.
 A tiny random-weight Bamba is saved as a Hugging Face folder and read back through kvbridge's
 loader. Its 6 layers (attention at 1 and 4) form three KV cache groups of 2 layers: Mamba
 [0, 2], attention [1, 4], Mamba [3, 5], so a Mamba page holds two layers' states. Kernel
-blocks of 2 tokens; a logical block is 4 of them at TP 1 and 5 at TP 2 (kv_cache_layout.py),
+blocks of 2 tokens; a logical block is 4 of them at TP 1 and 5 at TP 2 (spec/kv_cache_layout.py),
 so the prompts span several logical and kernel blocks. The scenario (test_tp_parity.scenario)
 mixes a whole prefill, a chunked prefill (its second chunk starting from the carried state)
 and batched decodes, over shuffled logical blocks.
@@ -19,13 +19,12 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from kvbridge.engine.kv_cache_layout import KVCacheLayout, plan_kv_cache_layout
-from kvbridge.engine.kv_cache_manager import KVCacheKind
-from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata
 from kvbridge.engine.models import CausalLM
-from kvbridge.engine.models.config import ModelArchConfig
+from kvbridge.spec.kv_cache_layout import KVCacheLayout, plan_kv_cache_layout
+from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
+from kvbridge.spec.model_config import ModelArchConfig
 from tests.paged_steps import ATOL, VOCAB
 from tests.tp_ranks import join_gloo, leave_gloo, load_folder, paged_scenario
 

@@ -16,15 +16,15 @@ import threading
 import pytest
 
 from kvbridge.config import EngineConfig, KVRole, LoadFailurePolicy
+from kvbridge.engine.kv_connector_factory import compatibility_of
 from kvbridge.engine.loader import load_model
-from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, ModelFamily
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
-from kvbridge.kv_transfer.connector.factory import compatibility_of
 from kvbridge.kv_transfer.handshake import HandshakeMetadata, HandshakeRefused, encode_payload
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.spec.model_config import MLAConfig, ModelArchConfig, ModelFamily
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)

@@ -23,9 +23,9 @@ from openai import InternalServerError, OpenAI
 from kvbridge.chaos import ThreadServer
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
 from kvbridge.engine.engine import DuplicateRequestIdError, LLMEngine
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.server.api_server import build_app
 from kvbridge.server.async_engine import AsyncEngine

@@ -9,8 +9,8 @@ import pytest
 from kvbridge.chaos import ThreadServer
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig
 from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import load_model
-from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.server.api_server import build_app
 from kvbridge.server.async_engine import AsyncEngine
 

@@ -19,8 +19,8 @@ import httpx
 from kvbridge.chaos import ThreadServer
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig
 from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import load_model
-from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.control import ControlClient
 from kvbridge.kv_transfer.lease import content_digest
 from kvbridge.kv_transfer.params import parse_kv_transfer_params

@@ -9,11 +9,11 @@ import pytest
 from kvbridge import cli
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
 from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric
-from kvbridge.kv_transfer.connector.factory import build_connectors
 from kvbridge.kv_transfer.control import ControlClient
 from kvbridge.kv_transfer.handshake import HandshakePeerError
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient

@@ -19,9 +19,9 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from kvbridge.engine.kv_groups import layer_groups
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.models import kv_cache_shape
+from kvbridge.spec.kv_groups import layer_groups
 from tests.paged_steps import ATOL, BLOCK_SIZE, VOCAB
 from tests.tp_ranks import join_gloo, leave_gloo, load_folder, paged_scenario
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.config import KVRole
+from kvbridge.config import EngineConfig
+from kvbridge.engine.kv_connector_factory import compatibility_of
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_QWEN2_SLIDING, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.kv_transfer.connector.factory import compatibility_of
-from kvbridge.config import EngineConfig
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)

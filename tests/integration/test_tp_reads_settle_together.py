@@ -27,13 +27,11 @@ import pytest
 import torch
 
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig
+from kvbridge.engine.kv_connector_factory import compatibility_of
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.models import kv_cache_shape
-from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, ModelFamily
-from kvbridge.engine.tp import rank_shard
 from kvbridge.kv_transfer.backends import create_backend
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
-from kvbridge.kv_transfer.connector.factory import compatibility_of
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, RemoteEngine
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankReport
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
@@ -43,6 +41,8 @@ from kvbridge.kv_transfer.lease import LeaseTable, content_digest
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.kv_transfer.read_plan.tp_mapping import RankKV, plan_request_reads, request_salt
+from kvbridge.spec.model_config import MLAConfig, ModelArchConfig, ModelFamily
+from kvbridge.spec.tp_split import rank_shard
 from tests.integration.pd_harness import make_engine, prefill, settle
 
 TP = 3

@@ -3,9 +3,10 @@
 import pytest
 
 from kvbridge.engine.block_pool import BlockPool
-from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheKind, KVCacheManager
+from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.spec.kv_groups import KVCacheKind
 
 
 def make_kvm(num_blocks=8, block_size=4, caching=True, groups=1):

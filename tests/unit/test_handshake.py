@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.config import EngineConfig
-from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, ModelFamily
-from kvbridge.kv_transfer.connector.factory import compatibility_of
+from kvbridge.engine.kv_connector_factory import compatibility_of
 from kvbridge.kv_transfer.handshake import (
     KVBRIDGE_CONNECTOR_VERSION,
     PAYLOAD_MAGIC,
@@ -45,6 +44,7 @@ from kvbridge.kv_transfer.handshake_manager import HandshakeManager, is_trusted_
 from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.side_channel_frames import FRAME_MAGIC, FrameError, decode_frame, encode_frame
+from kvbridge.spec.model_config import MLAConfig, ModelArchConfig, ModelFamily
 
 pytestmark = pytest.mark.timeout(120)
 

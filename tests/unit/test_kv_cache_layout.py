@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbridge.engine.kv_cache_layout import (logical_block_size, mamba_state_shape, plan_kv_cache_layout,
-                                             rank_kv_cache_layout)
 from kvbridge.engine.models import kv_cache_shape
-from kvbridge.engine.models.config import Mamba2Config, ModelArchConfig, ModelFamily
+from kvbridge.spec.kv_cache_layout import (logical_block_size, mamba_state_shape, plan_kv_cache_layout,
+                                             rank_kv_cache_layout)
+from kvbridge.spec.model_config import Mamba2Config, ModelArchConfig, ModelFamily
 
 
 def arch(layer_types=None, mamba=None, kv_heads=1, head_dim=16) -> ModelArchConfig:

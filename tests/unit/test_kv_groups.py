@@ -7,10 +7,9 @@ import itertools
 
 import pytest
 
-from kvbridge.engine.kv_cache_manager import KVCacheKind
-from kvbridge.engine.kv_groups import layer_groups, layer_slots, slots_per_block
 from kvbridge.engine.models import kv_cache_shape
-from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
+from kvbridge.spec.kv_groups import KVCacheKind, layer_groups, layer_slots, slots_per_block
+from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
 
 F, S = "full_attention", "sliding_attention"
 

@@ -1,9 +1,10 @@
-"""The package layering, held as a ratchet (issue 28 will remove what is listed here).
+"""The package layering: imports run one way, and no file takes part in an import circle.
 
-Imports should run one way: cli/chaos -> server / proxy / launcher -> engine -> kv_transfer -> config
-(the ground floor), and no file should take part in an import circle (a function-local import counts: it
-only hides the circle). This test lists today's upward imports and circles; it fails on any new
-one, and on a listed one that is gone (then strike it from the list, so it cannot come back)."""
+Imports run down the floors: cli/chaos/__main__ -> the three programs (server, proxy, launcher)
+-> engine -> kv_transfer -> spec and config (the ground floor). Every top-level module and package of kvbridge has its floor here, so a
+new one must be placed; any import that runs up a floor fails, and so does any circle of files (a
+function-local import counts: it only hides the circle; a relative import counts as the module it
+names)."""
 
 from __future__ import annotations
 
@@ -13,24 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
 # openai_wire: the HTTP shapes the server and the proxy share (pydantic stays at the HTTP edge);
 # stop_strings: the stream's stop-string rule the engine and the proxy share.
-FLOOR = {"config": 0, "stop_strings": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3, "launcher": 3,
-         "openai_wire": 3, "cli": 4, "chaos": 4, "__main__": 4}
+FLOOR = {"spec": 0, "config": 0, "stop_strings": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
+         "launcher": 3, "openai_wire": 3, "cli": 4, "chaos": 4, "__main__": 4}
 PROGRAMS = ("server", "proxy", "launcher")
-
-KNOWN_UPWARD = {
-    ("kvbridge.config", "kvbridge.engine.cpu_bind"),
-    ("kvbridge.config", "kvbridge.kv_transfer.net"),
-    ("kvbridge.kv_transfer.connector.base", "kvbridge.engine.request"),
-    ("kvbridge.kv_transfer.connector.factory", "kvbridge.engine.kv_cache_layout"),
-    ("kvbridge.kv_transfer.connector.factory", "kvbridge.engine.kv_groups"),
-    ("kvbridge.kv_transfer.connector.factory", "kvbridge.engine.model_runner"),
-    ("kvbridge.kv_transfer.connector.factory", "kvbridge.engine.models.config"),
-    ("kvbridge.kv_transfer.connector.scheduler_side", "kvbridge.engine.request"),
-    ("kvbridge.kv_transfer.read_plan.mamba_mapping", "kvbridge.engine.layers.mamba2"),
-    ("kvbridge.kv_transfer.read_plan.mamba_mapping", "kvbridge.engine.models.config"),
-    ("kvbridge.kv_transfer.read_plan.mamba_mapping", "kvbridge.engine.tp"),
-    ("kvbridge.kv_transfer.read_plan.request_reads", "kvbridge.engine.models.config"),
-}
 
 
 def modules() -> dict[str, Path]:
@@ -41,25 +27,40 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imports() -> set[tuple[str, str]]:
-    """(importer, imported module) for every kvbridge import anywhere in a file; `from a import b`
-    names a.b when that is a module, else a."""
-    mods = modules()
+def imports_in(name: str, source: str, mods: set[str], package: bool = False) -> set[tuple[str, str]]:
+    """(name, imported module) for every kvbridge import anywhere in `source`, the text of module
+    `name` (`package`: its __init__); `from a import b` names a.b when that is a module, else a."""
     edges = set()
-    for name, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvbridge"):
-                for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    edges.add((name, sub if sub in mods else node.module))
-            elif isinstance(node, ast.Import):
-                edges |= {(name, a.name) for a in node.names if a.name.startswith("kvbridge")}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = name.split(".") if package else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                module = ".".join(base + ([module] if module else []))
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                edges.add((name, sub if sub in mods else module))
+        elif isinstance(node, ast.Import):
+            edges |= {(name, a.name) for a in node.names}
     return {(a, b) for a, b in edges if a != b and b in mods}
 
 
+def imports() -> set[tuple[str, str]]:
+    """Every (importer, imported module) pair among kvbridge's files."""
+    mods = modules()
+    return {edge for name, path in mods.items()
+            for edge in imports_in(name, path.read_text(), set(mods), path.name == "__init__.py")}
+
+
 def floor(module: str) -> int:
+    """A module's floor; KeyError for a top-level name FLOOR does not place."""
     parts = module.split(".")
-    return FLOOR.get(parts[1], 0) if len(parts) > 1 else 0
+    return FLOOR[parts[1]] if len(parts) > 1 else 0
+
+
+def upward(edges: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    return {(a, b) for a, b in edges if floor(a) < floor(b)}
 
 
 def circles(edges: set[tuple[str, str]]) -> list[frozenset[str]]:
@@ -97,26 +98,17 @@ def circles(edges: set[tuple[str, str]]) -> list[frozenset[str]]:
     return out
 
 
-def test_no_new_upward_import_between_the_packages():
-    upward = {(a, b) for a, b in imports() if floor(a) < floor(b)}
-    assert upward - KNOWN_UPWARD == set(), \
-        "imports that run up the layers (server, proxy, launcher > engine > kv_transfer > config)"
-    assert KNOWN_UPWARD - upward == set(), "gone (good): strike them from KNOWN_UPWARD"
+def test_every_top_level_module_has_a_floor():
+    assert {m.split(".")[1] for m in modules() if "." in m} - FLOOR.keys() == set()
 
 
-# Today's one circle, inside engine/ (layers -> cpu_kernels -> loader.cache -> models -> layers), held
-# apart only by imports inside functions (issue 28).
-KNOWN_CIRCLE = frozenset({
-    "kvbridge.engine.layers.activation", "kvbridge.engine.layers.attention", "kvbridge.engine.layers.cpu_kernels",
-    "kvbridge.engine.layers.mla_attention", "kvbridge.engine.layers.norm", "kvbridge.engine.layers.rotary",
-    "kvbridge.engine.loader.cache", "kvbridge.engine.models", "kvbridge.engine.models.bamba",
-    "kvbridge.engine.models.deepseek", "kvbridge.engine.models.llama"})
+def test_no_import_runs_up_the_floors():
+    assert upward(imports()) == set(), "imports that run up (programs > engine > kv_transfer > spec, config)"
 
 
 def test_no_file_joins_an_import_circle():
     found = circles(imports())
-    assert all(c <= KNOWN_CIRCLE for c in found), [sorted(c - KNOWN_CIRCLE) for c in found]
-    assert found == [KNOWN_CIRCLE], "the circle shrank or broke up (good): update KNOWN_CIRCLE"
+    assert found == [], [sorted(c) for c in found]
 
 
 def reachable(start: set[str], edges: set[tuple[str, str]]) -> set[str]:
@@ -153,9 +145,20 @@ def test_the_three_programs_import_not_one_another():
 
 
 def test_the_checks_see_an_upward_import_and_a_circle():
-    """The graph walk itself: a made-up upward edge and a two-file circle are found."""
-    assert floor("kvbridge.kv_transfer.lease") < floor("kvbridge.engine.request") < floor("kvbridge.proxy.proxy")
+    """The graph walk itself: a made-up upward import and a made-up circle among the real files are
+    found, and so are a function-local import and a relative one."""
+    edges, mods = imports(), set(modules())
+    assert ("kvbridge.engine.engine", "kvbridge.engine.scheduler") in edges
+    up = ("kvbridge.kv_transfer.lease", "kvbridge.engine.request")
+    assert upward(edges | {up}) == {up}
+    assert ("kvbridge.spec.kv_cache_layout", "kvbridge.spec.kv_groups") in edges
+    back = ("kvbridge.spec.kv_groups", "kvbridge.spec.kv_cache_layout")
+    assert circles(edges | {back}) == [frozenset(back)]
     assert circles({("a", "b"), ("b", "a"), ("b", "c")}) == [frozenset({"a", "b"})]
-    assert ("kvbridge.engine.engine", "kvbridge.engine.scheduler") in imports()
+    hidden = "def f():\n    from kvbridge.engine.request import Request\n"
+    assert imports_in("kvbridge.kv_transfer.lease", hidden, mods) == {up}
+    relative = "from ..engine import request\nfrom . import kv_groups\n"
+    assert imports_in("kvbridge.spec.tp_split", relative, mods) == {
+        ("kvbridge.spec.tp_split", "kvbridge.engine.request"), ("kvbridge.spec.tp_split", "kvbridge.spec.kv_groups")}
     assert reachable({"a"}, {("a", "b"), ("b", "c"), ("d", "a")}) == {"b", "c"}
-    assert "kvbridge.engine.engine" in reachable({"kvbridge.server.api_server"}, imports())
+    assert "kvbridge.engine.engine" in reachable({"kvbridge.server.api_server"}, edges)

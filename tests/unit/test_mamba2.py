@@ -26,10 +26,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from kvbridge.engine.layers.mamba2 import (Mamba2Config, Mamba2Metadata, Mamba2Mixer, mamba2_shard,  # noqa: E402
-                                           mamba2_weight_slots)
-from kvbridge.engine.models.weights import load_slots  # noqa: E402
-from kvbridge.engine.tp import TPSplitError  # noqa: E402
+from kvbridge.engine.layers.mamba2 import Mamba2Metadata, Mamba2Mixer, mamba2_weight_slots  # noqa: E402
+from kvbridge.engine.layers.weights import load_slots  # noqa: E402
+from kvbridge.spec.mamba_shard import mamba2_shard  # noqa: E402
+from kvbridge.spec.model_config import Mamba2Config  # noqa: E402
+from kvbridge.spec.tp_split import TPSplitError  # noqa: E402
 from tests.tp_ranks import join_gloo, leave_gloo  # noqa: E402
 
 ATOL = 1e-4

@@ -22,8 +22,8 @@ import transformers  # noqa: E402
 
 from kvbridge.engine.layers.attention import AttentionMetadata  # noqa: E402
 from kvbridge.engine.models import CausalLM, build_model  # noqa: E402
-from kvbridge.engine.models.config import ModelArchConfig, ModelFamily  # noqa: E402
 from kvbridge.engine.models.llama import LlamaForCausalLM  # noqa: E402
+from kvbridge.spec.model_config import ModelArchConfig, ModelFamily  # noqa: E402
 from tests.paged_steps import ATOL, BLOCK_SIZE, VOCAB, PagedSteps, prompt  # noqa: E402
 
 

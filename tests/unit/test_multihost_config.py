@@ -11,8 +11,9 @@ from kvbridge import cli
 from kvbridge.config import KVRole, KVTransferConfig
 from kvbridge.kv_transfer.backends.tcp import TcpBackend
 from kvbridge.kv_transfer.backends.tcp_wire import decode_agent_metadata
-from kvbridge.kv_transfer.net import apply_ucx_net_devices, interface_of, is_unspecified
+from kvbridge.kv_transfer.net import apply_ucx_net_devices, interface_of
 from kvbridge.launcher import cluster
+from kvbridge.spec.hosts import is_unspecified
 from tests.unit.test_cli import run_cli, started  # noqa: F401  (fixture)
 
 

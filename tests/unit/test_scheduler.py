@@ -3,11 +3,12 @@ the runner's output is synthesised (token 7 each time)."""
 
 from kvbridge.config import SchedulerConfig
 from kvbridge.engine.block_pool import BlockPool
-from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheKind, KVCacheManager
+from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from kvbridge.engine.request import FinishReason, Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput
+from kvbridge.spec.kv_groups import KVCacheKind
 
 
 def make(num_blocks=16, block_size=4, budget=64, max_seqs=8, max_len=1000):

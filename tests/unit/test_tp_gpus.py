@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvbridge.config import EngineConfig
-from kvbridge.engine import tp_executor
-from kvbridge.engine.tp_executor import TPExecutor, TPExecutorError
+from kvbridge.engine.tp import tp_executor
+from kvbridge.engine.tp.tp_executor import TPExecutor, TPExecutorError
 
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])

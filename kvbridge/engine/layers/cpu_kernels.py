@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from kvbridge.engine.cache_dir import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "prefill_attention.cpp", "elementwise.cpp")]
@@ -45,8 +47,6 @@ def _cpu_identity() -> str:
 
 
 def build_dir() -> Path:
-    from kvbridge.engine.loader.cache import default_cache_dir  # here: the loader package imports the models
-
     return default_cache_dir() / "cpu-kernels" / f"torch-{torch.__version__}-{_cpu_identity()}-{_source_identity()}"
 
 

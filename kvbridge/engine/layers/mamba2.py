@@ -39,7 +39,7 @@ dt to time_step_limit; transformers clamps in its chunked path only, not in its 
 so with a finite limit its cached decode differs from its own whole-sequence output (the
 default limit (0, inf) makes the clamp a no-op). Here a decode equals the whole-sequence rows.
 
-Tensor parallelism (`Mamba2Shard`): the H heads split evenly over ranks (H % tp == 0), so a rank
+Tensor parallelism (`Mamba2Shard`, spec/mamba_shard.py): the H heads split evenly over ranks (H % tp == 0), so a rank
 holds z, x, dt, A, D, dt_bias and the norm weight of its heads and the conv channels of its x.
 Groups (B and C, conv channels and in_proj rows alike) split evenly when G % tp == 0; otherwise tp
 must be a multiple of G (vLLM allows G == 1 only; any divisor of tp works the same way): each rank
@@ -67,52 +67,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbridge.engine.layers.linear import Linear
-from kvbridge.engine.models.config import Mamba2Config
-from kvbridge.engine.models.weights import WeightSlot, whole
-from kvbridge.engine.tp import TPSplitError
+from kvbridge.engine.layers.weights import WeightSlot, whole
+from kvbridge.spec.mamba_shard import mamba2_shard
+from kvbridge.spec.model_config import Mamba2Config
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Mamba2Shard:
-    """What one rank holds of a Mamba2 mixer: global ids of its heads and of the groups whose B
-    and C it holds (its heads' groups: its share of G, or the one group it shares with others)."""
-
-    tp_size: int
-    rank: int
-    heads: range
-    groups: range
-
-    @property
-    def num_heads(self) -> int:
-        return len(self.heads)
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.groups)
-
-
-def mamba2_shard(config: Mamba2Config, tp_size: int, rank: int) -> Mamba2Shard:
-    """Rank `rank`'s part of the mixer; raises TPSplitError for a split it cannot make."""
-    heads, groups = config.num_heads, config.n_groups
-    if tp_size < 1:
-        raise TPSplitError(f"tensor parallel size must be >= 1, got {tp_size}")
-    if not 0 <= rank < tp_size:
-        raise ValueError(f"rank {rank} out of range for tensor parallel size {tp_size}")
-    if heads % tp_size:
-        raise TPSplitError(f"tensor parallel size {tp_size} does not divide the {heads} Mamba heads")
-    if groups % tp_size and tp_size % groups:
-        raise TPSplitError(f"tensor parallel size {tp_size} neither divides the {groups} Mamba groups nor is a "
-                           "multiple of them, so ranks cannot hold whole groups or share copies of one")
-    per = heads // tp_size
-    if groups % tp_size == 0:
-        g = groups // tp_size
-        held = range(rank * g, (rank + 1) * g)
-    else:
-        group = rank // (tp_size // groups)
-        held = range(group, group + 1)
-    return Mamba2Shard(tp_size, rank, range(rank * per, (rank + 1) * per), held)
 
 
 @dataclass(frozen=True)

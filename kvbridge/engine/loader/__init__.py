@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
+from kvbridge.engine.cache_dir import default_cache_dir
 from kvbridge.engine.default_model import DEFAULT_MODEL, names_default_model
-from kvbridge.engine.loader.cache import ModelParts, default_cache_dir, load_cached, store
+from kvbridge.engine.loader.cache import ModelParts, load_cached, store
 from kvbridge.engine.loader.gguf import read_gguf
 from kvbridge.engine.loader.safetensors import read_hf_folder
-from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.engine.tokenizer import Tokenizer
+from kvbridge.spec.model_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 

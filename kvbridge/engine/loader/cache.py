@@ -21,8 +21,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
+from kvbridge.engine.models import build_model
 from kvbridge.engine.tokenizer import Tokenizer
+from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,6 @@ CACHE_FORMAT_VERSION = "1"  # bump when the conversion changes, to invalidate ol
 def expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     """Every HF parameter a model of `arch` has, with its shape (lm_head only when untied): what
     the model class itself loads, asked of a copy built on the meta device (no memory)."""
-    from kvbridge.engine.models import build_model  # the model package imports the loader's users
-
     return build_model(arch, torch.float32, "meta").checkpoint_shapes()
 
 
@@ -62,12 +61,6 @@ class ModelParts:
             if tuple(tensor.shape) != shape or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
                 raise ValueError(f"{name}: expected fp32 CPU tensor of shape {shape}, "
                                  f"got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
-
-
-def default_cache_dir() -> Path:
-    """$KVBRIDGE_CACHE_DIR, else ~/.cache/kvbridge."""
-    configured = os.environ.get("KVBRIDGE_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvbridge"
 
 
 def cache_path(source: Path, cache_dir: Path) -> Path:

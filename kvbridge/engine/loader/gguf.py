@@ -21,8 +21,8 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from kvbridge.engine.loader.cache import ModelParts
-from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
 from kvbridge.engine.tokenizer import GGUFVocab, Tokenizer
+from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
 
 logger = logging.getLogger(__name__)
 

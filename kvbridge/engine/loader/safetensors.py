@@ -17,9 +17,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvbridge.engine.loader.cache import ModelParts
-from kvbridge.engine.models.config import (Mamba2Config, MLAConfig, ModelArchConfig, ModelFamily, MoEConfig,
-                                           YarnScaling)
 from kvbridge.engine.tokenizer import Tokenizer
+from kvbridge.spec.model_config import (Mamba2Config, MLAConfig, ModelArchConfig, ModelFamily, MoEConfig,
+                                           YarnScaling)
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ Contract (the model runner codes against it):
   head_size] (Llama family: entries 0 = K, 1 = V of head_dim each, num_kv_heads this rank's;
   MLA: one KV head, one entry = the latent of kv_lora_rank + qk_rope_head_dim values, the
   same on every TP rank; see ModelArchConfig.cache_*). num_layers becomes the layers per KV
-  cache group when a model mixes full and sliding-window layers (kv_groups.py); then
+  cache group when a model mixes full and sliding-window layers (spec/kv_groups.py); then
   `forward` gets one AttentionMetadata per group. With kernel blocks smaller than the
   scheduler's blocks (hybrid Mamba models) the first dimension counts kernel blocks, and a
-  Bamba model also keeps its Mamba states in the same memory (kv_cache_layout.py: the runner
+  Bamba model also keeps its Mamba states in the same memory (spec/kv_cache_layout.py: the runner
   allocates the tensor from a `KVCacheLayout` and binds the layout to the model). Block-major, so a block of every
   layer is contiguous for KV transfers, and head-major within a block, so a run of heads
   of a block is contiguous too (a decode rank of another TP size reads its heads as one
@@ -22,54 +22,25 @@ Contract (the model runner codes against it):
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
-from kvbridge.engine.models.config import ModelArchConfig, ModelFamily
-from kvbridge.engine.models.weights import WeightSlot
-from kvbridge.engine.tp import RankShard, TPSplitError, check_tp_split
-
-
-class CausalLM(torch.nn.Module, ABC):
-    """A decoder-only LM over a paged KV cache."""
-
-    arch: ModelArchConfig
-
-    @abstractmethod
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in; ValueError names any missing/unexpected/mis-shaped one."""
-
-    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every Hugging Face tensor `load_weights` takes, with its whole (unsharded) shape."""
-        return {name: slot.checkpoint_shape() for name, slot in self._weight_slots().items()}
-
-    @abstractmethod
-    def _weight_slots(self) -> dict[str, WeightSlot]:
-        """Where each checkpoint tensor goes (models/weights.py)."""
-
-    @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """int64 [T] token ids and absolute positions -> final hidden states [T, hidden].
-
-        Writes the new tokens' K/V into kv_cache at attn.slot_mapping, and attends each token
-        to its sequence's earlier context (read from the cache) and causally to the new tokens.
-        """
-
-    @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab]."""
+from kvbridge.engine.models.bamba import BambaForCausalLM
+from kvbridge.engine.models.base import CausalLM
+from kvbridge.engine.models.deepseek import DeepseekForCausalLM
+from kvbridge.engine.models.llama import LlamaForCausalLM
+from kvbridge.spec.kv_groups import slots_per_block
+from kvbridge.spec.mamba_shard import mamba2_shard
+from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
+from kvbridge.spec.tp_split import RankShard, TPSplitError, check_tp_split
 
 
 def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int,
                    num_kv_heads: int | None = None) -> tuple[int, ...]:
     """The shape of the single KV cache tensor the runner allocates for `arch` (for a TP rank:
     `num_kv_heads` = the heads it holds; default all)."""
-    from kvbridge.engine.kv_groups import slots_per_block
-
     heads = arch.cache_kv_heads if num_kv_heads is None else num_kv_heads
     return (num_blocks, heads, slots_per_block(arch), arch.cache_entries, block_size, arch.cache_head_size)
 
@@ -78,7 +49,6 @@ def check_arch_tp_split(arch: ModelArchConfig, tp_size: int) -> None:
     """Raises TPSplitError when `tp_size` ranks cannot split this model (heads, MLP, experts)."""
     check_tp_split(arch.num_heads, arch.cache_kv_heads, tp_size, arch.intermediate_size)
     if arch.mamba is not None:
-        from kvbridge.engine.layers.mamba2 import mamba2_shard
         mamba2_shard(arch.mamba, tp_size, 0)  # raises TPSplitError naming the Mamba heads or groups
     if arch.moe is not None:
         moe = arch.moe
@@ -92,11 +62,6 @@ def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device 
                 shard: RankShard | None = None, all_reduce: Callable | None = None) -> CausalLM:
     """An eval-mode model for arch on device, weights allocated in dtype but not yet loaded.
     With a TP `shard`, only that rank's part, summing partial outputs with `all_reduce`."""
-    # Imported here because the family modules import CausalLM from this package.
-    from kvbridge.engine.models.bamba import BambaForCausalLM
-    from kvbridge.engine.models.deepseek import DeepseekForCausalLM
-    from kvbridge.engine.models.llama import LlamaForCausalLM
-
     families: dict[ModelFamily, type[CausalLM]] = {
         ModelFamily.LLAMA: LlamaForCausalLM,
         ModelFamily.QWEN2: LlamaForCausalLM,  # differs by arch.attention_bias

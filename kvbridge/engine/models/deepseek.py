@@ -39,10 +39,10 @@ from kvbridge.engine.layers.linear import Linear
 from kvbridge.engine.layers.mla_attention import MLAPagedAttention
 from kvbridge.engine.layers.norm import RMSNorm
 from kvbridge.engine.layers.rotary import RotaryEmbedding, yarn_mscale
-from kvbridge.engine.models import CausalLM
-from kvbridge.engine.models.config import MLAConfig, ModelArchConfig, MoEConfig
-from kvbridge.engine.models.weights import Embedding, WeightSlot, load_slots, whole
-from kvbridge.engine.tp import RankShard, even_split, rank_shard
+from kvbridge.engine.layers.weights import Embedding, WeightSlot, load_slots, whole
+from kvbridge.engine.models.base import CausalLM
+from kvbridge.spec.model_config import MLAConfig, ModelArchConfig, MoEConfig
+from kvbridge.spec.tp_split import RankShard, even_split, rank_shard
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 

@@ -25,12 +25,12 @@ from kvbridge.engine.layers.activation import silu_and_mul
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention
 from kvbridge.engine.layers.linear import Linear, packed_linear, prepack_weight
 from kvbridge.engine.layers.norm import RMSNorm, add_rms_norm_, rms_norm
-from kvbridge.engine.kv_groups import layer_groups, layer_slots
 from kvbridge.engine.layers.rotary import RotaryEmbedding
-from kvbridge.engine.models import CausalLM
-from kvbridge.engine.models.config import ModelArchConfig
-from kvbridge.engine.models.weights import Embedding, WeightSlot, load_slots, whole
-from kvbridge.engine.tp import RankShard, even_split, rank_shard
+from kvbridge.engine.layers.weights import Embedding, WeightSlot, load_slots, whole
+from kvbridge.engine.models.base import CausalLM
+from kvbridge.spec.kv_groups import layer_groups, layer_slots
+from kvbridge.spec.model_config import ModelArchConfig
+from kvbridge.spec.tp_split import RankShard, even_split, rank_shard
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP ranks, in place
 

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
 
+from kvbridge.kv_transfer.connector.request_view import ConnectorRequest
+
 if TYPE_CHECKING:
-    from kvbridge.engine.request import Request
     from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, RankReport
     from kvbridge.kv_transfer.params import KVTransferParams
 
@@ -49,11 +50,12 @@ class SchedulerConnector(ABC):
     """Scheduler half. Every method is called on the engine thread."""
 
     @abstractmethod
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: ConnectorRequest) -> None:
         """Called when a request is added to the scheduler."""
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_local_computed: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_local_computed: int) -> tuple[int | None, bool]:
         """Called for a WAITING request on its first schedule.
 
         Returns (n, load_async): n prompt tokens beyond the local prefix hit will
@@ -62,7 +64,7 @@ class SchedulerConnector(ABC):
         """
 
     @abstractmethod
-    def update_state_after_alloc(self, request: "Request", block_ids: BlockIds,
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
                                  num_local_computed: int, num_external_tokens: int) -> None:
         """Called right after blocks were allocated for a request the connector asked about."""
 
@@ -77,7 +79,7 @@ class SchedulerConnector(ABC):
         """Called with the worker half's output before the scheduler acts on it."""
 
     @abstractmethod
-    def request_finished(self, request: "Request", block_ids: BlockIds) -> tuple[bool, "KVTransferParams | None"]:
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, "KVTransferParams | None"]:
         """Called exactly once when a request finishes (any reason) or is aborted.
 
         Returns (delay_free, kv_transfer_params): with delay_free the scheduler keeps
@@ -85,7 +87,7 @@ class SchedulerConnector(ABC):
         D reads them) ride the request's finishing output, typed until the HTTP edge.
         """
 
-    def recompute_on_load_failure(self, request: "Request") -> bool:
+    def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         """The load-failure policy: True to recompute the request's invalid blocks
         locally, False to finish it with an error."""
         return True

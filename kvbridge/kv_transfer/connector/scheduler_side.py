@@ -31,9 +31,9 @@ import time
 from typing import Callable, Sequence
 
 from kvbridge.config import KVTransferConfig
-from kvbridge.engine.request import FinishReason, Request
 from kvbridge.kv_transfer.connector.base import BlockIds, KVConnectorOutput, SchedulerConnector
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, ReleaseSpec, RemoteEngine, remote_of
+from kvbridge.kv_transfer.connector.request_view import FINISHED_WITH_OUTPUT, ConnectorRequest
 from kvbridge.kv_transfer.failure import recompute_on_failure
 from kvbridge.kv_transfer.handshake_manager import is_trusted_host
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
@@ -121,14 +121,15 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         return rejected or bool(self._meta.reqs_to_recv or self._meta.reqs_to_release)
 
     # ---- SchedulerConnector -----------------------------------------------
-    def on_new_request(self, request: Request) -> None:
+    def on_new_request(self, request: ConnectorRequest) -> None:
         p = request.kv_transfer_params
         if p is not None and p.wants_remote_decode and self.has_mamba and request.num_prompt_tokens > 1:
             del request.prompt_token_ids[-1]  # N-1 prefill: D computes the last token (module doc)
         if p is not None and p.wants_remote_prefill:
             self._waiting[request.request_id] = (remote_of(p), p.remote_request_id or "", p.lease_generation or 0)
 
-    def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_local_computed: int) -> tuple[int | None, bool]:
         p = request.kv_transfer_params
         if p is None or not p.wants_remote_prefill or request.request_id in self._consumed:
             return 0, False
@@ -142,7 +143,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             return 0, False
         return tokens - num_local_computed, True
 
-    def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_local_computed: int,
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds, num_local_computed: int,
                                  num_external_tokens: int) -> None:
         p = request.kv_transfer_params
         if p is None or not p.wants_remote_prefill or request.request_id in self._consumed:
@@ -178,7 +179,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         for rid in output.finished_recving:
             self._waiting.pop(rid, None)
 
-    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
         rid = request.request_id
         self._waiting.pop(rid, None)
         p = request.kv_transfer_params
@@ -188,7 +189,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         self._consumed.discard(rid)
         if p is None or not p.wants_remote_decode:
             return False, None
-        if request.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not block_ids[0]:
+        if request.finish_reason not in FINISHED_WITH_OUTPUT or not block_ids[0]:
             return False, None
         if rid in self.leases:  # the engine refuses ids in use, so this is a bug: never orphan blocks
             logger.error("request %s finished while a lease on that id is held; freeing its blocks", rid)
@@ -210,7 +211,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             lease_generation=generation, generated_token_ids=tuple(generated) if generated else None)
         return True, params
 
-    def recompute_on_load_failure(self, request: Request) -> bool:
+    def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         recompute = recompute_on_failure(self.config.load_failure_policy, self.config.recompute_max_tokens,
                                          request.num_prompt_tokens)
         if recompute:

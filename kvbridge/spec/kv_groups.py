@@ -21,11 +21,28 @@ Pure functions over the architecture; unit-tested exhaustively in tests/unit/tes
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from math import gcd
 
-from kvbridge.engine.kv_cache_manager import KVCacheKind
-from kvbridge.engine.models.config import ModelArchConfig
+from kvbridge.spec.model_config import ModelArchConfig
+
+
+class KVCacheKind(enum.Enum):
+    FULL_ATTENTION = "full_attention"
+    MLA = "mla"  # multi-head latent attention: one compressed latent per token, all heads share it
+    SLIDING_WINDOW = "sliding_window"  # a token sees the last `sliding_window` tokens only
+    MAMBA = "mamba"  # one recurrent state (conv + SSM) per request: its one block, whatever its length
+
+    @property
+    def keeps_every_token(self) -> bool:
+        """A request's blocks cover its whole context, block i holding tokens [i*bs, (i+1)*bs)."""
+        return self in (KVCacheKind.FULL_ATTENTION, KVCacheKind.MLA)
+
+    @property
+    def token_indexed(self) -> bool:
+        """Block i holds tokens [i*bs, (i+1)*bs) (every kind but a Mamba state)."""
+        return self is not KVCacheKind.MAMBA
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.engine.kv_groups import layer_groups, slots_per_block
-from kvbridge.engine.kv_cache_manager import KVCacheKind
-from kvbridge.engine.models.config import ModelArchConfig
+from kvbridge.spec.kv_groups import KVCacheKind, layer_groups, slots_per_block
+from kvbridge.spec.mamba_shard import mamba2_shard
+from kvbridge.spec.model_config import ModelArchConfig
+from kvbridge.spec.tp_split import rank_shard
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,6 @@ def mamba_state_shape(arch: ModelArchConfig, tp_size: int = 1, rank: int = 0) ->
     """This rank's state of one Mamba layer, or None for a model without Mamba layers."""
     if arch.mamba is None:
         return None
-    from kvbridge.engine.layers.mamba2 import mamba2_shard
-
     c = arch.mamba
     shard = mamba2_shard(c, tp_size, rank)
     conv_dim = shard.num_heads * c.head_dim + 2 * shard.num_groups * c.state_size
@@ -172,8 +171,6 @@ def _with(layout: KVCacheLayout, **changes: int) -> KVCacheLayout:
 def rank_kv_cache_layout(arch: ModelArchConfig, block_size: int, num_blocks: int, tp_size: int = 1,
                          rank: int = 0) -> KVCacheLayout:
     """`plan_kv_cache_layout` for rank `rank` of `tp_size` (its share of the KV heads)."""
-    from kvbridge.engine.tp import rank_shard
-
     heads = rank_shard(arch.num_heads, arch.cache_kv_heads, tp_size, rank).num_kv_heads
     return plan_kv_cache_layout(arch, block_size, num_blocks, heads, tp_size, rank)
 

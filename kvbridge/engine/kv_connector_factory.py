@@ -1,4 +1,6 @@
-"""Builds the two connector halves of one engine and the parts they share."""
+"""Builds the two connector halves of one engine and the parts they share: engine wiring, so it
+lives with the engine; it reads the model's shape (spec/) and the engine's configuration and
+gives kv_transfer's halves only what they need (block size, KV cache groups, element size)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,9 @@ import time
 import uuid
 from collections.abc import Callable
 
+import torch
+
 from kvbridge.config import EngineConfig, KVRole
-from kvbridge.engine.kv_cache_layout import logical_block_size
-from kvbridge.engine.kv_groups import layer_groups, slots_per_block
-from kvbridge.engine.models.config import ModelArchConfig
 from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.connector.scheduler_side import KVBridgeSchedulerConnector
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
@@ -19,6 +20,10 @@ from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.read_plan.request_reads import KVGroups
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
+from kvbridge.spec.dtypes import DTYPES
+from kvbridge.spec.kv_cache_layout import logical_block_size
+from kvbridge.spec.kv_groups import layer_groups, slots_per_block
+from kvbridge.spec.model_config import ModelArchConfig
 
 
 def compatibility_of(config: EngineConfig, arch: ModelArchConfig, model_identity: str) -> CompatibilityInfo:
@@ -36,10 +41,6 @@ def compatibility_of(config: EngineConfig, arch: ModelArchConfig, model_identity
 
 def kv_groups_of(config: EngineConfig, arch: ModelArchConfig) -> KVGroups:
     """The model's KV cache groups as D pairs blocks by them (request_reads.py)."""
-    import torch
-
-    from kvbridge.engine.model_runner import DTYPES
-
     return KVGroups(tuple(g.kind.value for g in layer_groups(arch)), arch.mamba, slots_per_block(arch),
                     torch.tensor([], dtype=DTYPES[config.dtype]).element_size())
 

@@ -3,14 +3,14 @@
 The engine process (global rank 0 of a gloo process group of N + 1) spawns N rank
 processes with `torch.multiprocessing` (spawn). Rank process i (global rank i + 1, TP
 rank i) loads the model, keeps its shard of the weights and of the KV cache (its KV
-heads; `engine/tp.py`) and sums partial layer outputs with `all_reduce` over a group of
+heads; `spec/tp_split.py`) and sums partial layer outputs with `all_reduce` over a group of
 the N ranks (gloo on CPU, NCCL on CUDA). Each engine step is ONE broadcast of the step's
 inputs (the scheduler output, which carries the connector metadata) and ONE gather of the
 ranks' outputs over the default gloo group (`tp_channel.StepChannel`: a fixed-size frame
 each way, so a step is two collectives, not the four of torch's object collectives); TP
 rank 0 samples.
 
-Each rank computes on its own CPUs (`--cpu-bind`, engine/cpu_bind.py; on CPU at TP > 1 by
+Each rank computes on its own CPUs (`--cpu-bind`, engine/tp/cpu_bind.py; on CPU at TP > 1 by
 default), and a step that starts reads on two or more ranks begins with a barrier of the ranks
 (ModelRunner.sync_ranks), so their copies run side by side (docs/architecture.md).
 
@@ -63,10 +63,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvbridge.config import EngineConfig
-from kvbridge.engine.cpu_bind import CpuBindError, format_cpus, rank_cpus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvbridge.engine.tp import rank_shard
-from kvbridge.engine.tp_channel import StepChannel
+from kvbridge.engine.tp.cpu_bind import rank_cpus
+from kvbridge.engine.tp.tp_channel import StepChannel
+from kvbridge.spec.cpu_lists import CpuBindError, format_cpus
+from kvbridge.spec.tp_split import rank_shard
 
 logger = logging.getLogger(__name__)
 
@@ -432,7 +433,7 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
     cpu_group = group if backend == "gloo" else dist.new_group(ranks=list(range(1, world)), backend="gloo")
     if cpus is not None:
         # This thread, and the torch and transfer threads it starts from now on, run on the rank's
-        # CPUs; gloo's threads, started above, do not (cpu_bind.py says why).
+        # CPUs; gloo's threads, started above, do not (engine/tp/cpu_bind.py says why).
         os.sched_setaffinity(0, cpus)
 
     clock = _ReduceClock()

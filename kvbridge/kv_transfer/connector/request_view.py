@@ -1,0 +1,30 @@
+"""The connector's view of an engine request: what its scheduler half reads of a request (and,
+at P, the one thing it changes), so kv_transfer needs nothing from the engine above it.
+engine/request.py's `Request` is one."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from kvbridge.kv_transfer.params import KVTransferParams
+
+# The finish reasons (values of the engine's FinishReason, a str enum) after which P's blocks hold
+# a prompt's KV worth reading: anything else (abort, error) frees them at once.
+FINISHED_WITH_OUTPUT = ("stop", "length")
+
+
+@runtime_checkable
+class ConnectorRequest(Protocol):
+    request_id: str
+    # P drops the last prompt token of a Mamba model's request for remote decode (N-1 prefill).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    kv_transfer_params: KVTransferParams | None
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why it finished (one of the engine's FinishReason values), None while it runs."""
+        ...
