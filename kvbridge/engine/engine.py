@@ -1,7 +1,7 @@
 """The engine: one model instance and its step loop (schedule -> run -> postprocess).
 
-Not thread-safe: one thread owns an LLMEngine (serving.async_engine runs it on a
-background thread). It knows nothing of HTTP.
+Not thread-safe: one thread owns an LLMEngine (the instance server runs it on a
+background thread: server/async_engine.py). It knows nothing of HTTP.
 """
 
 from __future__ import annotations

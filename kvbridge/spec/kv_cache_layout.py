@@ -8,7 +8,7 @@ group's blocks come from the one pool, so a page must fit whichever group takes 
   *kernel* blocks of `kernel_block_size` tokens each (vLLM's `physical_blocks_per_logical`):
   logical block b is kernel blocks [b*r, (b+1)*r), and one kernel block is
   [kv_heads, slots, entries, kernel_block_size, head_size] (head-major, so a run of a rank's
-  heads is contiguous: tp_mapping.py). The attention layers index kernel blocks; a logical
+  heads is contiguous: kv_transfer/read_plan/tp_mapping.py). The attention layers index kernel blocks; a logical
   block holds `kernel_block_size * blocks_per_logical` tokens.
 - A Mamba group's page is one request's recurrent state for each of the group's `slots`
   layers: slot s's conv state [conv_dim, K-1] then its SSM state [H, P, N] (this rank's
@@ -25,7 +25,7 @@ and the Mamba page is padded up to that. A rank's Mamba state shrinks with the T
 its own way (heads split; B and C of a group replicated when the groups do not split), and
 its attention KV in another (KV heads split or replicated), so engines of different TP sizes
 end up with different ratios and logical block sizes over the same kernel block: P and D
-must exchange their ratios (kv_transfer/block_mapping.py). A model of Mamba layers only has
+must exchange their ratios (kv_transfer/read_plan/block_mapping.py). A model of Mamba layers only has
 pages of one state and a logical block of the configured size.
 
 Pure planning (`plan_kv_cache_layout`) plus the views the model runner and the models use;

@@ -15,7 +15,7 @@ Contract (the model runner codes against it):
   allocates the tensor from a `KVCacheLayout` and binds the layout to the model). Block-major, so a block of every
   layer is contiguous for KV transfers, and head-major within a block, so a run of heads
   of a block is contiguous too (a decode rank of another TP size reads its heads as one
-  span: kv_transfer/tp_mapping.py). Layer i uses the view `kv_cache[:, :, i]`.
+  span: kv_transfer/read_plan/tp_mapping.py). Layer i uses the view `kv_cache[:, :, i]`.
 - Each step: `forward(input_ids, positions, attn, kv_cache)` -> hidden [T, hidden], then
   `compute_logits(hidden[rows])` -> fp32 logits for the rows it samples from.
 """

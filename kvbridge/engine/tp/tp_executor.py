@@ -12,7 +12,7 @@ rank 0 samples.
 
 Each rank computes on its own CPUs (`--cpu-bind`, engine/tp/cpu_bind.py; on CPU at TP > 1 by
 default), and a step that starts reads on two or more ranks begins with a barrier of the ranks
-(ModelRunner.sync_ranks), so their copies run side by side (docs/architecture.md).
+(ModelRunner.sync_ranks), so their copies run side by side (docs/internals.md).
 
 With a KV connector each rank also owns a transfer agent (rank_agent.RankAgent) and
 registers its KV shard with it at start-up (the registrations come back with the ready

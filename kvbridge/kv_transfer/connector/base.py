@@ -137,7 +137,7 @@ class WorkerConnector(ABC):
 
 
 class KVConnectors(NamedTuple):
-    """One engine's two connector halves, by name (built together: connector/factory.py)."""
+    """One engine's two connector halves, by name (built together: engine/kv_connector_factory.py)."""
 
     scheduler: SchedulerConnector
     worker: WorkerConnector

@@ -40,7 +40,7 @@ from kvbridge.kv_transfer.handshake import RankLayout
 logger = logging.getLogger("kvbridge.kv_transfer")
 
 # Every rank's KV cache is [blocks, kv_heads, layers, 2 (K, V), block_size, head_dim]: a block is
-# one contiguous span and so is each head's share of it (tp_mapping.py, docs/architecture.md).
+# one contiguous span and so is each head's share of it (read_plan/tp_mapping.py, docs/internals.md).
 KV_LAYOUT = "blocks,heads,layers,kv,tokens,dim"
 
 Desc = tuple[int, int]
