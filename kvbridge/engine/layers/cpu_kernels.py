@@ -5,6 +5,7 @@ builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
   each sequence's K/V into a temporary tensor every layer; see csrc/paged_decode.cpp);
 - `prefill_attention`: causal attention of a prompt over its own new K/V, in 16 x 32 tiles
   (csrc/prefill_attention.cpp);
+  both in fp32 or bf16 (bf16 read and widened to fp32, every sum in fp32; `attention_applies`);
 - `rms_norm`, `add_rms_norm_`, `rotary_`, `write_kv_`: one-pass versions of small per-layer
   ops (csrc/elementwise.cpp). Call sites ask `applies(...)` and keep their torch path.
 
@@ -12,7 +13,7 @@ The build needs g++ and ninja (both on the machines kvbridge installs on; `scrip
 builds it, so a server never compiles at start-up) and goes to `$KVBRIDGE_CACHE_DIR/cpu-kernels`.
 It is compiled for the CPU that builds it (-march=native); the CPU's flags are part of the
 build's identity, so another CPU gets its own build. Where the build fails the engine logs why
-once and attends with the gather + SDPA path (the path CUDA and non-fp32 caches always use).
+once and attends with the gather + SDPA path (the path CUDA and fp16 caches always use).
 `KVBRIDGE_CPU_KERNELS=0` turns the kernels off.
 """
 
@@ -87,9 +88,20 @@ def applies(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
 
 
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # what the two attention kernels take
+
+
+def attention_applies(*tensors: torch.Tensor) -> bool:
+    """The attention kernels take these tensors: all on the CPU, all of one dtype in
+    ATTENTION_DTYPES, and the kernels are loaded."""
+    dtype = tensors[0].dtype
+    return (dtype in ATTENTION_DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+            and available())
+
+
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,
                            context_lens: torch.Tensor, sliding_window: int | None, scale: float) -> torch.Tensor:
-    """q [B, H, D] fp32 CPU, kv_layer [blocks, 2, block_size, kv_heads, D] (the cache's strided
+    """q [B, H, D] fp32 or bf16 CPU, kv_layer (q's dtype) [blocks, 2, block_size, kv_heads, D] (the cache's strided
     layer view), block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D]."""
     return torch.ops.kvbridge.paged_decode_attention(q, kv_layer, block_table, context_lens,
                                                      sliding_window or 0, scale)
@@ -100,7 +112,7 @@ PREFILL_HEAD_DIMS = range(16, 257, 16)  # head sizes prefill_attention takes
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention over the prompt's own keys: q [L, heads, D], k and v [L, kv_heads, D] fp32
-    CPU, D contiguous (any row strides), D in PREFILL_HEAD_DIMS -> [L, heads, D]."""
+    or bf16 (all one dtype) CPU, D contiguous (any row strides), D in PREFILL_HEAD_DIMS -> [L, heads, D]."""
     return torch.ops.kvbridge.prefill_attention(q, k, v, scale)
 
 
