@@ -6,7 +6,7 @@ medians of --reps:
 
 - **fp32**: today's fp32 path (oneDNN-prepacked linears, the fp32 attention kernels);
 - **bf16 before**: bf16 as it ran before: torch's `F.linear` in bf16 and gather + SDPA attention
-  (the linears' prepacked weights dropped, `cpu_kernels.ATTENTION_DTYPES` narrowed to fp32 for its calls);
+  (the linears' prepacked weights dropped, `cpu_kernels.DECODE_DTYPES` narrowed to fp32 for its calls);
 - **bf16 after**: bf16 linears prepacked for oneDNN (AMX), the attention kernels reading bf16.
 
 Decode: one step of `batch` sequences of --context tokens (blocks interleaved), logits included.
@@ -42,12 +42,12 @@ CONFIGS = ("fp32", "bf16 before", "bf16 after")
 
 @contextlib.contextmanager
 def attention_kernels_fp32_only() -> Iterator[None]:
-    saved = cpu_kernels.ATTENTION_DTYPES
-    cpu_kernels.ATTENTION_DTYPES = (torch.float32,)
+    saved = cpu_kernels.DECODE_DTYPES
+    cpu_kernels.DECODE_DTYPES = (torch.float32,)
     try:
         yield
     finally:
-        cpu_kernels.ATTENTION_DTYPES = saved
+        cpu_kernels.DECODE_DTYPES = saved
 
 
 def unpack(model: torch.nn.Module) -> None:

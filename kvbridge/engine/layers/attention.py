@@ -10,7 +10,7 @@ does no Python work beyond a loop over prefill sequences:
   (CUDA, fp16, or without the kernels) by ONE padded SDPA call over K/V gathered block by
   block from the cache, with a boolean padding mask;
 - sequences with several new tokens (prefill, or a prefill chunk) are attended one by one:
-  causally over the new K/V when they start at position 0 (on CPU in fp32 or bf16 by kvbridge's tiled
+  causally over the new K/V when they start at position 0 (on CPU in fp32 by kvbridge's tiled
   kernel, cpu_kernels.prefill_attention; elsewhere SDPA), otherwise over their whole context
   read back from the cache with a causal mask shifted by the tokens computed before.
 
@@ -224,7 +224,7 @@ class PagedAttention(nn.Module):
 
     def reads_in_place(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
         """Decode reads K/V in place (cpu_kernels) for fp32 or bf16 on CPU when the kernels are built."""
-        return self.in_place_decode and cpu_kernels.attention_applies(q, kv_layer)
+        return self.in_place_decode and cpu_kernels.decode_applies(q, kv_layer)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -277,7 +277,7 @@ class PagedAttention(nn.Module):
         qs = q[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
         gqa = self.num_kv_heads != self.num_heads
         if (seq.block_index is None and seq.mask is None and self.head_dim in cpu_kernels.PREFILL_HEAD_DIMS
-                and cpu_kernels.attention_applies(q, k, v)):
+                and cpu_kernels.applies(q, k, v)):
             out = cpu_kernels.prefill_attention(q[seq.start:seq.end], k[seq.start:seq.end], v[seq.start:seq.end],
                                                 self.head_dim ** -0.5)
             return out.view(seq.end - seq.start, self.num_heads * self.head_dim)

@@ -5,7 +5,9 @@ builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
   each sequence's K/V into a temporary tensor every layer; see csrc/paged_decode.cpp);
 - `prefill_attention`: causal attention of a prompt over its own new K/V, in 16 x 32 tiles
   (csrc/prefill_attention.cpp);
-  both in fp32 or bf16 (bf16 read and widened to fp32, every sum in fp32; `attention_applies`);
+  decode also reads a bf16 cache (widened to fp32 as read, every sum fp32; `decode_applies`);
+  bf16 prompts go to torch's SDPA, whose AMX path is 2.4-5x this kernel's speed in bf16
+  (benchmarks/README.md, "bf16");
 - `rms_norm`, `add_rms_norm_`, `rotary_`, `write_kv_`: one-pass versions of small per-layer
   ops (csrc/elementwise.cpp). Call sites ask `applies(...)` and keep their torch path.
 
@@ -88,15 +90,14 @@ def applies(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
 
 
-ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # what the two attention kernels take
+DECODE_DTYPES = (torch.float32, torch.bfloat16)  # what paged_decode_attention takes
 
 
-def attention_applies(*tensors: torch.Tensor) -> bool:
-    """The attention kernels take these tensors: all on the CPU, all of one dtype in
-    ATTENTION_DTYPES, and the kernels are loaded."""
-    dtype = tensors[0].dtype
-    return (dtype in ATTENTION_DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
-            and available())
+def decode_applies(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """paged_decode_attention takes these: both on the CPU, of one dtype in DECODE_DTYPES, and
+    the kernels are loaded."""
+    return (q.dtype == kv_layer.dtype and q.dtype in DECODE_DTYPES and q.device.type == "cpu"
+            and kv_layer.device.type == "cpu" and available())
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,
@@ -112,7 +113,7 @@ PREFILL_HEAD_DIMS = range(16, 257, 16)  # head sizes prefill_attention takes
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention over the prompt's own keys: q [L, heads, D], k and v [L, kv_heads, D] fp32
-    or bf16 (all one dtype) CPU, D contiguous (any row strides), D in PREFILL_HEAD_DIMS -> [L, heads, D]."""
+    CPU, D contiguous (any row strides), D in PREFILL_HEAD_DIMS -> [L, heads, D]."""
     return torch.ops.kvbridge.prefill_attention(q, k, v, scale)
 
 

@@ -1,6 +1,5 @@
-// Causal prefill attention over a prompt's own new K/V (CPU, fp32 or bf16: bf16 inputs are
-// widened to fp32 as they are read, every sum is fp32, the result has the inputs' dtype):
-// flash-attention style, in tiles of 16 queries x 32 keys, with a running softmax per query row.
+// Causal prefill attention over a prompt's own new K/V (CPU, fp32): flash-attention style, in
+// tiles of 16 queries x 32 keys, with a running softmax per query row.
 //
 // Work item: (KV head, tile of 16 query positions); the KV head's query heads (its GQA group)
 // share the item, so each key and value tile is read once for all of them. Scores: K is
@@ -25,14 +24,11 @@
 
 namespace {
 
-using kvbridge::bf16;
 using kvbridge::hsum;
 using kvbridge::kVec;
 using kvbridge::load;
 using kvbridge::splat;
 using kvbridge::store;
-using kvbridge::store_scalar;
-using kvbridge::to_float;
 using kvbridge::vfloat;
 
 constexpr int64_t kTile = 16;  // queries per tile
@@ -51,16 +47,15 @@ inline float max16(const float* p) {
 // t < n of p[t] * v[t * v_row ..]; D a multiple of kVec, at most kMaxD.
 constexpr int64_t kMaxD = 256;
 
-template <typename T>
 inline void add_values(float* __restrict__ out, float rescale, const float* __restrict__ p,
-                       const T* __restrict__ v, int64_t v_row, int64_t n, int64_t D) {
+                       const float* __restrict__ v, int64_t v_row, int64_t n, int64_t D) {
   vfloat acc[kMaxD / kVec];
   const int64_t C = D / kVec;
   const vfloat r = splat(rescale);
   for (int64_t c = 0; c < C; ++c) acc[c] = load(out + c * kVec) * r;
   for (int64_t t = 0; t < n; ++t) {
     const vfloat pt = splat(p[t]);
-    const T* row = v + t * v_row;
+    const float* row = v + t * v_row;
     for (int64_t c = 0; c < C; ++c) acc[c] += pt * load(row + c * kVec);
   }
   for (int64_t c = 0; c < C; ++c) store(out + c * kVec, acc[c]);
@@ -82,17 +77,32 @@ inline void score_rows(vfloat* lo, vfloat* hi, const float* __restrict__ q, cons
   }
 }
 
-// The attention itself, once the inputs are checked: T is float or bf16 (q, k, v and out).
-template <typename T>
-void prefill_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out) {
+// q [L, H, D], k and v [L, kv_heads, D] (each with D contiguous; any row strides: the model's
+// views into its fused QKV output), causal: query i attends keys 0..i. Query head i attends with
+// KV head i / (H / kv_heads). Returns [L, H, D], contiguous.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "prefill_attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "prefill_attention: q, k and v must be float32");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
+                  v.stride(2) == 1,
+              "prefill_attention: q, k and v must be [tokens, heads, head_dim] with head_dim contiguous");
   const int64_t L = q.size(0), H = q.size(1), D = q.size(2), kv_heads = k.size(1);
+  TORCH_CHECK(k.size(0) == L && v.size(0) == L && v.size(1) == kv_heads && k.size(2) == D && v.size(2) == D,
+              "prefill_attention: q, k and v disagree on tokens, KV heads or head_dim");
+  TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0, "prefill_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(D % kVec == 0 && D <= kMaxD, "prefill_attention: head_dim must be a multiple of 16, at most 256");
+
+  at::Tensor out = at::empty({L, H, D}, q.options());
+  if (L == 0) return out;
   const int64_t group = H / kv_heads;
   const int64_t tiles = (L + kTile - 1) / kTile;
   const float softmax_scale = static_cast<float>(scale);
-  const T* q_data = reinterpret_cast<const T*>(q.data_ptr());
-  const T* k_data = reinterpret_cast<const T*>(k.data_ptr());
-  const T* v_data = reinterpret_cast<const T*>(v.data_ptr());
-  T* out_data = reinterpret_cast<T*>(out.data_ptr());
+  const float* q_data = q.data_ptr<float>();
+  const float* k_data = k.data_ptr<float>();
+  const float* v_data = v.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
   const int64_t q_tok = q.stride(0), q_head = q.stride(1);
   const int64_t k_tok = k.stride(0), k_head = k.stride(1), v_tok = v.stride(0), v_head = v.stride(1);
   // K transposed once per call, [kv_heads][D][L_pad] (L rounded up to kKeys; padding keys 0, never visible), so
@@ -101,9 +111,9 @@ void prefill_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   std::vector<float> k_t(kv_heads * D * L_pad, 0.f);
   for (int64_t h = 0; h < kv_heads; ++h) {  // one pass, serially: about 1% of the work
     for (int64_t t = 0; t < L; ++t) {
-      const T* src = k_data + t * k_tok + h * k_head;
+      const float* src = k_data + t * k_tok + h * k_head;
       float* dst = k_t.data() + h * D * L_pad + t;
-      for (int64_t d = 0; d < D; ++d) dst[d * L_pad] = to_float(src[d]);
+      for (int64_t d = 0; d < D; ++d) dst[d * L_pad] = src[d];
     }
   }
   const int64_t items = kv_heads * tiles;
@@ -118,14 +128,14 @@ void prefill_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     alignas(64) float s[kRows][kKeys];
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t i = 0; i < rows; ++i) {
-        const T* src = q_data + (r0 + i) * q_tok + (h * group + g) * q_head;
-        for (int64_t d = 0; d < D; ++d) qs[(g * rows + i) * D + d] = to_float(src[d]) * softmax_scale;
+        const float* src = q_data + (r0 + i) * q_tok + (h * group + g) * q_head;
+        for (int64_t d = 0; d < D; ++d) qs[(g * rows + i) * D + d] = src[d] * softmax_scale;
       }
     }
     for (int64_t k0 = 0; k0 < r0 + rows; k0 += kKeys) {  // key tiles up to the tile's last query
       const int64_t nk = std::min(kKeys, L - k0);
       const float* kt = k_t.data() + h * D * L_pad + k0;  // kt[d * L_pad + t]: key k0 + t, dimension d
-      const T* vt = v_data + k0 * v_tok + h * v_head;
+      const float* vt = v_data + k0 * v_tok + h * v_head;
       for (int64_t R0 = 0; R0 < NR; R0 += kRows) {
         const int64_t nr = std::min(kRows, NR - R0);
         vfloat lo[kRows] = {}, hi[kRows] = {};  // scores of keys k0 .. k0 + 15, k0 + 16 .. k0 + 31
@@ -157,37 +167,10 @@ void prefill_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
     for (int64_t R = 0; R < NR; ++R) {
       const int64_t g = R / rows, i = R % rows;
-      T* o = out_data + ((r0 + i) * H + h * group + g) * D;
+      float* o = out_data + ((r0 + i) * H + h * group + g) * D;
       const float inv = 1.f / l[R];
-      for (int64_t d = 0; d < D; ++d) store_scalar(o + d, acc[R * D + d] * inv);
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[R * D + d] * inv;
     }
-  }
-}
-
-// q [L, H, D], k and v [L, kv_heads, D] (each with D contiguous; any row strides: the model's
-// views into its fused QKV output), causal: query i attends keys 0..i. Query head i attends with
-// KV head i / (H / kv_heads). Returns [L, H, D], contiguous.
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "prefill_attention: CPU tensors only");
-  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
-                  k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "prefill_attention: q, k and v must be all float32 or all bfloat16");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
-                  v.stride(2) == 1,
-              "prefill_attention: q, k and v must be [tokens, heads, head_dim] with head_dim contiguous");
-  const int64_t L = q.size(0), H = q.size(1), D = q.size(2), kv_heads = k.size(1);
-  TORCH_CHECK(k.size(0) == L && v.size(0) == L && v.size(1) == kv_heads && k.size(2) == D && v.size(2) == D,
-              "prefill_attention: q, k and v disagree on tokens, KV heads or head_dim");
-  TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0, "prefill_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(D % kVec == 0 && D <= kMaxD, "prefill_attention: head_dim must be a multiple of 16, at most 256");
-
-  at::Tensor out = at::empty({L, H, D}, q.options());
-  if (L == 0) return out;
-  if (q.scalar_type() == at::kBFloat16) {
-    prefill_into<bf16>(q, k, v, scale, out);
-  } else {
-    prefill_into<float>(q, k, v, scale, out);
   }
   return out;
 }
