@@ -7,8 +7,8 @@ On CPU in fp32 and bf16 the weight can be prepacked once for oneDNN (`prepack`):
 matmul here costs about 9x more at 16 rows than at 1, oneDNN's prepacked one about
 half of MKL's at batch sizes 16-64, and reordered into oneDNN's blocked layout another
 1.2-1.5x less (benchmarks/README.md). In bf16 torch's own `F.linear` already reaches oneDNN's
-AMX matmul but reorders the plain weight on every call; the weight reordered once is 1.1-1.4x
-faster than that from 1 row to 512 (benchmarks/README.md, "bf16"). KVBRIDGE_ONEDNN=0 turns it off.
+AMX matmul but with the plain weight on every call; the weight reordered once is 1.1-1.6x
+faster than that from 1 row to 1024 (benchmarks/README.md, "bf16"). KVBRIDGE_ONEDNN=0 turns it off.
 """
 
 from __future__ import annotations
