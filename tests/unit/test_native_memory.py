@@ -1,6 +1,6 @@
 """Issue 33: an engine's native memory must not grow with every new prompt length.
 
-oneDNN (kvbridge's prepacked fp32 linears, torch's bf16 linears) compiles one primitive per
+oneDNN (kvbridge's prepacked fp32 and bf16 linears) compiles one primitive per
 matmul shape and caches it: without a bound, every new row count (a step's token count) kept
 about 0.5 MB per linear weight for over a thousand shapes. The check runs in a fresh process
 (the caches' capacity is read at the process's first primitive) set up as an engine process is
@@ -42,7 +42,7 @@ layers = []
 for n_in, n_out in ((256, 384), (384, 256)):
     layer = Linear(n_in, n_out, False, dtype, torch.device("cpu"))
     torch.nn.init.normal_(layer.weight)
-    layer.prepack()  # fp32: oneDNN's blocked layout (None for bf16: torch's own linear, oneDNN inside)
+    layer.prepack()  # oneDNN's blocked layout, in fp32 and bf16
     layers.append(layer)
 
 

@@ -5,9 +5,9 @@ and precomputes, once per step, every index and mask tensor the layers need, so 
 does no Python work beyond a loop over prefill sequences:
 
 - sequences with one new token (decode) are attended together in one call per layer: on CPU
-  in fp32 by kvbridge's kernel that reads K/V in place from the cache's blocks
+  in fp32 or bf16 by kvbridge's kernel that reads K/V in place from the cache's blocks
   (cpu_kernels.paged_decode_attention: each byte of K/V read once, nothing copied); elsewhere
-  (CUDA, bf16/fp16, or without the kernels) by ONE padded SDPA call over K/V gathered block by
+  (CUDA, fp16, or without the kernels) by ONE padded SDPA call over K/V gathered block by
   block from the cache, with a boolean padding mask;
 - sequences with several new tokens (prefill, or a prefill chunk) are attended one by one:
   causally over the new K/V when they start at position 0 (on CPU in fp32 by kvbridge's tiled
@@ -223,8 +223,8 @@ class PagedAttention(nn.Module):
         self.in_place_decode = True  # the CPU kernel where it applies; False: always gather + SDPA
 
     def reads_in_place(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-        """Decode reads K/V in place (cpu_kernels) for fp32 on CPU when the kernels are built."""
-        return self.in_place_decode and cpu_kernels.applies(q, kv_layer)
+        """Decode reads K/V in place (cpu_kernels) for fp32 or bf16 on CPU when the kernels are built."""
+        return self.in_place_decode and cpu_kernels.decode_applies(q, kv_layer)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:

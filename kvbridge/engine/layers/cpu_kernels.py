@@ -5,6 +5,9 @@ builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
   each sequence's K/V into a temporary tensor every layer; see csrc/paged_decode.cpp);
 - `prefill_attention`: causal attention of a prompt over its own new K/V, in 16 x 32 tiles
   (csrc/prefill_attention.cpp);
+  decode also reads a bf16 cache (widened to fp32 as read, every sum fp32; `decode_applies`);
+  bf16 prompts go to torch's SDPA, whose AMX path is 2.4-5x this kernel's speed in bf16
+  (benchmarks/README.md, "bf16");
 - `rms_norm`, `add_rms_norm_`, `rotary_`, `write_kv_`: one-pass versions of small per-layer
   ops (csrc/elementwise.cpp). Call sites ask `applies(...)` and keep their torch path.
 
@@ -12,7 +15,7 @@ The build needs g++ and ninja (both on the machines kvbridge installs on; `scrip
 builds it, so a server never compiles at start-up) and goes to `$KVBRIDGE_CACHE_DIR/cpu-kernels`.
 It is compiled for the CPU that builds it (-march=native); the CPU's flags are part of the
 build's identity, so another CPU gets its own build. Where the build fails the engine logs why
-once and attends with the gather + SDPA path (the path CUDA and non-fp32 caches always use).
+once and attends with the gather + SDPA path (the path CUDA and fp16 caches always use).
 `KVBRIDGE_CPU_KERNELS=0` turns the kernels off.
 """
 
@@ -118,9 +121,19 @@ def applies(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
 
 
+DECODE_DTYPES = (torch.float32, torch.bfloat16)  # what paged_decode_attention takes
+
+
+def decode_applies(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """paged_decode_attention takes these: both on the CPU, of one dtype in DECODE_DTYPES, and
+    the kernels are loaded."""
+    return (q.dtype == kv_layer.dtype and q.dtype in DECODE_DTYPES and q.device.type == "cpu"
+            and kv_layer.device.type == "cpu" and available())
+
+
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,
                            context_lens: torch.Tensor, sliding_window: int | None, scale: float) -> torch.Tensor:
-    """q [B, H, D] fp32 CPU, kv_layer [blocks, 2, block_size, kv_heads, D] (the cache's strided
+    """q [B, H, D] fp32 or bf16 CPU, kv_layer (q's dtype) [blocks, 2, block_size, kv_heads, D] (the cache's strided
     layer view), block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D]."""
     return torch.ops.kvbridge.paged_decode_attention(q, kv_layer, block_table, context_lens,
                                                      sliding_window or 0, scale)

@@ -3,10 +3,12 @@
 Random initialisation of a multi-billion-parameter model costs seconds and is thrown away
 by `load_weights`, so parameters start as `torch.empty`.
 
-On CPU in fp32 the weight can be prepacked once for oneDNN (`prepack`): MKL's fp32
+On CPU in fp32 and bf16 the weight can be prepacked once for oneDNN (`prepack`): MKL's fp32
 matmul here costs about 9x more at 16 rows than at 1, oneDNN's prepacked one about
 half of MKL's at batch sizes 16-64, and reordered into oneDNN's blocked layout another
-1.2-1.5x less (benchmarks/README.md). KVBRIDGE_ONEDNN=0 turns it off.
+1.2-1.5x less (benchmarks/README.md). In bf16 torch's own `F.linear` already reaches oneDNN's
+AMX matmul but with the plain weight on every call; the weight reordered once is 1.1-1.6x
+faster than that from 1 row to 1024 (benchmarks/README.md, "bf16"). KVBRIDGE_ONEDNN=0 turns it off.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 
 _LAYOUT_ROWS_HINT = 16
+PREPACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Linear(nn.Module):
@@ -44,10 +47,12 @@ class Linear(nn.Module):
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-prepacked copy of an fp32 CPU weight, or None where that does not apply."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or os.environ.get("KVBRIDGE_ONEDNN") == "0"
+    """A oneDNN-prepacked copy of an fp32 or bf16 CPU weight, or None where that does not apply."""
+    if (weight.device.type != "cpu" or weight.dtype not in PREPACKED_DTYPES or os.environ.get("KVBRIDGE_ONEDNN") == "0"
             or not torch.backends.mkldnn.is_available()):
         return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None  # a CPU without AVX-512: torch's own bf16 linear
     # Reordered into oneDNN's blocked layout for its matmul kernel (AB16b64a here), not merely
     # converted (`to_mkldnn()` keeps the plain layout): 1.46x faster at 16 rows, 1.16x at 64, as
     # fast from 1 row to prefill's 2048 (benchmarks/README.md, linear_vs_vllm). The hint is the

@@ -22,6 +22,36 @@ inline vfloat load(const float* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
+// bfloat16 as stored (the high half of an fp32): the attention kernels read bf16 K/V and queries
+// through these and compute in fp32. Widening is exact; narrowing rounds to nearest even, as torch.
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.bits) << 16); }
+
+inline void store_scalar(float* p, float x) { *p = x; }
+inline void store_scalar(bf16* p, float x) {
+  uint32_t u = __builtin_bit_cast(uint32_t, x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    p->bits = static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays a (quiet) NaN
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  p->bits = static_cast<uint16_t>(u >> 16);
+}
+
+// 16 bf16 widened to 16 floats (a zero-extend and a shift: vpmovzxwd + vpslld with AVX-512).
+inline vfloat load(const bf16* p) {
+  typedef uint16_t vhalf __attribute__((vector_size(32), aligned(2)));
+  typedef uint32_t vword __attribute__((vector_size(64)));
+  vhalf h;
+  std::memcpy(&h, p, sizeof h);
+  const vword w = __builtin_convertvector(h, vword) << 16;
+  return reinterpret_cast<const vfloat&>(w);
+}
+
 inline vfloat splat(float x) { return vfloat{} + x; }
 
 // Lanes i and i + half added, half = 8, 4, 2, 1 (vector shuffles; a scalar tree was 1.6x slower

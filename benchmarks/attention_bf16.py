@@ -1,0 +1,95 @@
+"""The CPU attention kernels at bf16 against torch's bf16 path, beside the fp32 kernels, one layer
+of SmolLM2-135M's heads (9 query, 3 KV, of 64), in one process, rotated order, medians:
+
+- decode (`batch` sequences of --context tokens, blocks interleaved, block size 16): the kernel
+  reading the bf16 cache in place vs gather + SDPA (PagedAttention with `in_place_decode` off),
+  and the fp32 kernel on the fp32 cache;
+- causal prefill of one prompt: `F.scaled_dot_product_attention` in bf16 (torch's CPU flash
+  attention, what the engine uses for bf16 prompts) vs the fp32 kernel. (A bf16 build of the
+  prefill kernel, commit 0c85364, was 2.4-5x slower than bf16 SDPA: benchmarks/README.md "bf16".)
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/attention_bf16.py --batches 1 16 64 --lengths 128 512 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kvbridge.engine.layers import cpu_kernels  # noqa: E402
+from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention  # noqa: E402
+from linear_bf16 import interleaved_medians  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def decode_calls(batch: int, context: int, gen: torch.Generator) -> dict:
+    per_seq = -(-context // BLOCK)
+    tables = [[b * batch + s for b in range(per_seq)] for s in range(batch)]
+    cache = torch.randn(batch * per_seq, KV_HEADS, 1, 2, BLOCK, HEAD_DIM, generator=gen)
+    kv32 = cache[:, :, 0].permute(0, 2, 3, 1, 4)
+    kv16 = cache.bfloat16()[:, :, 0].permute(0, 2, 3, 1, 4)
+    q32 = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
+    q16 = q32.bfloat16()
+    decode = AttentionMetadata.build([1] * batch, [context] * batch, tables, BLOCK, "cpu").decode
+    kernel, gather = (PagedAttention(HEADS, KV_HEADS, HEAD_DIM, fold_gqa_decode=True) for _ in range(2))
+    gather.in_place_decode = False
+    return {"fp32 kernel": lambda: kernel._decode(q32, kv32, decode),
+            "bf16 torch": lambda: gather._decode(q16, kv16, decode),
+            "bf16 kernel": lambda: kernel._decode(q16, kv16, decode)}
+
+
+def prefill_calls(length: int, gen: torch.Generator) -> dict:
+    fused = torch.randn(length, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen)
+    q32, k32, v32 = fused[:, :HEADS], fused[:, HEADS:HEADS + KV_HEADS], fused[:, HEADS + KV_HEADS:]
+    q16, k16, v16 = (t.bfloat16() for t in (q32, k32, v32))
+    scale = HEAD_DIM ** -0.5
+
+    def sdpa() -> torch.Tensor:
+        q, k, v = (t.transpose(0, 1)[None] for t in (q16, k16, v16))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return {"fp32 kernel": lambda: cpu_kernels.prefill_attention(q32, k32, v32, scale), "bf16 torch": sdpa}
+
+
+def report(label: str, t: dict[str, float]) -> None:
+    """Times, then (decode) bf16 torch / bf16 kernel, fp32 kernel / bf16 kernel, or (prefill) fp32 kernel / bf16 torch."""
+    names = ("fp32 kernel", "bf16 torch", "bf16 kernel")
+    cells = "".join(f"{t[n]:>13.0f}" if n in t else f"{'-':>13}" for n in names)
+    if "bf16 kernel" in t:
+        ratios = f"{t['bf16 torch'] / t['bf16 kernel']:>10.2f}x{t['fp32 kernel'] / t['bf16 kernel']:>10.2f}x"
+    else:
+        ratios = f"{'-':>11}{t['fp32 kernel'] / t['bf16 torch']:>10.2f}x"
+    print(f"{label:<20}{cells}{ratios}", flush=True)
+
+
+@torch.inference_mode()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    assert cpu_kernels.available(), "the CPU kernels did not build"
+    gen = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {args.threads} threads; microseconds per layer call, medians of {args.reps} "
+          "rotated rounds; ratios: bf16 torch / bf16 kernel, fp32 kernel / the bf16 path")
+    print(f"{'':<20}{'fp32 kernel':>13}{'bf16 torch':>13}{'bf16 kernel':>13}{'vs torch':>11}{'vs fp32':>11}")
+    for batch in args.batches:
+        report(f"decode {batch}x{args.context}", interleaved_medians(decode_calls(batch, args.context, gen), args.reps, 5))
+    for length in args.lengths:
+        report(f"prefill {length}", interleaved_medians(prefill_calls(length, gen), args.reps, 1))
+
+
+if __name__ == "__main__":
+    main()
