@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbridge.engine.layers.linear import Linear, prepack_weight
-from kvbridge.engine.tp import even_split, rank_shard
+from kvbridge.spec.tp_split import even_split, rank_shard
 
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 49152, 9, 3, 64
 SHAPES = {"qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), "o_proj": (HIDDEN, HIDDEN),
