@@ -31,7 +31,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # sets OMP_NUM_THREADS, and the API key travels in the environment (not visible in `ps`).
 _SET_BY_UP = frozenset({"model", "kv_backend", "num_threads", "api_key"})
 # serve options `kvbridge up` sets differently for each instance.
-_PER_INSTANCE = ("host", "port", "kv_role", "kv_engine_id", "kv_side_channel_port", "tensor_parallel_size")
+_PER_INSTANCE = ("host", "port", "kv_role", "kv_engine_id", "kv_side_channel_port", "tensor_parallel_size",
+                 "otlp_service_name")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -107,6 +108,38 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                          "connection is opened (default: this host's own addresses only)")
 
 
+def _add_tracing_args(p: argparse.ArgumentParser, *, service_name: bool = True) -> None:
+    """OpenTelemetry traces (issue 30): `serve`, `proxy` and `up` (which passes them on)."""
+    t = p.add_argument_group("tracing (OpenTelemetry)")
+    t.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export spans over OTLP to this URL (http/protobuf, e.g. http://127.0.0.1:4318/v1/traces; "
+                        "gRPC when OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc) (default: tracing off)")
+    t.add_argument("--otlp-traces-sample-ratio", type=float, default=1.0, metavar="RATIO",
+                   help="share of the traces this process starts that are recorded; an incoming traceparent's "
+                        "sampled flag decides for the traces it continues (default: %(default)s)")
+    if service_name:
+        t.add_argument("--otlp-service-name", default=None, metavar="NAME",
+                       help="the resource's service.name (default: kvbridge-proxy for the proxy; an "
+                            "instance's role by --kv-role (prefill, decode, serve) and its port; `up` names "
+                            "each of its processes)")
+
+
+def tracing_config_from_args(a: argparse.Namespace, default_name: str):
+    """The process's TracingConfig (None when no endpoint); TracingConfigError for bad values."""
+    from kvbridge.tracing import TracingConfig
+    if a.otlp_traces_endpoint is None:
+        if a.otlp_traces_sample_ratio != 1.0 and not 0.0 <= a.otlp_traces_sample_ratio <= 1.0:
+            TracingConfig(None, default_name, a.otlp_traces_sample_ratio)  # raises: a bad ratio is an error
+        return None
+    return TracingConfig(a.otlp_traces_endpoint, getattr(a, "otlp_service_name", None) or default_name,
+                         a.otlp_traces_sample_ratio)
+
+
+def serve_service_name(a: argparse.Namespace) -> str:
+    role = {"producer": "prefill", "consumer": "decode"}.get(a.kv_role or "", "serve")
+    return f"kvbridge-{role}-{a.port}"
+
+
 def _add_instance_args(p: argparse.ArgumentParser) -> None:
     """The options of `serve` that `kvbridge up` sets for each of its instances."""
     i = p.add_argument_group("this instance (`kvbridge up` sets these for each instance)")
@@ -163,20 +196,34 @@ def _checked_engine_config(a: argparse.Namespace) -> EngineConfig | None:
         return None
 
 
+def _checked_tracing_config(a: argparse.Namespace, program: str, default_name: str):
+    """tracing_config_from_args, or False after printing why the options are invalid."""
+    from kvbridge.tracing import TracingConfigError
+    try:
+        return tracing_config_from_args(a, default_name)
+    except TracingConfigError as exc:
+        print(f"kvbridge {program}: error: {exc}", file=sys.stderr)
+        return False
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvbridge.server.api_server import run_server
     config = _checked_engine_config(a)
-    if config is None:
+    tracing = _checked_tracing_config(a, "serve", serve_service_name(a))
+    if config is None or tracing is False:
         return 2
     if config.tensor_parallel_size > 1 and not _WAIT_POLICY_GIVEN:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the rank processes (spawned later) share the cores
-    return run_server(config, a.host, a.port, a.api_key, log_level=a.log_level)
+    return run_server(config, a.host, a.port, a.api_key, log_level=a.log_level, tracing=tracing)
 
 
 def cmd_proxy(a: argparse.Namespace) -> int:
     from kvbridge.proxy.proxy import RetryPolicy
     from kvbridge.proxy.app import run_proxy
-    run_proxy(prefill_urls=a.prefill, decode_urls=a.decode, host=a.host, port=a.port,
+    tracing = _checked_tracing_config(a, "proxy", "kvbridge-proxy")
+    if tracing is False:
+        return 2
+    run_proxy(tracing=tracing, prefill_urls=a.prefill, decode_urls=a.decode, host=a.host, port=a.port,
               prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
               health_interval_s=a.health_interval, api_key=a.api_key,
               retry=RetryPolicy(retries=a.retries, budget_s=a.retry_budget,
@@ -214,7 +261,10 @@ def cmd_up(a: argparse.Namespace) -> int:
               "other at: give one address of this host (see README, multi-host recipe)", file=sys.stderr)
         return 2
     num_threads = a.num_threads or threads_per_engine(a.num_prefill + a.num_decode)
-    extra = [*forwarded_serve_args(a), *a.serve_args]
+    tracing = _checked_tracing_config(a, "up", "kvbridge-proxy")
+    if tracing is False:
+        return 2
+    extra = [*forwarded_serve_args(a), *up_tracing_args(a), *a.serve_args]
     # Parse an instance's command line as its `serve` will, so that bad options fail here (argparse
     # exits 2 with serve's message) before any process starts. The key only travels in the environment.
     probe = InstanceSpec("probe", KVRole.PRODUCER, port=1, side_channel_port=1, engine_id="probe")
@@ -243,9 +293,18 @@ def cmd_up(a: argparse.Namespace) -> int:
                        proxy_args=up_proxy_args(a))
 
 
+def up_tracing_args(a: argparse.Namespace) -> list[str]:
+    """The tracing options `up` passes to every process (each names itself: `serve_command`)."""
+    if a.otlp_traces_endpoint is None:
+        return []
+    return ["--otlp-traces-endpoint", a.otlp_traces_endpoint,
+            "--otlp-traces-sample-ratio", str(a.otlp_traces_sample_ratio)]
+
+
 def up_proxy_args(a: argparse.Namespace) -> list[str]:
-    """The `kvbridge proxy` options `up` was given for its proxy."""
-    return ["--max-body-bytes", str(a.max_body_bytes)] if a.max_body_bytes is not None else []
+    """The `kvbridge proxy` options `up` was given for its proxy (tracing: as its instances')."""
+    args = ["--max-body-bytes", str(a.max_body_bytes)] if a.max_body_bytes is not None else []
+    return [*args, *up_tracing_args(a)]
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -278,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve one model over an OpenAI-compatible API")
     _add_engine_args(serve)
     _add_instance_args(serve)
+    _add_tracing_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     proxy = sub.add_parser("proxy", help="a P/D proxy in front of prefill and decode instances")
@@ -324,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "line once it admitted the request); a silent one (stopped, hung) is a failed attempt, "
                             "retried on another. An unstreamed answer starts when it is complete: the 300 s "
                             "timeout bounds it (default: %(default)s)")
+    _add_tracing_args(proxy)
     proxy.set_defaults(func=cmd_proxy)
 
     up = sub.add_parser(
@@ -350,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--max-body-bytes", type=_positive_int, default=None,
                          help="the proxy's --max-body-bytes (default: the proxy's, 32 MiB)")
     _add_engine_args(up)
+    _add_tracing_args(up, service_name=False)
     up.set_defaults(func=cmd_up, serve_args=[])
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")

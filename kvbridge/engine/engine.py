@@ -30,6 +30,7 @@ from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS
 from kvbridge.spec.dtypes import DTYPES
 from kvbridge.spec.kv_cache_layout import logical_block_size
 from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
+from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,8 @@ class LLMEngine:
                 f"the request needs {needed} KV blocks but the cache has only {self.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params=None, continued: Sequence[int] = ()) -> None:
+                    kv_transfer_params=None, continued: Sequence[int] = (),
+                    trace: RequestTrace | None = None) -> None:
         """Admit a request; raises EngineRequestError (and subclasses) or EngineOverloadedError.
         `continued`: D only, with a remote prefill: the tokens P sampled after the prompt, already
         sent to the client (the proxy's first token straight from prefill). They are the
@@ -181,7 +183,7 @@ class LLMEngine:
         if continued:
             self._validate_continued(continued, params, kv_transfer_params)
         req = Request(request_id, list(prompt_token_ids), params, self._eos_ids, kv_transfer_params,
-                      output_token_ids=list(continued))
+                      output_token_ids=list(continued), trace=trace)
         self.output_processor.add(request_id, continued, params.stop)
         self.scheduler.add_request(req)
 

@@ -11,6 +11,7 @@ from kvbridge.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvbridge.kv_transfer.params import KVTransferParams
+    from kvbridge.tracing import RequestTrace
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +55,7 @@ class Request:
     # the API on the finishing output, and written as JSON only there (params.to_wire).
     kv_transfer_params_out: "KVTransferParams | None" = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    trace: "RequestTrace | None" = None  # set when the request is traced (its spans' parent)
 
     @property
     def all_token_ids(self) -> list[int]:

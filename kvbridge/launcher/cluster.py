@@ -110,7 +110,8 @@ def serve_command(cli: Sequence[str], model: str, spec: InstanceSpec, *, host: s
     return [*cli, "serve", model, "--host", host, "--port", str(spec.port), "--kv-role", spec.role.value,
             "--kv-backend", kv_backend, "--kv-engine-id", spec.engine_id,
             "--kv-side-channel-port", str(spec.side_channel_port), "--num-threads", str(num_threads),
-            "--tensor-parallel-size", str(spec.tensor_parallel_size), *extra_args]
+            "--tensor-parallel-size", str(spec.tensor_parallel_size),
+            "--otlp-service-name", f"kvbridge-{spec.name}", *extra_args]
 
 
 def proxy_command(cli: Sequence[str], prefill_urls: Sequence[str], decode_urls: Sequence[str], *,

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvbridge.openai_wire import MAX_BODY_BYTES
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
+from kvbridge.tracing import Tracing, TracingConfig, build_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     health_timeout_s: float = 2.0, retry: RetryPolicy = RetryPolicy(), breaker_failures: int = 5,
                     breaker_cooldown_s: float = 10.0, first_token_from_prefill: bool = True,
                     max_body_bytes: int = MAX_BODY_BYTES,
-                    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S) -> FastAPI:
+                    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, tracing: Tracing | None = None) -> FastAPI:
     """The proxy as a FastAPI app; the health loop and HTTP client live in its lifespan.
 
     `api_key` guards the proxy's /v1 routes (Bearer); upstreams get `upstream_api_key` if
@@ -37,7 +38,8 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
     and the decode-only fallback; `breaker_*`: each upstream's circuit breaker (routing.py);
     `first_token_from_prefill`: stream P's token at once and let D continue from it
     (first_token.py); `max_body_bytes`: longer request bodies get HTTP 413, read no further
-    than that. ValueError for an empty decode list or bad names.
+    than that. `tracing`: the proxy's tracer (None: no spans), owned by the caller. ValueError for an
+    empty decode list or bad names.
     """
     if health_interval_s <= 0 or health_timeout_s <= 0 or timeout_s <= 0 or connect_timeout_s <= 0:
         raise ValueError("intervals and timeouts must be positive")
@@ -50,7 +52,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                     api_key=api_key, upstream_api_key=upstream_api_key, retry=retry,
                     first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
-                    first_byte_timeout_s=first_byte_timeout_s)
+                    first_byte_timeout_s=first_byte_timeout_s, tracing=tracing)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -105,14 +107,15 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
               upstream_api_key: str | None = None, log_level: str = "info", retry: RetryPolicy = RetryPolicy(),
               breaker_failures: int = 5, breaker_cooldown_s: float = 10.0,
               first_token_from_prefill: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
-              first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S) -> int:
+              first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, tracing: TracingConfig | None = None) -> int:
     """Serve the proxy until SIGINT/SIGTERM; prints its URL once bound (port 0: the OS picks)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracer = build_tracing(tracing)
     app = build_proxy_app(prefill_urls, decode_urls, prefill_policy, decode_policy, health_interval_s,
                           api_key, timeout_s, upstream_api_key=upstream_api_key, retry=retry,
                           breaker_failures=breaker_failures, breaker_cooldown_s=breaker_cooldown_s,
                           first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
-                          first_byte_timeout_s=first_byte_timeout_s)
+                          first_byte_timeout_s=first_byte_timeout_s, tracing=tracer)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -124,5 +127,9 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
     print(f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: {' '.join(decode_urls)})",
           flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if tracer is not None:
+            tracer.shutdown()
     return 0

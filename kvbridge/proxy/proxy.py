@@ -52,6 +52,7 @@ from kvbridge.openai_wire import (MAX_BODY_BYTES, REQUEST_ID_HEADER, ErrorInfo, 
 from kvbridge.proxy import first_token
 from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy
 from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
+from kvbridge.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,10 +164,12 @@ class PDProxy:
                  health_timeout_s: float, timeout_s: float, connect_timeout_s: float,
                  api_key: str | None, upstream_api_key: str | None, retry: RetryPolicy = RetryPolicy(),
                  seed: int | None = None, first_token_from_prefill: bool = True,
-                 max_body_bytes: int = MAX_BODY_BYTES, first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES, first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S,
+                 tracing: Tracing | None = None) -> None:
         if max_body_bytes < 1 or first_byte_timeout_s <= 0:
             raise ValueError("max_body_bytes and first_byte_timeout_s must be positive")
         self.prefill, self.decode = prefill, decode
+        self.tracing = tracing  # None: no spans
         self.max_body_bytes = max_body_bytes
         self.first_byte_timeout_s = first_byte_timeout_s
         self.first_token_from_prefill = first_token_from_prefill

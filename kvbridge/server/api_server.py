@@ -36,6 +36,7 @@ from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.server.async_engine import AsyncEngine, EngineState
 from kvbridge.server.completions import ApiError, CompletionHandlers, as_api_error, json_response, read_json
 from kvbridge.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvbridge.tracing import Tracing, TracingConfig, build_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -156,14 +157,15 @@ async def _on_unexpected(raw: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: AsyncEngine, api_key: str | None = None,
-              sampling_defaults: SamplingDefaults = NO_DEFAULTS) -> FastAPI:
-    """The FastAPI app of one instance. The caller owns `engine` (and shuts it down).
+              sampling_defaults: SamplingDefaults = NO_DEFAULTS, tracing: Tracing | None = None) -> FastAPI:
+    """The FastAPI app of one instance. The caller owns `engine` (and shuts it down) and
+    `tracing` (None: requests are not traced).
     `sampling_defaults`: what a request that omits a sampling field gets (--generation-config).
     `app.state.registry` is the Prometheus registry /metrics serves: other components
     may register their collectors on it."""
     app = FastAPI(title="kvbridge", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics()
-    app.state.instance = _Instance(engine, CompletionHandlers(engine, metrics, sampling_defaults), metrics,
+    app.state.instance = _Instance(engine, CompletionHandlers(engine, metrics, sampling_defaults, tracing), metrics,
                                        api_key)
     app.state.engine = engine
     app.state.metrics = metrics
@@ -223,7 +225,7 @@ def bind_socket(host: str, port: int, listen: bool = True) -> socket.socket:
 
 
 def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
-               log_level: str = "info") -> int:
+               log_level: str = "info", tracing: TracingConfig | None = None) -> int:
     """Load the model, serve until SIGINT/SIGTERM, shut down cleanly. Blocks. Returns the exit
     status: 0 after a requested shutdown, 1 when the engine failed."""
     if not logging.getLogger().handlers:
@@ -242,10 +244,11 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
     except BaseException:
         sock.close()
         raise
+    tracer = build_tracing(tracing)
     sock.listen(2048)
     for i, line in enumerate(startup_lines(defaults)):  # as vLLM: a warning, then the defaults
         logger.log(logging.WARNING if i == 0 else logging.INFO, "%s", line)
-    server = _Server(uvicorn.Config(build_app(engine, api_key, defaults), log_level=log_level,
+    server = _Server(uvicorn.Config(build_app(engine, api_key, defaults, tracer), log_level=log_level,
                                     timeout_graceful_shutdown=10), engine)
     bound_port = sock.getsockname()[1]
     shown_host = f"[{host}]" if ":" in host else host
@@ -258,4 +261,6 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
     finally:
         engine.shutdown()  # no-op when uvicorn's shutdown already did it
         sock.close()
+        if tracer is not None:
+            tracer.shutdown()  # after the engine: its last spans (leases ended at shutdown) go too
     return 1 if server.engine_failed else 0

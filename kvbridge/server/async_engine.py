@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.tracing import RequestTrace
 
 if TYPE_CHECKING:
     from kvbridge.config import EngineConfig
@@ -78,6 +79,7 @@ class _Add:
     continued: tuple[int, ...]  # LLMEngine.add_request's `continued`
     sink: _Sink
     future: concurrent.futures.Future[None]
+    trace: RequestTrace | None = None
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,7 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                           params: SamplingParams,
                           kv_transfer_params: KVTransferParams | None = None,
-                          continued: Sequence[int] = ()) -> RequestStream:
+                          continued: Sequence[int] = (), trace: RequestTrace | None = None) -> RequestStream:
         """Admit a request (`continued`: see LLMEngine.add_request). Raises what
         `LLMEngine.add_request` raises (EngineRequestError, EngineOverloadedError) or
         EngineUnavailableError; on return the engine owns it.
@@ -231,7 +233,7 @@ class AsyncEngine:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         sink = _Sink(asyncio.get_running_loop(), stream)
         self._submit(_Add(request_id, list(prompt_token_ids), params, kv_transfer_params,
-                          tuple(continued), sink, future))
+                          tuple(continued), sink, future, trace))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -415,7 +417,7 @@ class AsyncEngine:
             return
         try:
             self._engine.add_request(add.request_id, add.prompt_token_ids, add.params,
-                                     add.kv_transfer_params, add.continued)
+                                     add.kv_transfer_params, add.continued, add.trace)
         except Exception as exc:
             add.future.set_exception(exc)
             return

@@ -40,6 +40,7 @@ from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError,
 from kvbridge.server import protocol as p
 from kvbridge.server.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
 from kvbridge.server.metrics import RequestTimer, ServerMetrics
+from kvbridge.tracing import Tracing
 
 logger = logging.getLogger("kvbridge.server.api_server")  # the name the server logged under before the split
 
@@ -83,8 +84,10 @@ class _Job:
 class CompletionHandlers:
     """Serves the completions and chat completions requests of one instance's engine."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, defaults: SamplingDefaults) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, defaults: SamplingDefaults,
+                 tracing: Tracing | None = None) -> None:
         self.engine = engine
+        self.tracing = tracing  # None: requests are not traced
         self.metrics = metrics
         self.defaults = defaults  # the model's sampling defaults (--generation-config)
         self.created = int(time.time())

@@ -13,8 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
 # openai_wire: the HTTP shapes the server and the proxy share (pydantic stays at the HTTP edge);
-# stop_strings: the stream's stop-string rule the engine and the proxy share.
-FLOOR = {"spec": 0, "config": 0, "stop_strings": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
+# stop_strings: the stream's stop-string rule the engine and the proxy share;
+# tracing: OpenTelemetry tracers and trace context, used by every layer.
+FLOOR = {"spec": 0, "config": 0, "stop_strings": 0, "tracing": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
          "launcher": 3, "openai_wire": 3, "cli": 4, "chaos": 4, "__main__": 4}
 PROGRAMS = ("server", "proxy", "launcher")
 
