@@ -1,0 +1,567 @@
+"""One request's waterfall from OTLP JSON (issue 30): what `kvbridge trace` prints.
+
+Pure functions, the stdlib only. The input is OTLP JSON as the OpenTelemetry Collector's file
+exporter writes it (one `{"resourceSpans": [...]}` object per line), one such document, or a Jaeger
+API v3 answer (`{"result": {"resourceSpans": [...]}}`). Ids are hex per the OTLP JSON spec; base64
+ids (protobuf's plain JSON mapping) and enum names are read too. `parse_otlp_json` -> `select_trace`
+-> `build_waterfall` -> `render_waterfall`; failures come back as a `TraceError`, never raised.
+
+The waterfall nests each span under its parent (across services: a proxy attempt's child is the
+instance's request span), in clock order; a span whose parent is not in the input is an orphan,
+shown at the top level. Each parent's gaps are the stretches of it no child covers: the time a
+tracing test expects near zero, and the first thing to read when a request was slow.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+REQUEST_ID_ATTRIBUTE = "kvbridge.request_id"
+SERVICE_NAME_ATTRIBUTE = "service.name"
+# Shown on a span's row besides every `kvbridge.` attribute.
+KEY_ATTRIBUTES = ("http.route", "http.response.status_code", "server.address", "url.full", "error.type")
+_KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
+_STATUS_ERROR = 2
+_MAX_VALUE_CHARS = 48
+
+
+@dataclass(frozen=True)
+class TraceError:
+    """Why no waterfall: one line for the user."""
+    message: str
+
+
+@dataclass(frozen=True)
+class SpanEvent:
+    name: str
+    time_ns: int
+    attributes: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    trace_id: str  # 32 lowercase hex digits
+    span_id: str  # 16 lowercase hex digits
+    parent_span_id: str | None  # None: a root
+    name: str
+    service: str  # the resource's service.name
+    kind: str  # SERVER, CLIENT, INTERNAL, PRODUCER, CONSUMER, UNSPECIFIED
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # None: not an error; else the ERROR status's message (maybe "")
+    events: tuple[SpanEvent, ...] = ()
+
+    @property
+    def duration_ns(self) -> int:
+        return max(0, self.end_ns - self.start_ns)
+
+
+# ---- parsing ---------------------------------------------------------------------------------------------
+
+class _Bad(Exception):
+    """Internal: a malformed field, turned into a TraceError at the API edge."""
+
+
+def parse_otlp_json(text: str) -> list[SpanRecord] | TraceError:
+    """Every span in `text` (one JSON document, or one per line), each span once."""
+    documents: list[tuple[int | None, Any]] = []
+    try:
+        documents.append((None, json.loads(text)))
+    except ValueError:
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                documents.append((number, json.loads(line)))
+            except ValueError as exc:
+                return TraceError(f"line {number}: not JSON ({exc})")
+    spans: list[SpanRecord] = []
+    seen: set[tuple[str, str]] = set()
+    for number, document in documents:
+        where = f"line {number}: " if number is not None else ""
+        try:
+            found = spans_from_document(document)
+        except _Bad as exc:
+            return TraceError(f"{where}{exc}")
+        for span in found:
+            if (span.trace_id, span.span_id) not in seen:
+                seen.add((span.trace_id, span.span_id))
+                spans.append(span)
+    if not spans:
+        return TraceError("no spans in the input")
+    return spans
+
+
+def spans_from_document(document: Any) -> list[SpanRecord]:
+    """The spans of one OTLP JSON document (or a Jaeger API v3 answer); _Bad when malformed."""
+    if isinstance(document, dict) and isinstance(document.get("result"), dict):
+        document = document["result"]
+    if not isinstance(document, dict) or not isinstance(document.get("resourceSpans"), list):
+        raise _Bad("not an OTLP JSON document (an object with resourceSpans)")
+    spans = []
+    for resource_spans in document["resourceSpans"]:
+        resource = _dict(resource_spans, "resourceSpans").get("resource") or {}
+        service = str(_attributes(_dict(resource, "resource").get("attributes")).get(SERVICE_NAME_ATTRIBUTE,
+                                                                                      "unknown_service"))
+        scopes = resource_spans.get("scopeSpans", resource_spans.get("instrumentationLibrarySpans", []))
+        for scope_spans in _list(scopes, "scopeSpans"):
+            for span in _list(_dict(scope_spans, "scopeSpans").get("spans", []), "spans"):
+                spans.append(_span(_dict(span, "span"), service))
+    return spans
+
+
+def _span(raw: dict, service: str) -> SpanRecord:
+    name = raw.get("name", "")
+    if not isinstance(name, str):
+        raise _Bad(f"span name {name!r} is not a string")
+    trace_id = _id(raw.get("traceId"), 16, "traceId", name)
+    span_id = _id(raw.get("spanId"), 8, "spanId", name)
+    parent = raw.get("parentSpanId")
+    parent_id = _id(parent, 8, "parentSpanId", name) if parent else None
+    if parent_id == "0" * 16:
+        parent_id = None
+    status = raw.get("status") or {}
+    code = _dict(status, "status").get("code", 0)
+    is_error = code == _STATUS_ERROR or code == "STATUS_CODE_ERROR"
+    events = tuple(SpanEvent(str(_dict(e, "event").get("name", "")), _nanos(e.get("timeUnixNano", 0), "timeUnixNano", name),
+                             _attributes(e.get("attributes")))
+                   for e in _list(raw.get("events", []), "events"))
+    return SpanRecord(trace_id=trace_id, span_id=span_id, parent_span_id=parent_id, name=name, service=service,
+                      kind=_kind(raw.get("kind", 0)),
+                      start_ns=_nanos(raw.get("startTimeUnixNano", 0), "startTimeUnixNano", name),
+                      end_ns=_nanos(raw.get("endTimeUnixNano", 0), "endTimeUnixNano", name),
+                      attributes=_attributes(raw.get("attributes")),
+                      error=str(status.get("message", "")) if is_error else None, events=events)
+
+
+def _id(value: Any, size: int, field_name: str, span: str) -> str:
+    """A trace or span id as lowercase hex: OTLP JSON's hex, or protobuf JSON's base64."""
+    if isinstance(value, str):
+        if len(value) == 2 * size:
+            try:
+                return bytes.fromhex(value).hex()
+            except ValueError:
+                pass
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raw = b""
+        if len(raw) == size:
+            return raw.hex()
+    raise _Bad(f"span {span!r}: {field_name} {value!r} is not {2 * size} hex digits")
+
+
+def _nanos(value: Any, field_name: str, span: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise _Bad(f"span {span!r}: {field_name} {value!r} is not a time in nanoseconds") from None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, int) and 0 <= value < len(_KINDS):
+        return _KINDS[value]
+    if isinstance(value, str) and value.removeprefix("SPAN_KIND_") in _KINDS:
+        return value.removeprefix("SPAN_KIND_")
+    return "UNSPECIFIED"
+
+
+def _attributes(raw: Any) -> dict[str, Any]:
+    return {str(kv.get("key")): _value(kv.get("value") or {}) for kv in _list(raw or [], "attributes")
+            if isinstance(kv, dict)}
+
+
+def _value(raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        return raw
+    if "stringValue" in raw:
+        return raw["stringValue"]
+    if "boolValue" in raw:
+        return bool(raw["boolValue"])
+    if "intValue" in raw:
+        try:
+            return int(raw["intValue"])
+        except (TypeError, ValueError):
+            raise _Bad(f"intValue {raw['intValue']!r} is not an integer") from None
+    if "doubleValue" in raw:
+        return float(raw["doubleValue"])
+    if "arrayValue" in raw:
+        return [_value(v) for v in (raw["arrayValue"] or {}).get("values", [])]
+    if "kvlistValue" in raw:
+        return _attributes((raw["kvlistValue"] or {}).get("values"))
+    if "bytesValue" in raw:
+        return raw["bytesValue"]
+    return None
+
+
+def _dict(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise _Bad(f"{what}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise _Bad(f"{what}: expected a list, got {type(value).__name__}")
+    return value
+
+
+# ---- finding the trace -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TraceSummary:
+    trace_id: str
+    start_ns: int
+    duration_ns: int  # first start to last end
+    num_spans: int
+    root_name: str
+    services: tuple[str, ...]
+    request_ids: tuple[str, ...]  # every kvbridge.request_id on its spans
+
+
+@dataclass(frozen=True)
+class Selection:
+    trace_id: str
+    spans: list[SpanRecord]
+    note: str | None = None  # what the user should know about the choice (other candidates)
+
+
+def group_traces(spans: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
+    traces: dict[str, list[SpanRecord]] = {}
+    for span in spans:
+        traces.setdefault(span.trace_id, []).append(span)
+    return traces
+
+
+def trace_summaries(spans: Iterable[SpanRecord]) -> list[TraceSummary]:
+    """One line's facts per trace, earliest first."""
+    out = []
+    for trace_id, members in group_traces(spans).items():
+        start, end = min(s.start_ns for s in members), max(s.end_ns for s in members)
+        out.append(TraceSummary(trace_id=trace_id, start_ns=start, duration_ns=end - start, num_spans=len(members),
+                                root_name=_root(members, _top_level(members)).name,
+                                services=tuple(sorted({s.service for s in members})),
+                                request_ids=tuple(sorted({str(s.attributes[REQUEST_ID_ATTRIBUTE]) for s in members
+                                                          if REQUEST_ID_ATTRIBUTE in s.attributes}))))
+    return sorted(out, key=lambda t: (t.start_ns, t.trace_id))
+
+
+def select_trace(spans: Sequence[SpanRecord], *, request_id: str | None = None,
+                 trace_id: str | None = None) -> Selection | TraceError:
+    """The trace holding `request_id` (the `kvbridge.request_id` attribute of any of its spans), the
+    trace `trace_id`, or else the most recent trace (the one that started last)."""
+    traces = group_traces(spans)
+    if trace_id is not None:
+        wanted = trace_id.strip().lower()
+        if len(wanted) != 32 or any(c not in "0123456789abcdef" for c in wanted):
+            return TraceError(f"trace id {trace_id!r} is not 32 hex digits")
+        if wanted not in traces:
+            return TraceError(f"no trace {wanted} among the {len(traces)} traces found")
+        return Selection(wanted, traces[wanted])
+    summaries = trace_summaries(spans)
+    if request_id is not None:
+        candidates = [t for t in summaries if request_id in t.request_ids]
+        if not candidates:
+            return TraceError(f"no span has {REQUEST_ID_ATTRIBUTE}={request_id!r} "
+                              f"(among {len(spans)} spans of {len(traces)} traces)")
+        chosen = candidates[-1]
+        note = None
+        if len(candidates) > 1:
+            note = (f"request id {request_id} is in {len(candidates)} traces "
+                    f"({', '.join(t.trace_id for t in candidates)}); showing the most recent")
+        return Selection(chosen.trace_id, traces[chosen.trace_id], note)
+    chosen = summaries[-1]
+    note = None
+    if len(summaries) > 1:
+        note = (f"{len(summaries)} traces found; showing the most recent: choose one with --trace-id or "
+                f"--request-id (--list lists them)")
+    return Selection(chosen.trace_id, traces[chosen.trace_id], note)
+
+
+# ---- intervals -------------------------------------------------------------------------------------------
+
+Interval = tuple[int, int]
+
+
+def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of `intervals` as sorted disjoint ones (touching ones joined, empty ones dropped)."""
+    merged: list[Interval] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def uncovered(start: int, end: int, intervals: Iterable[Interval]) -> list[Interval]:
+    """The parts of [start, end) that no interval covers."""
+    gaps, cursor = [], start
+    for s, e in merge_intervals((max(s, start), min(e, end)) for s, e in intervals):
+        if s > cursor:
+            gaps.append((cursor, s))
+        cursor = max(cursor, e)
+    if cursor < end:
+        gaps.append((cursor, end))
+    return gaps
+
+
+def _covered(start: int, end: int, intervals: Iterable[Interval]) -> int:
+    return sum(e - s for s, e in merge_intervals((max(s, start), min(e, end)) for s, e in intervals))
+
+
+# ---- the waterfall ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SpanRow:
+    span: SpanRecord
+    depth: int
+    offset_ns: int  # from the trace's first start
+    orphan: bool = False  # has a parent id, but shown at the top level
+    note: str | None = None  # why it is an orphan
+    children_uncovered_ns: int | None = None  # parents only: time no child covers
+
+
+@dataclass(frozen=True)
+class Gap:
+    parent: SpanRecord
+    start_ns: int
+    end_ns: int
+    after: str | None  # the child it follows (None: the parent's start)
+    before: str | None  # the child it precedes (None: the parent's end)
+    depth: int = 0  # its children's depth (for display)
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(frozen=True)
+class Summary:
+    total_ns: int  # the root span's duration
+    covered_ns: int  # by the root's direct children (their union, inside the root)
+    largest_gap: Gap | None
+
+
+@dataclass(frozen=True)
+class Waterfall:
+    trace_id: str
+    start_ns: int
+    end_ns: int
+    rows: tuple[SpanRow | Gap, ...]  # display order: each parent, then its children and gaps in clock order
+    root: SpanRecord | None
+    summary: Summary
+
+    @property
+    def span_rows(self) -> list[SpanRow]:
+        return [r for r in self.rows if isinstance(r, SpanRow)]
+
+    @property
+    def gaps(self) -> tuple[Gap, ...]:
+        return tuple(r for r in self.rows if isinstance(r, Gap))
+
+    @property
+    def services(self) -> list[str]:
+        return sorted({r.span.service for r in self.span_rows})
+
+
+def _order(span: SpanRecord) -> tuple:
+    return (span.start_ns, -span.end_ns, span.name, span.span_id)
+
+
+def _top_level(spans: Sequence[SpanRecord]) -> list[SpanRecord]:
+    ids = {s.span_id for s in spans}
+    return [s for s in spans if s.parent_span_id is None or s.parent_span_id not in ids]
+
+
+def _root(spans: Sequence[SpanRecord], top: Sequence[SpanRecord]) -> SpanRecord:
+    """The trace's root: the longest span without a parent, else the longest top-level one."""
+    roots = [s for s in top if s.parent_span_id is None] or list(top) or list(spans)
+    return max(roots, key=lambda s: (s.duration_ns, -s.start_ns))
+
+
+def _gaps(parent: SpanRecord, children: Sequence[SpanRecord], depth: int) -> list[Gap]:
+    clipped = [(c, max(c.start_ns, parent.start_ns), min(c.end_ns, parent.end_ns)) for c in children]
+    clipped = [(c, s, e) for c, s, e in clipped if e > s]
+    gaps = []
+    for start, end in uncovered(parent.start_ns, parent.end_ns, [(s, e) for _, s, e in clipped]):
+        ending = [(e, c.name) for c, _, e in clipped if e == start]
+        starting = [(s, c.name) for c, s, _ in clipped if s == end]
+        gaps.append(Gap(parent, start, end, after=max(ending)[1] if ending else None,
+                        before=min(starting)[1] if starting else None, depth=depth))
+    return gaps
+
+
+def build_waterfall(spans: Sequence[SpanRecord]) -> Waterfall:
+    """`spans` (one trace's) nested under their parents, each parent's gaps among its children."""
+    if not spans:
+        return Waterfall("", 0, 0, (), None, Summary(0, 0, None))
+    by_id = {s.span_id: s for s in spans}
+    children: dict[str, list[SpanRecord]] = {}
+    for s in spans:
+        if s.parent_span_id is not None and s.parent_span_id in by_id and s.parent_span_id != s.span_id:
+            children.setdefault(s.parent_span_id, []).append(s)
+    for kids in children.values():
+        kids.sort(key=_order)
+    start = min(s.start_ns for s in spans)
+    top = sorted(_top_level(spans), key=_order)
+    rows: list[SpanRow | Gap] = []
+    seen: set[str] = set()
+
+    def visit(span: SpanRecord, depth: int, note: str | None) -> None:
+        seen.add(span.span_id)
+        kids = [k for k in children.get(span.span_id, []) if k.span_id not in seen]
+        gaps = _gaps(span, kids, depth + 1) if kids else []
+        rows.append(SpanRow(span, depth, span.start_ns - start, orphan=note is not None, note=note,
+                            children_uncovered_ns=sum(g.duration_ns for g in gaps) if kids else None))
+        items: list[tuple[tuple, SpanRecord | Gap]] = [(_order(k), k) for k in kids]
+        items += [((g.start_ns, 1), g) for g in gaps]
+        for _, item in sorted(items, key=lambda pair: pair[0][:2]):
+            if isinstance(item, Gap):
+                rows.append(item)
+            elif item.span_id not in seen:
+                visit(item, depth + 1, None)
+
+    for span in top:
+        visit(span, 0, None if span.parent_span_id is None else f"parent {span.parent_span_id} not in the trace")
+    for span in sorted((s for s in spans if s.span_id not in seen), key=_order):  # parent cycles
+        if span.span_id not in seen:
+            visit(span, 0, f"parent {span.parent_span_id} is in a cycle")
+    root = _root(spans, top)
+    gaps = [r for r in rows if isinstance(r, Gap)]
+    summary = Summary(total_ns=root.duration_ns,
+                      covered_ns=_covered(root.start_ns, root.end_ns,
+                                          [(c.start_ns, c.end_ns) for c in children.get(root.span_id, [])]),
+                      largest_gap=max(gaps, key=lambda g: (g.duration_ns, -g.start_ns)) if gaps else None)
+    return Waterfall(spans[0].trace_id, start, max(s.end_ns for s in spans), tuple(rows), root, summary)
+
+
+# ---- rendering -------------------------------------------------------------------------------------------
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.3f}"
+
+
+def _bar(start_ns: int, end_ns: int, w: Waterfall, width: int, fill: str) -> str:
+    total = w.end_ns - w.start_ns
+    if total <= 0:
+        return fill * width
+    first = min(width - 1, math.floor((start_ns - w.start_ns) * width / total))
+    last = max(first + 1, min(width, math.ceil((end_ns - w.start_ns) * width / total)))
+    return " " * first + fill * (last - first) + " " * (width - last)
+
+
+def _format_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS - 3] + "..."
+
+
+def key_attributes(attributes: Mapping[str, Any]) -> str:
+    """The attributes worth a row: every `kvbridge.` one and the HTTP/peer ones."""
+    shown = [(k, v) for k, v in attributes.items() if k.startswith("kvbridge.") or k in KEY_ATTRIBUTES]
+    return " ".join(f"{k}={_format_value(v)}" for k, v in shown)
+
+
+def _gap_where(gap: Gap) -> str:
+    if gap.after and gap.before:
+        return f"between {gap.after} and {gap.before}"
+    if gap.before:
+        return f"before {gap.before}"
+    if gap.after:
+        return f"after {gap.after}"
+    return "no child"
+
+
+def render_waterfall(w: Waterfall, *, width: int = 40, min_gap_ns: int = 0) -> str:
+    """The waterfall as text: offset and duration (ms), a bar, the service, the indented span name,
+    ERROR marks, key attributes; a parent's gaps of at least `min_gap_ns` as rows of their own; a
+    summary line last."""
+    if not w.rows:
+        return "no spans\n"
+    service_width = max(len(s) for s in w.services)
+    lines = [f"trace {w.trace_id}: {len(w.span_rows)} spans, {len(w.services)} services, "
+             f"{_ms(w.end_ns - w.start_ns)} ms",
+             f"{'start ms':>10} {'dur ms':>10} |{'':{width}}| {'service':<{service_width}} span"]
+    hidden = 0
+    for row in w.rows:
+        if isinstance(row, Gap):
+            if row.duration_ns < min_gap_ns:
+                hidden += 1
+                continue
+            lines.append(f"{_ms(row.start_ns - w.start_ns):>10} {_ms(row.duration_ns):>10} "
+                         f"|{_bar(row.start_ns, row.end_ns, w, width, '.')}| {'':<{service_width}} "
+                         f"{'  ' * row.depth}~ gap {_gap_where(row)} in {row.parent.name}")
+            continue
+        span = row.span
+        parts = [f"{'  ' * row.depth}{span.name}"]
+        if span.error is not None:
+            parts.append(f"ERROR({span.error})" if span.error else "ERROR")
+        if row.note:
+            parts.append(f"[orphan: {row.note}]")
+        attrs = key_attributes(span.attributes)
+        if attrs:
+            parts.append(attrs)
+        if span.events:
+            parts.append("events: " + ", ".join(f"{e.name}@{_ms(e.time_ns - w.start_ns)}" for e in span.events))
+        if row.children_uncovered_ns:
+            parts.append(f"(children leave {_ms(row.children_uncovered_ns)} ms uncovered)")
+        lines.append(f"{_ms(row.offset_ns):>10} {_ms(span.duration_ns):>10} "
+                     f"|{_bar(span.start_ns, span.end_ns, w, width, '#')}| {span.service:<{service_width}} "
+                     + " ".join(parts))
+    if hidden:
+        lines.append(f"({hidden} gaps under {_ms(min_gap_ns)} ms not shown)")
+    lines.append(summary_line(w))
+    return "\n".join(lines) + "\n"
+
+
+def summary_line(w: Waterfall) -> str:
+    s, root = w.summary, w.root
+    if root is None:
+        return "no spans"
+    share = 100.0 * s.covered_ns / s.total_ns if s.total_ns else 0.0
+    text = (f"total {_ms(s.total_ns)} ms ({root.name}); its child spans cover {_ms(s.covered_ns)} ms "
+            f"({share:.1f}%); ")
+    if s.largest_gap is None:
+        return text + "no gaps"
+    g = s.largest_gap
+    return text + f"largest gap {_ms(g.duration_ns)} ms in {g.parent.name} ({_gap_where(g)})"
+
+
+def render_trace_list(summaries: Sequence[TraceSummary]) -> str:
+    lines = [f"{len(summaries)} traces"]
+    for t in summaries:
+        ids = f" request ids {', '.join(t.request_ids)}" if t.request_ids else ""
+        lines.append(f"{t.trace_id}  {rfc3339_nano(t.start_ns)}  {_ms(t.duration_ns):>10} ms  {t.num_spans:>4} spans  "
+                     f"{t.root_name} ({', '.join(t.services)}){ids}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- a trace store's query (Jaeger API v3) ---------------------------------------------------------------
+
+def rfc3339_nano(ns: int) -> str:
+    """UTC time with nanoseconds, as Go's time.RFC3339Nano parses it."""
+    seconds, rest = divmod(ns, 1_000_000_000)
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S") + f".{rest:09d}Z"
+
+
+def jaeger_find_query(service: str, request_id: str, start_min_ns: int, start_max_ns: int, *,
+                      search_depth: int = 20) -> dict[str, str]:
+    """The query parameters of Jaeger API v3's `GET /api/v3/traces` (FindTraces) for the traces in
+    which a span of `service` carries `kvbridge.request_id=request_id` and started in the window.
+    The snake_case names are the ones every Jaeger v2 accepts (v2.19+ also takes camelCase);
+    `query.attributes` (a JSON map of strings) is honoured from v2.19: callers filter again."""
+    return {"query.service_name": service,
+            "query.attributes": json.dumps({REQUEST_ID_ATTRIBUTE: request_id}),
+            "query.start_time_min": rfc3339_nano(start_min_ns),
+            "query.start_time_max": rfc3339_nano(start_max_ns),
+            "query.search_depth": str(search_depth)}
