@@ -11,8 +11,12 @@ and children that tile it, from its first byte in to its last byte out:
 
 `ProxyTracingMiddleware` (a pure ASGI middleware, installed only when tracing is on) starts
 `proxy.request` before FastAPI dispatches the request, sees the answer's bytes go out, and ends
-the request's spans at the last one. The handler finds the request's `RequestSpans` with
-`request_spans(request)`: None when tracing is off, and then nothing here runs.
+the request's spans at the last one. A step starts where the one before it ended
+(`last_end_ns`: the request read, a route, an attempt, a backoff, P's leg), so the proxy's own
+work between two steps (the event loop's turn, recording a span) is in the next one and the
+children leave no gap; `read_body` starts with the request, the relay ends with it. The handler
+finds the request's `RequestSpans` with `request_spans(request, request_id)`: None when tracing
+is off, and then nothing here runs.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class Leg:
 
     def pick(self, pool: UpstreamPool, path: str, exclude: list[Upstream], prompt: str) -> Upstream | None:
         """`pool.pick`, recorded as `proxy.route`."""
-        start_ns = time.time_ns()
+        start_ns = self.owner.last_end_ns
         chosen = pool.pick(exclude=exclude, prompt=prompt)
         attributes: dict[str, object] = {"kvbridge.role": self.role, "kvbridge.policy": pool.policy.name,
                                          "kvbridge.excluded": len(exclude)}
@@ -98,10 +102,11 @@ class Leg:
         return chosen
 
     def attempt(self, upstream: Upstream, path: str, number: int, headers: dict[str, str]) -> AttemptSpan:
-        """A live `proxy.attempt` (number: 1-based), started now."""
+        """A live `proxy.attempt` (number: 1-based), from its route's end."""
         url = upstream.url + path
         span = self.owner.tracing.start_span(
-            "proxy.attempt", self.owner.context, kind=SpanKind.CLIENT, attributes=without_none({
+            "proxy.attempt", self.owner.context, kind=SpanKind.CLIENT, start_ns=self.owner.last_end_ns,
+            attributes=without_none({
                 "kvbridge.role": self.role, "kvbridge.attempt": number, "url.full": url,
                 "http.request.method": "POST", **_server(upstream.url)}))
         attempt = AttemptSpan(self.owner, span, headers)
@@ -109,8 +114,9 @@ class Leg:
         return attempt
 
     async def backoff(self, number: int, waiting: Awaitable[bool]) -> bool:
-        """The wait before attempt `number` (`waiting`: True when it is to be made), as `proxy.backoff`."""
-        start_ns = time.time_ns()
+        """The wait before attempt `number` (`waiting`: True when it is to be made), as `proxy.backoff`
+        from the failed attempt's end."""
+        start_ns = self.owner.last_end_ns
         retrying = await waiting
         self.owner.record("proxy.backoff", start_ns, time.time_ns(), {
             "kvbridge.role": self.role, "kvbridge.attempt": number,
@@ -128,7 +134,7 @@ class RequestSpans:
                                               "http.request.method": "POST", "http.route": path, "url.path": path})
         self.context = self.request.get_span_context()
         self.open_attempts: list[AttemptSpan] = []
-        self.answer_ready_ns = start_ns  # the end of the latest child: the relay starts there
+        self.last_end_ns = start_ns  # the end of the latest child: where the next step starts
         self.status: int | None = None
         self.chunks = self.bytes = 0
         self._first_token: tuple[int, str] | None = None  # its start and outcome, while open
@@ -141,7 +147,7 @@ class RequestSpans:
                kind: SpanKind = SpanKind.INTERNAL, error: str | None = None) -> None:
         self.tracing.record(name, self.context, start_ns, end_ns, kind=kind,
                             attributes=without_none(attributes), error=error)
-        self.answer_ready_ns = max(self.answer_ready_ns, end_ns)
+        self.last_end_ns = max(self.last_end_ns, end_ns)
 
     def body_read(self) -> None:
         """`proxy.read_body`: from the request's first byte in until it was parsed (or refused)."""
@@ -149,7 +155,7 @@ class RequestSpans:
 
     def attempt_ended(self, attempt: AttemptSpan, end_ns: int) -> None:
         self.open_attempts.remove(attempt)
-        self.answer_ready_ns = max(self.answer_ready_ns, end_ns)
+        self.last_end_ns = max(self.last_end_ns, end_ns)
 
     async def timed(self, name: str, work: Awaitable[T], attributes: Attributes) -> T:
         """`work`'s result, its time recorded as span `name`."""
@@ -161,7 +167,7 @@ class RequestSpans:
     def first_token_started(self) -> None:
         """The first-token path starts (P's answer in hand): `proxy.first_token` runs until the
         answer's first bytes are handed to the server (`first_token_outcome` names how it ended)."""
-        self._first_token = (time.time_ns(), "planned")
+        self._first_token = (self.last_end_ns, "planned")  # from P's leg's end
 
     def first_token_planned(self, planned: bool) -> None:
         """Without a plan (P offered no token, or a context length unknown) the path ends now."""
@@ -178,8 +184,12 @@ class RequestSpans:
         if self._first_token is not None:
             start_ns, outcome = self._first_token
             self._first_token = None
-            self.record("proxy.first_token", start_ns, end_ns, {"kvbridge.outcome": outcome},
-                        error=outcome if outcome == "decode_failed" else None)
+            # Not the step before a relay: it ends once the answer's first bytes went out.
+            self.tracing.record("proxy.first_token", self.context, start_ns, end_ns,
+                                attributes={"kvbridge.outcome": outcome},
+                                error=outcome if outcome == "decode_failed" else None)
+            if outcome == "no_token":  # the ordinary path's D leg follows
+                self.last_end_ns = max(self.last_end_ns, end_ns)
 
     # ---- the answer going out (ProxyTracingMiddleware) ---------------------------------------
     def response_started(self, status: int) -> None:
@@ -201,7 +211,7 @@ class RequestSpans:
         for attempt in list(self.open_attempts):  # abandoned: the client went away, or a bug
             _end(attempt.span, end_ns, "cancelled", True)
         self.open_attempts.clear()
-        self.tracing.record("proxy.relay", self.context, min(self.answer_ready_ns, end_ns), end_ns,
+        self.tracing.record("proxy.relay", self.context, min(self.last_end_ns, end_ns), end_ns,
                             attributes=without_none({"kvbridge.chunks": self.chunks, "kvbridge.bytes": self.bytes,
                                                      "http.response.status_code": self.status}))
         if self.status is not None:
