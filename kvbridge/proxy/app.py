@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvbridge.openai_wire import MAX_BODY_BYTES
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
+from kvbridge.proxy.tracing_spans import ProxyTracingMiddleware
 from kvbridge.tracing import Tracing, TracingConfig, build_tracing
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
     # anyone, key or not.
     app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy
+    if tracing is not None:  # starts proxy.request before FastAPI dispatches the request
+        app.add_middleware(ProxyTracingMiddleware, tracing=tracing)
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         """A bug, not the client's fault: still OpenAI's error body, never plain text."""

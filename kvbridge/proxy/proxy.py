@@ -49,9 +49,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvbridge.kv_transfer.params import KV_LOAD_FAILED
 from kvbridge.openai_wire import (MAX_BODY_BYTES, REQUEST_ID_HEADER, ErrorInfo, ErrorResponse, error_type,
                                   parse_json_object, read_capped, usable_request_id)
-from kvbridge.proxy import first_token
+from kvbridge.proxy import first_token, tracing_spans
 from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy
 from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
+from kvbridge.proxy.tracing_spans import Leg, RequestSpans
 from kvbridge.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -342,16 +343,21 @@ class PDProxy:
         mode: straight to a decode-list instance)."""
         given = request.headers.get(REQUEST_ID_HEADER)
         request_id = given if usable_request_id(given) else f"kvb-{uuid.uuid4().hex}"
-        if not self.authorized(request):
-            return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
-        raw = await _read_body(request, self.max_body_bytes)
-        if raw is None:
-            return openai_error(413, f"the request body is larger than {self.max_body_bytes} bytes",
-                                "request_too_large", request_id)
-        try:  # strict: what parses here can be forwarded (no NaN, no lone surrogate, no deep nesting)
-            body = parse_json_object(raw)
-        except ValueError as exc:
-            return openai_error(400, str(exc), "invalid_json", request_id)
+        trace = tracing_spans.request_spans(request, request_id)  # None: tracing off
+        try:
+            if not self.authorized(request):
+                return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
+            raw = await _read_body(request, self.max_body_bytes)
+            if raw is None:
+                return openai_error(413, f"the request body is larger than {self.max_body_bytes} bytes",
+                                    "request_too_large", request_id)
+            try:  # strict: what parses here can be forwarded (no NaN, no lone surrogate, no deep nesting)
+                body = parse_json_object(raw)
+            except ValueError as exc:
+                return openai_error(400, str(exc), "invalid_json", request_id)
+        finally:
+            if trace is not None:
+                trace.body_read()
         body.pop(first_token.CONTINUE_FIELD, None)  # like kv_transfer_params: only the proxy sets it
         for pool in self.pools:
             if pool is self.prefill and self.retry.decode_only_fallback:
@@ -364,12 +370,12 @@ class PDProxy:
         watcher = asyncio.create_task(_watch_disconnect(request, gone))
         try:  # the watcher must stop before a StreamingResponse listens to the client itself
             if self.prefill is None:
-                answer = await _unless(gone, self._decode(route, body, headers, request_id, None))
+                answer = await _unless(gone, self._decode(route, body, headers, request_id, None, trace=trace))
                 return answer if answer is not None else Response(status_code=499)
-            prefilled = await _unless(gone, self._prefill(route, body, headers, request_id))
+            prefilled = await _unless(gone, self._prefill(route, body, headers, request_id, trace))
             if isinstance(prefilled, tuple) and gone.is_set():
                 # Nobody else knows P's params yet: releasing now is safe and frees P at once.
-                await self.release_on_prefill(prefilled[0], prefilled[1], headers, request_id)
+                await self.release_on_prefill(prefilled[0], prefilled[1], headers, request_id, trace)
             if prefilled is None or gone.is_set():
                 logger.info("request %s: client went away before decode started", request_id)
                 return Response(status_code=499)
@@ -378,38 +384,47 @@ class PDProxy:
                     return prefilled.response
                 self.metrics.decode_only_fallback.inc()
                 logger.warning("request %s: no prefill instance could serve it; decode-only fallback", request_id)
-                answer = await _unless(gone, self._decode(route, body, headers, request_id, None))
+                answer = await _unless(gone, self._decode(route, body, headers, request_id, None, trace=trace))
                 return answer if answer is not None else Response(status_code=499)
             if isinstance(prefilled, Response):
                 return prefilled
             upstream, params, p_answer = prefilled
-            plan = await self._first_token_plan(body, route, upstream, params, p_answer, headers)
+            plan = await self._first_token_plan(body, route, upstream, params, p_answer, headers, trace)
             if plan is not None and plan.finished:
                 self.metrics.first_token.labels("finished_at_prefill").inc()
-                await asyncio.shield(self.release_on_prefill(upstream, params, headers, request_id))
+                if trace is not None:
+                    trace.first_token_outcome("finished_at_prefill")
+                await asyncio.shield(self.release_on_prefill(upstream, params, headers, request_id, trace))
                 return Response(plan.events, media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id})
             # A cancelled D call closes its connection, so D aborts and frees through its own path.
             answer = await _unless(gone, self._decode(
                 route, body if plan is None else plan.decode_body(body), headers, request_id, (upstream, params),
-                plan.events if plan is not None else b""))
+                plan.events if plan is not None else b"", trace))
             if plan is not None and isinstance(answer, PassthroughStream):
                 self.metrics.first_token.labels("continued").inc()
+            if plan is not None and trace is not None:
+                trace.first_token_outcome("continued" if isinstance(answer, PassthroughStream) else "decode_failed")
             return answer if answer is not None else Response(status_code=499)
         finally:
             watcher.cancel()
 
     async def _first_token_plan(self, body: dict, route: str, upstream: Upstream, params: dict, p_answer: bytes,
-                                headers: dict[str, str]) -> first_token.Plan | None:
+                                headers: dict[str, str], trace: RequestSpans | None) -> first_token.Plan | None:
         """The first-token path for this request, or None for the ordinary path. A request the
         context limits (a chat without max_tokens) needs P's context length: asked once per P."""
         if not (self.first_token_from_prefill and first_token.eligible(body, route)):
             return None
+        if trace is not None:
+            trace.first_token_started()
         context_len = None
         if first_token.limited_by_context(body, route):
             if upstream.context_len is None:
                 upstream.context_len = await self._ask_context_len(upstream, headers)
             context_len = upstream.context_len
-        return first_token.plan(body, route, p_answer, params, context_len)
+        plan = first_token.plan(body, route, p_answer, params, context_len)
+        if trace is not None:
+            trace.first_token_planned(plan is not None)
+        return plan
 
     async def _ask_context_len(self, upstream: Upstream, headers: dict[str, str]) -> int | None:
         """`upstream`'s max_model_len from its /v1/models (kvbridge's and vLLM's cards name it); 0
@@ -432,27 +447,33 @@ class PDProxy:
 
     async def _attempts(self, pool: UpstreamPool, route: str, body: dict, headers: dict[str, str], request_id: str,
                         prompt: str, judge: Callable[[Exchange], Awaitable[T | Failed]],
-                        first_byte_s: float | None = None) -> T | Exhausted:
+                        first_byte_s: float | None = None, leg: Leg | None = None) -> T | Exhausted:
         """One leg: POST `body` to an instance of `pool` until `judge` makes the leg's result of
         one's open answer. An attempt that failed before anything reached the client (connection,
         timeout, a broken answer, 5xx, or what `judge` calls a failure) is retried on another
         instance, within the retry count and time budget, after a backoff; each attempt counts in
         its instance's breaker (a judged failure whose instance is not at fault as a success).
         Exhausted: no attempt left, or no instance could be tried; its `received` says whether
-        any instance may have received the request."""
+        any instance may have received the request. `leg`: its spans (None: not traced)."""
         started = time.monotonic()
         tried: list[Upstream] = []
         received, last, reason = False, None, ""
         for attempt in range(self.retry.retries + 1):
-            if attempt and not await self._before_retry(pool, tried, attempt, reason, started, request_id):
-                break
-            upstream = pool.pick(exclude=tried, prompt=prompt)
+            if attempt:
+                waiting = self._before_retry(pool, tried, attempt, reason, started, request_id)
+                if not await (waiting if leg is None else leg.backoff(attempt + 1, waiting)):
+                    break
+            upstream = pool.pick(exclude=tried, prompt=prompt) if leg is None else leg.pick(pool, route, tried, prompt)
             if upstream is None:
                 break
             tried.append(upstream)
-            sent = await self._attempt(pool, upstream, route, body, headers, request_id, first_byte_s)
+            span = None if leg is None else leg.attempt(upstream, route, attempt + 1, headers)
+            sent = await self._attempt(pool, upstream, route, body, headers if span is None else span.headers,
+                                       request_id, first_byte_s)
             received |= isinstance(sent, Exchange) or sent.received
             result = await judge(sent) if isinstance(sent, Exchange) else sent
+            if span is not None:
+                span.end(sent, result)
             if not isinstance(result, Failed):
                 pool.record(upstream, True)
                 return result
@@ -474,15 +495,16 @@ class PDProxy:
         self.metrics.upstream_errors.labels(kind.value, "status").inc()
         return Failed(f"status_{answer.status_code}", True, answer)
 
-    async def _prefill(self, route: str, body: dict, headers: dict[str, str],
-                       request_id: str) -> Prefilled | Response | Exhausted:
+    async def _prefill(self, route: str, body: dict, headers: dict[str, str], request_id: str,
+                       trace: RequestSpans | None = None) -> Prefilled | Response | Exhausted:
         """Step 1: P's upstream, kv_transfer_params and whole answer; P's 4xx answer for the client; or, when
         every attempt failed (connection, timeout, a broken answer, 5xx, no kv_transfer_params)
         or no P could be tried, what the client gets without a fallback."""
         assert self.prefill is not None, "P/D mode only"
         started = time.monotonic()
         result = await self._attempts(self.prefill, route, prefill_body(body), headers, request_id, prompt_text(body),
-                                      functools.partial(self._prefill_answer, request_id=request_id))
+                                      functools.partial(self._prefill_answer, request_id=request_id),
+                                      leg=None if trace is None else trace.leg("prefill"))
         if isinstance(result, tuple):
             self.metrics.prefill_seconds.observe(time.monotonic() - started)
         return result
@@ -506,7 +528,8 @@ class PDProxy:
         return exchange.upstream, params, bytes(answer.body)
 
     async def _decode(self, route: str, body: dict, headers: dict[str, str], request_id: str,
-                      prefilled: tuple[Upstream, dict] | None, first: bytes = b"") -> Response:
+                      prefilled: tuple[Upstream, dict] | None, first: bytes = b"",
+                      trace: RequestSpans | None = None) -> Response:
         """Step 2 (or the whole request in colocated mode and in the decode-only fallback:
         `prefilled` None, the client's body without kv_transfer_params): D's answer, streamed or
         whole. A D that fails before anything reached the client (connection, timeout, a broken
@@ -522,13 +545,14 @@ class PDProxy:
         first_byte_s = self.first_byte_timeout_s if body.get("stream") else None
         judge = functools.partial(self._decode_answer, request_id=request_id, stream=bool(body.get("stream")),
                                   first=first)
+        role = "decode" if prefilled is not None else "colocated" if self.prefill is None else "decode_only"
         result = await self._attempts(self.decode, route, forwarded, headers, request_id, prompt_text(body), judge,
-                                      first_byte_s)
+                                      first_byte_s, None if trace is None else trace.leg(role))
         if not isinstance(result, Exhausted):
             return result
         if prefilled is not None and not result.received:
             # Shielded: a client hanging up now must not cancel the release half-sent.
-            await asyncio.shield(self.release_on_prefill(prefilled[0], prefilled[1], headers, request_id))
+            await asyncio.shield(self.release_on_prefill(prefilled[0], prefilled[1], headers, request_id, trace))
         return result.response
 
     async def _decode_answer(self, exchange: Exchange, request_id: str, stream: bool,
@@ -546,8 +570,11 @@ class PDProxy:
         return self._server_error(UpstreamKind.DECODE, answer) or answer
 
     async def release_on_prefill(self, upstream: Upstream, params: dict, headers: dict[str, str],
-                                 request_id: str) -> bool:
+                                 request_id: str, trace: RequestSpans | None = None) -> bool:
         """Best effort: ask P to free the KV it keeps for this request. True if P said 2xx."""
+        if trace is not None:  # as span proxy.release
+            return await trace.timed("proxy.release", self.release_on_prefill(upstream, params, headers, request_id),
+                                     {"url.full": upstream.url + RELEASE_PATH})
         assert self.client is not None
         try:
             r = await self.client.post(upstream.url + RELEASE_PATH, json={"kv_transfer_params": params},

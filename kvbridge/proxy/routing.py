@@ -106,6 +106,8 @@ class Upstream:
 class SelectionPolicy(ABC):
     """Chooses the upstream for the next request of one kind (P or D)."""
 
+    name = ""  # its configuration name (POLICIES), for traces
+
     @abstractmethod
     def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
         """Return one of `candidates`: non-empty, healthy, in configuration order. `prompt`:
@@ -118,6 +120,8 @@ class SelectionPolicy(ABC):
 class RoundRobinPolicy(SelectionPolicy):
     """Cycles through the configured instances in order, skipping unhealthy ones."""
 
+    name = "round_robin"
+
     def __init__(self) -> None:
         self._last_index = -1
 
@@ -129,6 +133,8 @@ class RoundRobinPolicy(SelectionPolicy):
 
 class LeastOutstandingPolicy(SelectionPolicy):
     """Picks the instance with the fewest in-flight requests; ties go to the earliest."""
+
+    name = "least_outstanding"
 
     def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
         return min(candidates, key=lambda u: u.outstanding)
@@ -147,7 +153,11 @@ class PrefixAffinityPolicy(SelectionPolicy):
     sent to. A request goes to the candidate remembered for its longest known prefix unless
     that one has more than `imbalance` requests in flight beyond the least-loaded candidate
     (the load guard: one hot prefix cannot swamp one instance); then, or with no known prefix,
-    to the least-loaded. Every block key of the request then points at the chosen instance."""
+    to the least-loaded. Every block key of the request then points at the chosen instance.
+    `last_match_blocks`: how many prompt blocks the last choice's instance was remembered for
+    (0: no known prefix, or the load guard chose another), for traces."""
+
+    name = "prefix"
 
     def __init__(self, block_chars: int = 64, max_blocks: int = 256, max_entries: int = 65536,
                  imbalance: int = 4) -> None:
@@ -157,6 +167,7 @@ class PrefixAffinityPolicy(SelectionPolicy):
             block_chars, max_blocks, max_entries, imbalance)
         self._owner: OrderedDict[int, str] = OrderedDict()  # prefix key -> upstream URL
         self.hits = 0  # requests sent to the instance remembered for their prefix
+        self.last_match_blocks = 0
 
     def prefix_keys(self, prompt: str) -> list[int]:
         """Chained hashes of the prompt's whole blocks of characters, at most max_blocks."""
@@ -170,11 +181,15 @@ class PrefixAffinityPolicy(SelectionPolicy):
         least = min(candidates, key=lambda u: u.outstanding)
         keys = self.prefix_keys(prompt)
         by_url = {u.url: u for u in candidates}
-        affine = next((by_url[self._owner[k]] for k in reversed(keys)
-                       if k in self._owner and self._owner[k] in by_url), None)
-        chosen = least
+        matched, affine = 0, None  # the longest known prefix among the candidates
+        for i in range(len(keys) - 1, -1, -1):
+            url = self._owner.get(keys[i])
+            if url in by_url:
+                matched, affine = i + 1, by_url[url]
+                break
+        chosen, self.last_match_blocks = least, 0
         if affine is not None and affine.outstanding - least.outstanding <= self.imbalance:
-            chosen = affine
+            chosen, self.last_match_blocks = affine, matched
             self.hits += 1
         for k in keys:
             self._owner[k] = chosen.url
