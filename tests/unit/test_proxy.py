@@ -507,7 +507,7 @@ def test_serve_command_names_every_kv_option():
     assert argv == ["py", "-m", "kvbridge.cli", "serve", "model.gguf", "--host", "127.0.0.1", "--port", "9001",
                     "--kv-role", "producer", "--kv-backend", "tcp", "--kv-engine-id", "prefill-0-abc",
                     "--kv-side-channel-port", "9002", "--num-threads", "2", "--tensor-parallel-size", "2",
-                    "--dtype", "bfloat16"]
+                    "--otlp-service-name", "kvbridge-prefill-0", "--dtype", "bfloat16"]
 
 
 def test_plan_instances_gives_prefill_and_decode_their_own_tp_sizes():
