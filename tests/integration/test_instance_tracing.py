@@ -241,13 +241,16 @@ def test_a_request_without_a_traceparent_starts_a_trace(traced: Instance, sink: 
 
 
 def test_tracing_off_makes_no_spans_and_the_vllm_histograms_count_every_request(
-        untraced: Instance, monkeypatch: pytest.MonkeyPatch) -> None:
+        traced: Instance, untraced: Instance, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a span was made while tracing is off")
 
     for cls, name in ((Tracer, "start_span"), (Tracer, "start_as_current_span"),
                       (tracing_core.Tracing, "start_span"), (tracing_core.Tracing, "record")):
         monkeypatch.setattr(cls, name, refuse)
+    # The trap works: the traced server, on the same engine, fails at its first span.
+    assert httpx.post(traced.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                      timeout=60).status_code == 500
     client = untraced.client()
     usages = [client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4,
                                         extra_body={"ignore_eos": True}).usage,
