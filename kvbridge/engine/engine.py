@@ -208,7 +208,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.finish_request(request_id, FinishReason.ABORT)
         if req is not None:
-            self._pending.append(self.output_processor.make_output(req, None))
+            out = self.output_processor.make_output(req, None)
+            out.times = req.times
+            self._pending.append(out)
 
     def notify_kv_transfer_rejected(self, request_id: str, kv_transfer_params) -> None:
         """D side: a request with a remote prefill was rejected before admission; tell P to
@@ -250,9 +252,17 @@ class LLMEngine:
         sched = self._schedule()
         result = self._run(sched)
         outputs = self._postprocess(sched, result)
+        if self.scheduler.first_steps:  # traced requests' first tokens: their outputs are made
+            self._record_first_steps()
         if not sched.scheduled and not outputs and not self.transfers_in_flight():
             time.sleep(IDLE_SLEEP_S)
         return outputs
+
+    def _record_first_steps(self) -> None:
+        end = time.time_ns()
+        steps, self.scheduler.first_steps = self.scheduler.first_steps, []
+        for step in steps:
+            step.trace.first_step(step.name, step.start_ns, end, step.num_tokens)
 
     def _schedule(self) -> SchedulerOutput:
         """What the ranks compute this step, with the worker connector's commands for them."""
@@ -290,9 +300,12 @@ class LLMEngine:
         try:
             self._apply_stop_string(req, self.output_processor.detokenize(req))
             lp = result.logprobs.get(req.request_id)
-            return self.output_processor.make_output(req, [lp] if lp is not None else None)
+            out = self.output_processor.make_output(req, [lp] if lp is not None else None)
         except Exception as exc:
             return self._fail_request(req, exc)
+        if out.finished:
+            out.times = req.times
+        return out
 
     def _apply_stop_string(self, req: Request, stop: str | None) -> None:
         """`stop`: the stop string this step's text completed, if any. It finishes a running
@@ -320,7 +333,7 @@ class LLMEngine:
         return RequestOutput(request_id=req.request_id, new_token_ids=[], new_text="", finished=True,
                              finish_reason=FinishReason.ERROR, num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=req.num_output_tokens, error=req.error or message,
-                             error_code=REQUEST_OUTPUT_FAILED)
+                             error_code=REQUEST_OUTPUT_FAILED, times=req.times)
 
     def _release_own_lease(self, req: Request) -> None:
         """P side: a request that finished (and was granted a lease) but whose answer cannot be

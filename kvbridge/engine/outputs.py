@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvbridge.engine.request import FinishReason
+from kvbridge.engine.request import FinishReason, RequestTimes
 
 if TYPE_CHECKING:
     from kvbridge.kv_transfer.params import KVTransferParams
@@ -34,6 +34,7 @@ class RequestOutput:
     it as JSON (params.to_wire).
     `error` is a human-readable cause when finish_reason is ERROR; `error_code` says what
     kind of failure it was where the API answers it differently (KV_LOAD_FAILED).
+    `times` (finishing output only): when the request reached each phase in the engine.
     """
 
     request_id: str
@@ -49,3 +50,4 @@ class RequestOutput:
     error: str | None = None
     stop_reason: str | int | None = None
     error_code: str | None = None
+    times: RequestTimes | None = None

@@ -33,6 +33,38 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine could not serve it (e.g. KV transfer failed under policy "fail")
 
 
+@dataclass(slots=True)
+class RequestTimes:
+    """When a request reached each phase in the engine, in `time.monotonic()` seconds (0.0: not
+    reached), like vLLM's RequestStateStats; always noted (a few floats per request). The
+    finished RequestOutput carries them for the server's per-phase histograms."""
+
+    arrival: float  # added to the engine
+    scheduled: float = 0.0  # first scheduled to compute (D: after its remote KV settled)
+    first_token: float = 0.0  # this engine sampled its first token
+    last_token: float = 0.0  # this engine sampled its latest token
+
+    @property
+    def queue_s(self) -> float | None:
+        """Arrival -> first scheduled (vLLM's queue time)."""
+        return self.scheduled - self.arrival if self.scheduled else None
+
+    @property
+    def prefill_s(self) -> float | None:
+        """First scheduled -> first token (vLLM's prefill time)."""
+        return self.first_token - self.scheduled if self.first_token and self.scheduled else None
+
+    @property
+    def decode_s(self) -> float | None:
+        """First token -> last token (vLLM's decode time)."""
+        return self.last_token - self.first_token if self.first_token else None
+
+    @property
+    def inference_s(self) -> float | None:
+        """First scheduled -> last token (vLLM's inference time: prefill + decode)."""
+        return self.last_token - self.scheduled if self.last_token and self.scheduled else None
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -56,6 +88,10 @@ class Request:
     kv_transfer_params_out: "KVTransferParams | None" = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     trace: "RequestTrace | None" = None  # set when the request is traced (its spans' parent)
+    times: RequestTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.times = RequestTimes(self.arrival_time)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -86,3 +122,5 @@ class Request:
         self.stop_reason = stop_reason
         self.error = error
         self.error_code = error_code
+        if self.trace is not None:
+            self.trace.finished(time.time_ns(), reason.value)

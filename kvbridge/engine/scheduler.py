@@ -6,21 +6,55 @@ then waiting requests in arrival order while the token budget, the sequence
 limit and the block pool allow. A request whose prompt KV comes from a remote
 prefill waits in WAITING_FOR_REMOTE_KVS, taking blocks but no compute, until
 the connector reports its load settled.
+
+It notes when each request reaches a phase (RequestTimes, monotonic: always) and, for a traced
+request only (`request.trace is not None`, one test per scheduled request), the wall-clock times
+its spans are made from (tracing/request_trace.py): a traced request's chunk is listed when it is
+scheduled and its span recorded when the step's results come back.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from dataclasses import dataclass
 
 from kvbridge.config import SchedulerConfig
 from kvbridge.engine.kv_cache_manager import KVCacheManager
 from kvbridge.engine.request import FinishReason, Request, RequestStatus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConnector
+from kvbridge.kv_transfer.failure import FailureKind
 from kvbridge.kv_transfer.params import KV_LOAD_FAILED
+from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TracedChunk:
+    """A traced request's work in this step: `num_tokens` from `start_ns` (wall clock, scheduled)."""
+
+    request: Request
+    start_ns: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """A traced request's step that produced its first token (or D's first decode step): its span
+    ends once the step's output is made (LLMEngine.step)."""
+
+    trace: RequestTrace
+    name: str
+    start_ns: int
+    num_tokens: int
+
+
+def failure_kind(cause: str) -> str:
+    """The FailureKind named in a load failure's cause ("KV transfer failed (<kind>): ..."), else "unknown"."""
+    return next((k.value for k in FailureKind if f"({k.value})" in cause), "unknown")
 
 
 class Scheduler:
@@ -38,6 +72,8 @@ class Scheduler:
         self._asked_connector: set[str] = set()
         self._finished_since_step: set[str] = set()
         self.num_preemptions = 0
+        self._traced: list[TracedChunk] = []  # traced requests' chunks in the step being run
+        self.first_steps: list[FirstStep] = []  # the engine records them once the step's outputs are made
 
     # ---- admission -----------------------------------------------------
     @property
@@ -48,6 +84,8 @@ class Scheduler:
         return len(self.waiting) < self.config.max_waiting
 
     def add_request(self, request: Request) -> None:
+        if request.trace is not None:
+            request.trace.arrival_ns = time.time_ns()
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.connector is not None:
@@ -153,6 +191,8 @@ class Scheduler:
                     req.num_cached_tokens = num_local
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     self.remote_waiting[req.request_id] = req
+                    if req.trace is not None:
+                        req.trace.parked(time.time_ns(), sum(len(g) for g in block_ids), n_ext)
                     self.connector.update_state_after_alloc(req, block_ids, num_local, n_ext)
                     continue
             num_new = req.num_tokens - req.num_computed_tokens - num_local
@@ -170,6 +210,8 @@ class Scheduler:
             if fresh and self.connector is not None and req.request_id in self._asked_connector:
                 self.connector.update_state_after_alloc(req, block_ids, num_local, 0)
             req.status = RequestStatus.RUNNING
+            if not req.times.scheduled:
+                req.times.scheduled = time.monotonic()
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new, block_ids))
             budget -= num_new
@@ -187,6 +229,11 @@ class Scheduler:
         tokens = req.all_token_ids[start:start + num_new]
         sample = start + num_new == req.num_tokens
         penalised = sample and req.sampling_params.penalises_repetition
+        if req.trace is not None:
+            now = time.time_ns()
+            if not req.trace.scheduled_ns:
+                req.trace.first_scheduled(now)
+            self._traced.append(TracedChunk(req, now, num_new))
         return ScheduledRequest(
             request_id=req.request_id, token_ids=tokens, start_pos=start, block_ids=block_ids,
             sample=sample, sampling_params=req.sampling_params, num_output_tokens=req.num_output_tokens,
@@ -207,6 +254,9 @@ class Scheduler:
         """Advance requests by the step's results. Returns requests that produced a token or
         finished in this update (in that order)."""
         touched: list[Request] = []
+        if self._traced:
+            self._trace_step(out)
+        now = time.monotonic()
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -224,11 +274,29 @@ class Scheduler:
                 continue
             token = out.sampled_token_ids[s.request_id]
             req.output_token_ids.append(token)
+            req.times.last_token = now
+            if not req.times.first_token:
+                req.times.first_token = now
             touched.append(req)
             self._check_stop(req, token)
         if out.kv_connector_output is not None:
             touched.extend(self._apply_connector_output(out.kv_connector_output))
         return touched
+
+    def _trace_step(self, out: ModelRunnerOutput) -> None:
+        """The traced requests' chunks of the step whose results are `out`: their spans (before the
+        step's tokens finish any request, so a finishing request's decode counts its last token)."""
+        end = time.time_ns()
+        traced, self._traced = self._traced, []
+        for chunk in traced:
+            req = chunk.request
+            trace = req.trace
+            assert trace is not None
+            sampled = (req.status is RequestStatus.RUNNING and req.request_id in out.sampled_token_ids
+                       and self.requests.get(req.request_id) is req)
+            first = trace.step_ran(chunk.start_ns, end, chunk.num_tokens, sampled)
+            if first is not None:
+                self.first_steps.append(FirstStep(trace, first, chunk.start_ns, chunk.num_tokens))
 
     def _check_stop(self, req: Request, token: int) -> None:
         sp = req.sampling_params
@@ -271,6 +339,8 @@ class Scheduler:
             self.kvm.cache_blocks(req, req.num_computed_tokens)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
+            if req.trace is not None:
+                req.trace.kv_loaded = True
         for rid in out.finished_sending:
             req = self.sending.pop(rid, None)
             if req is not None:
@@ -295,6 +365,9 @@ class Scheduler:
                 req.num_computed_tokens = min(first_bad * bs, req.num_prompt_tokens - 1)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
+            if req.trace is not None:
+                req.trace.recompute_started(time.time_ns(), failure_kind(cause),
+                                            req.num_tokens - req.num_computed_tokens, req.num_computed_tokens)
             logger.warning("request %s: %s; recomputing locally from token %d",
                            req.request_id, cause, req.num_computed_tokens)
             return True

@@ -164,7 +164,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     `app.state.registry` is the Prometheus registry /metrics serves: other components
     may register their collectors on it."""
     app = FastAPI(title="kvbridge", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.model_name, engine.max_model_len)
     app.state.instance = _Instance(engine, CompletionHandlers(engine, metrics, sampling_defaults, tracing), metrics,
                                        api_key)
     app.state.engine = engine

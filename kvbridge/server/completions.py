@@ -12,6 +12,12 @@ error is answered. Once admitted, the engine's own abort/finish path does it. A 
 not notify: unauthenticated input must cause no side effects; the lease frees those blocks.
 
 A client that disconnects aborts its request, streaming or not, so its blocks are freed.
+
+Tracing (issue 30; only when the server has a Tracing: otherwise no span object is made):
+`instance.request` (SERVER, child of the incoming `traceparent`) from handler entry until the
+answer's last byte is produced, `instance.prepare` (body read, validation, tokenisation) and
+`instance.stream` (first chunk -> last chunk) under it; the engine's spans join it through the
+RequestTrace handed to the engine (tracing/request_trace.py).
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import BaseModel, ValidationError
 
 from kvbridge import openai_wire as wire
@@ -40,7 +48,7 @@ from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError,
 from kvbridge.server import protocol as p
 from kvbridge.server.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
 from kvbridge.server.metrics import RequestTimer, ServerMetrics
-from kvbridge.tracing import Tracing
+from kvbridge.tracing import TRACEPARENT_HEADER, RequestTrace, Tracing, parse_traceparent, without_none
 
 logger = logging.getLogger("kvbridge.server.api_server")  # the name the server logged under before the split
 
@@ -97,34 +105,55 @@ class CompletionHandlers:
 
     async def serve(self, raw: Request, chat: bool) -> Response:
         timer = self.metrics.request_timer()  # latencies count from arrival
+        span = _RequestSpan(self.tracing, raw, chat) if self.tracing is not None else None
         request_id = _request_id(raw)
         headers = {wire.REQUEST_ID_HEADER: request_id}
         kv_params: KVTransferParams | None = None
+        job: _Job | None = None
         try:
             body = await read_json(raw)
             kv_params = _parse_kv_params(body)
             # Tokenising holds a thread for up to a second or two (a prompt near the byte
             # bound): never the event loop, which must keep answering /health and streams.
             job = await asyncio.to_thread(self._prepare, body, chat, request_id)
-            stream = await self._admit(request_id, job, kv_params)
+            if span is not None:
+                span.prepared(kv_params, job, None)
+            stream = await self._admit(request_id, job, kv_params, span)
         except Exception as exc:  # the one guard around every pre-admission rejection
             error = as_api_error(exc, request_id)
             self.metrics.record_rejected()
             if kv_params is not None and kv_params.do_remote_prefill and self.engine.has_kv_connector:
                 await self.engine.notify_kv_transfer_rejected(request_id, kv_params)
+            if span is not None:
+                if job is None:
+                    span.prepared(kv_params, None, error)
+                span.end(error.status, error.info.message, error.info.code)
             return error.response(headers)
         watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
         if job.request.stream:
-            return StreamingResponse(self._stream(job, stream, timer, watcher),
+            body_chunks = self._stream(job, stream, timer, watcher, span)
+            return StreamingResponse(body_chunks if span is None else span.traced_stream(body_chunks),
                                      media_type="text/event-stream", headers=headers)
         try:
-            return json_response(await self._collect(job, stream, timer), headers=headers)
+            answer = await self._collect(job, stream, timer)
+            response = json_response(answer, headers=headers)
         except ApiError as error:
+            if span is not None:
+                span.end(error.status, error.info.message, error.info.code)
             return error.response(headers)
+        except BaseException as exc:  # answered 500 by the app's handler (or cancelled)
+            if span is not None:
+                span.end(500, f"{type(exc).__name__}: {exc}", "internal_error")
+            raise
         finally:
             watcher.cancel()
             stream.abort()
             timer.on_abandoned()
+        if span is not None:
+            usage = answer.usage
+            span.answered(usage.completion_tokens if usage else None, answer.choices[0].finish_reason)
+            span.end(200)
+        return response
 
     # ---------------------------------------------------------------- admission
 
@@ -200,19 +229,21 @@ class CompletionHandlers:
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    async def _admit(self, request_id: str, job: _Job,
-                     kv_params: KVTransferParams | None) -> RequestStream:
+    async def _admit(self, request_id: str, job: _Job, kv_params: KVTransferParams | None,
+                     span: _RequestSpan | None) -> RequestStream:
+        trace = RequestTrace(span.tracing, span.context) if span is not None else None
         try:
             try:
-                return await self.engine.add_request(request_id, job.prompt_ids, job.params, kv_params,
-                                                     job.continued)
+                stream = await self.engine.add_request(request_id, job.prompt_ids, job.params, kv_params,
+                                                       job.continued, trace)
             except DuplicateRequestIdError:
                 # A client (or a proxy passing client ids through) reused an X-Request-Id while
                 # the engine still holds state for it, e.g. blocks leased to a remote reader.
                 # Like vLLM, serve it under a unique internal id; the answer keeps the header.
                 unique = f"{request_id}-{uuid.uuid4().hex[:12]}"
                 logger.info("request id %s is in use; serving this request as %s", request_id, unique)
-                return await self.engine.add_request(unique, job.prompt_ids, job.params, kv_params, job.continued)
+                stream = await self.engine.add_request(unique, job.prompt_ids, job.params, kv_params,
+                                                       job.continued, trace)
         except EngineRequestError as exc:
             raise ApiError(400, str(exc)) from None
         except EngineOverloadedError as exc:
@@ -220,6 +251,9 @@ class CompletionHandlers:
                            code="overloaded", headers={"Retry-After": "1"}) from None
         except EngineUnavailableError as exc:
             raise ApiError(503, str(exc), code="unavailable") from None
+        if span is not None:
+            span.span.set_attribute("kvbridge.request_id", stream.request_id)
+        return stream
 
     # ---------------------------------------------------------------- answers
 
@@ -251,7 +285,7 @@ class CompletionHandlers:
                                     kv_transfer_params=wire_or_none(last.kv_transfer_params))
 
     async def _stream(self, job: _Job, stream: RequestStream, timer: RequestTimer,
-                      watcher: asyncio.Task[None]) -> AsyncIterator[str]:
+                      watcher: asyncio.Task[None], span: _RequestSpan | None) -> AsyncIterator[str]:
         chunks = _ChunkMaker(job, self.engine)
         try:
             if job.chat and not job.continued:
@@ -263,18 +297,88 @@ class CompletionHandlers:
                 if output.new_text or output.logprobs:
                     yield chunks.content(output)
                 if output.finished:
+                    if span is not None:
+                        span.answered(output.num_output_tokens,
+                                      output.finish_reason.value if output.finish_reason else None)
                     yield chunks.finish(output)
                     if job.request.include_usage_chunk:
                         yield chunks.usage(output)
             yield "data: [DONE]\n\n"
         except Exception as exc:
             error = exc if isinstance(exc, ApiError) else as_api_error(exc, job.response_id)
+            if span is not None:
+                span.stream_error = error
             yield wire.sse_event(wire.ErrorResponse(error=error.info))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
             stream.abort()
             timer.on_abandoned()
+
+
+class _RequestSpan:
+    """The live `instance.request` span of one traced request (made only when tracing is on)."""
+
+    def __init__(self, tracing: Tracing, raw: Request, chat: bool) -> None:
+        self.tracing = tracing
+        self.start_ns = time.time_ns()
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        self.span = tracing.start_span("instance.request", parse_traceparent(raw.headers.get(TRACEPARENT_HEADER)),
+                                       kind=SpanKind.SERVER, start_ns=self.start_ns,
+                                       attributes={"http.request.method": "POST", "http.route": route})
+        self.context = self.span.get_span_context()
+        self.stream_error: ApiError | None = None  # the error event a stream ended with
+
+    def prepared(self, kv_params: KVTransferParams | None, job: _Job | None, error: ApiError | None) -> None:
+        """`instance.prepare` ends: the body read, validated and tokenised (or refused)."""
+        role = ("decode" if kv_params.do_remote_prefill else "prefill" if kv_params.do_remote_decode
+                else "colocated") if kv_params is not None else "colocated"
+        self.span.set_attribute("kvbridge.role", role)
+        prompt_tokens = len(job.prompt_ids) if job is not None else None
+        if prompt_tokens is not None:
+            self.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
+        self.tracing.record("instance.prepare", self.context, self.start_ns, time.time_ns(),
+                            attributes=without_none({"kvbridge.num_tokens": prompt_tokens}),
+                            error=error.info.message if error is not None else None)
+
+    def answered(self, output_tokens: int | None, finish_reason: str | None) -> None:
+        self.span.set_attributes(without_none({"gen_ai.usage.output_tokens": output_tokens,
+                                               "gen_ai.response.finish_reasons": [finish_reason]
+                                               if finish_reason else None}))
+
+    def end(self, status: int, error: str | None = None, error_type: str | None = None,
+            end_ns: int | None = None) -> None:
+        """The answer's last byte is produced: ends `instance.request` (ERROR with `error`)."""
+        self.span.set_attribute("http.response.status_code", status)
+        if error is not None:
+            self.span.set_attribute("error.type", error_type or str(status))
+            self.span.set_status(Status(StatusCode.ERROR, error))
+        self.span.end(end_time=end_ns)
+
+    async def traced_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The answer's stream, timed: `instance.stream` from the first chunk produced to the last
+        one written; the request's span ends with it (ERROR if the stream ended with an error
+        event, or the client left before the end)."""
+        first_ns = 0
+        count = 0
+        complete = False
+        try:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    first_ns = first_ns or time.time_ns()
+                    count += 1
+                    yield chunk
+                complete = True
+        finally:
+            end_ns = time.time_ns()
+            error = self.stream_error
+            message = (error.info.message if error is not None
+                       else None if complete else "the client went away before the end of the stream")
+            if first_ns:
+                self.tracing.record("instance.stream", self.context, first_ns, end_ns, error=message,
+                                    attributes={"kvbridge.num_chunks": count})
+            self.end(200, message, (error.info.code or str(error.status)) if error is not None
+                     else None if complete else "client_disconnected", end_ns)
 
 
 class _ChunkMaker:
