@@ -54,10 +54,13 @@ def build_dir() -> Path:
 
 
 def _source_identity() -> str:
-    """The kernels' sources, by content: another version of them builds in its own folder rather
-    than rebuilding (and waiting on) this one's."""
+    """The kernels' sources, by content and place: another version of them builds in its own folder
+    rather than rebuilding (and waiting on) this one's, and so does another checkout of the same
+    sources (ninja's build file names the sources' paths, so two checkouts sharing one folder
+    rebuilt it in turn, each time the other had built it)."""
     digest = hashlib.sha256()
     for source in SOURCES:
+        digest.update(str(source.resolve()).encode())
         digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
 
