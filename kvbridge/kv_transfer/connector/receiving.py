@@ -391,7 +391,8 @@ class KVReceiver:
             self._note_handshake_wait(recv)
             return
         try:
-            peer = self._peer(s.remote, metas)
+            waited = time.perf_counter() - recv.handshake_from if recv.handshake_from is not None else 0.0
+            peer = self._peer(s.remote, metas, waited)
         except (HandshakeLayoutMismatch, TPMappingError) as exc:
             self.stats.record_handshake(0.0, HandshakeFailureKind.LAYOUT_MISMATCH.value)
             self._handshake_done(recv, HandshakeFailureKind.LAYOUT_MISMATCH.value, str(exc))
@@ -428,9 +429,10 @@ class KVReceiver:
             return True  # planning fails again after the check, and the request fails with the reason
         return any((peer.key, local, remote) not in self._wired for local, remote in pairs)
 
-    def _peer(self, remote: RemoteEngine, metas: list[HandshakeMetadata]) -> _Peer:
+    def _peer(self, remote: RemoteEngine, metas: list[HandshakeMetadata], waited_s: float = 0.0) -> _Peer:
         """The peer for P's ranks' payloads; raises HandshakeLayoutMismatch / TPMappingError with
-        the reason when D's ranks cannot be filled from P's."""
+        the reason when D's ranks cannot be filled from P's. `waited_s`: how long the request
+        that completes the handshake waited for it (kvbridge_kv_handshake_duration_seconds)."""
         blobs = tuple(m.agent_metadata for m in metas)
         peer = self._peers.get(remote)
         if peer is not None and peer.agent_metadata == blobs:
@@ -450,7 +452,7 @@ class KVReceiver:
         peer = self._peers[remote] = _Peer(f"{metas[0].engine_id}@{remote.host}:{remote.port}#{incarnation[:12]}",
                                            ranks, blobs, incarnation, ratios.pop(),
                                            tuple((m.layout.memory, m.layout.device_id) for m in metas))
-        self.stats.record_handshake(0.0, None)
+        self.stats.record_handshake(waited_s, None)
         logger.info("connected to prefill engine %s at %s:%s (TP %d -> TP %d here)", remote.engine_id,
                     remote.host, remote.port, len(ranks), len(self._local))
         return peer
