@@ -59,7 +59,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
-from opentelemetry.trace import SpanContext
+from opentelemetry.trace import SpanContext, SpanKind
 
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.tracing import RequestTrace, Tracing
@@ -243,11 +243,12 @@ class LeaseTable:
         elif watch:
             self._wake()
         if start_ns and self._tracing is not None:
-            self._tracing.record("kv.check_read", parent, start_ns, time.time_ns(), attributes={
-                "kvbridge.request_id": request_id, "kvbridge.lease_generation": generation,
-                "kvbridge.engine_id": self.engine_id, "kvbridge.num_blocks": sum(len(g) for g in block_ids),
-                "kvbridge.watch": watch, "kvbridge.outcome": "granted" if refusal is None else refusal.kind.value},
-                error=refusal.reason if refusal is not None else None)
+            attributes = {"kvbridge.request_id": request_id, "kvbridge.lease_generation": generation,
+                          "kvbridge.engine_id": self.engine_id, "kvbridge.num_blocks": sum(len(g) for g in block_ids),
+                          "kvbridge.watch": watch,
+                          "kvbridge.outcome": "granted" if refusal is None else refusal.kind.value}
+            self._tracing.record("kv.check_read", parent, start_ns, time.time_ns(), kind=SpanKind.SERVER,
+                                 attributes=attributes, error=refusal.reason if refusal is not None else None)
         return refusal
 
     def _wake(self) -> None:
