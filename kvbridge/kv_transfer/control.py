@@ -11,6 +11,10 @@
                  (lease.py). "read_timeout_s" (optional): how long D lets a read run
                  before abandoning it; P keeps a granted read's blocks for twice that
                  (lease.py, READ_HOLD_TIMEOUTS), even past the lease's expiry.
+                 "traceparent" (optional): the W3C traceparent of D's span for this
+                 check (kv.lease_check) when D traces the request: P records its
+                 handling as kv.check_read under it. An old peer omits it; a malformed
+                 one is ignored (never a refusal); D sends none when it does not trace.
   kv_read_done   {"rid", "gen"}            D's read of the request's blocks completed
   kv_release     {"rid", "gen"}            D will not read (abort, rejection, full hit)
   kv_heartbeat   {"items": [[rid, gen], ...]}  D still waits; renew these leases
@@ -34,9 +38,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.trace import SpanContext
+
 from kvbridge.kv_transfer.lease import MAX_READ_TIMEOUT_S, LeaseTable
 from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
+from kvbridge.tracing import parse_traceparent
 
 MSG_CHECK_READ = "kv_check_read"
 MSG_READ_DONE = "kv_read_done"
@@ -62,6 +69,7 @@ class CheckRead:
     content: str  # content_digest of D's prompt
     connect: bool  # D has not completed a read from this P lately: P must step promptly
     read_timeout_s: float | None  # D's read timeout (None: not sent)
+    parent: SpanContext | None = None  # D's span for this check ("traceparent"; None: absent or malformed)
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ def parse_check_read(body: bytes) -> CheckRead:
     if read_timeout is not None and (type(read_timeout) not in (int, float)
                                      or not 0 < read_timeout <= MAX_READ_TIMEOUT_S):
         raise HandlerRefusal(f"read_timeout_s must be a number of seconds in (0, {MAX_READ_TIMEOUT_S:g}]")
-    return CheckRead(key, tuple(blocks), content, connect, read_timeout)
+    return CheckRead(key, tuple(blocks), content, connect, read_timeout, parse_traceparent(obj.get("traceparent")))
 
 
 def parse_heartbeat(body: bytes) -> Heartbeat:
@@ -151,7 +159,7 @@ class ControlServer:
     def _check_read(self, body: bytes) -> bytes:
         msg = parse_check_read(body)
         refusal = self.leases.check_read(msg.key.request_id, msg.key.generation, msg.blocks, msg.content,
-                                         watch=msg.connect, read_timeout_s=msg.read_timeout_s)
+                                         watch=msg.connect, read_timeout_s=msg.read_timeout_s, parent=msg.parent)
         if refusal is not None:
             raise HandlerRefusal(refusal.reason)
         return self.incarnation.encode()
@@ -182,13 +190,16 @@ class ControlClient:
         self._client = client or HandshakeClient()
 
     def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...],
-                   content: str, connect: bool = True) -> str:
+                   content: str, connect: bool = True, traceparent: str | None = None) -> str:
         """Returns P's incarnation (see ControlServer.incarnation). `content`: the
         content_digest of the reader's own prompt tokens; `connect`: this reader has not
-        completed a read from P lately (P then steps promptly for the read)."""
+        completed a read from P lately (P then steps promptly for the read); `traceparent`:
+        the reader's span for this check, when it traces the request (sent only then)."""
         msg = {"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks], "content": content, "connect": connect}
         if self.read_timeout_s is not None:
             msg["read_timeout_s"] = self.read_timeout_s
+        if traceparent is not None:
+            msg["traceparent"] = traceparent
         body = json.dumps(msg).encode()
         return self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s).decode("ascii", "replace")
 

@@ -35,6 +35,13 @@ own prefix cache lacks): a repeated or reordered id is refused.
 
 Thread-safe: the side-channel thread validates reads and ends leases while the engine
 thread grants, releases and expires; ended leases wait in a queue for the engine thread.
+
+Every lease's end is counted in ``kvbridge_kv_lease_held_seconds`` by outcome (`LeaseOutcome`).
+A lease granted for a traced request keeps that request's `RequestTrace` and, when it ends,
+records the ``kv.lease`` span (grant -> end, under P's request span; it may outlive P's HTTP
+request) with its outcome, ERROR on expiry or a content mismatch. A check_read that carries D's
+traceparent records ``kv.check_read`` (P's handling of it) under that parent, with the Tracing of
+P's traced leases; an untraced P records nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +59,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
+from opentelemetry.trace import SpanContext, SpanKind
+
 from kvbridge.kv_transfer.stats import KVTransferStats
+from kvbridge.tracing import RequestTrace, Tracing
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
@@ -74,6 +84,20 @@ class Refusal(str, enum.Enum):
     CONTENT = "content"  # the reader's prompt is not the one whose KV the blocks hold
 
 
+class LeaseOutcome(str, enum.Enum):
+    """How a lease ended (the ``kv.lease`` span's kvbridge.outcome, the histogram's label)."""
+
+    READ_DONE = "read_done"  # D read the blocks
+    RELEASE = "release"  # D's release, or P's own (nobody will read)
+    EXPIRED = "expired"  # nobody read or renewed it in time
+    CONTENT_MISMATCH = "content_mismatch"  # a reader presented another prompt's digest
+    SHUTDOWN = "shutdown"  # P shut down while it was held
+
+
+_ERROR_OUTCOMES = {LeaseOutcome.EXPIRED: "the lease expired: its blocks were freed unread",
+                   LeaseOutcome.CONTENT_MISMATCH: "a reader presented another prompt's content digest"}
+
+
 @dataclass(frozen=True)
 class ReadRefusal:
     kind: Refusal
@@ -90,6 +114,9 @@ class Lease:
     # content_digest of the prompt + the tokens P sampled: a reader that continues from P's
     # own tokens (first token straight from prefill) presents this one; None: no such reader
     continued: str | None = None
+    granted_at: float = 0.0  # the table's clock at the grant (kvbridge_kv_lease_held_seconds)
+    trace: RequestTrace | None = None  # the granting request's, when traced
+    granted_ns: int = 0  # wall clock at the grant (the kv.lease span's start); 0 when not traced
 
     def holds(self, content: str) -> bool:
         """The reader's sequence is this prompt, or this prompt followed by exactly P's tokens."""
@@ -144,6 +171,9 @@ class LeaseTable:
         # A random base: a P restarted under the same address never reissues a generation
         # that a D may still hold from before the restart.
         self._next_generation = secrets.randbits(40) << 16
+        # P's Tracing, known from its traced leases: kv.check_read spans are recorded with it
+        # (None until a traced request was granted a lease: P records no span then).
+        self._tracing: Tracing | None = None
 
     def new_generation(self) -> int:
         with self._lock:
@@ -151,18 +181,23 @@ class LeaseTable:
             return self._next_generation
 
     def grant(self, request_id: str, block_ids: BlockIds, generation: int, content: str,
-              continued: str | None = None) -> None:
+              continued: str | None = None, trace: RequestTrace | None = None) -> None:
         """Hold `block_ids` for a remote reader; `content` is the content_digest of the prompt
-        whose KV they hold, `continued` (optional) that of the prompt + the tokens P sampled.
+        whose KV they hold, `continued` (optional) that of the prompt + the tokens P sampled;
+        `trace`: the granting request's (its kv.lease span is recorded when the lease ends).
         Raises ValueError if a lease on `request_id` is still held: a lease holds its blocks
         until it ends, and a second grant would orphan them."""
+        granted_ns = time.time_ns() if trace is not None else 0
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
-            expiry = self._clock() + self.lease_seconds
+            now = self._clock()
+            expiry = now + self.lease_seconds
             self._leases[request_id] = Lease(request_id, tuple(list(g) for g in block_ids), generation, expiry,
-                                            content, continued)
+                                            content, continued, now, trace, granted_ns)
             heapq.heappush(self._heap, (expiry, request_id, generation))
+            if trace is not None:
+                self._tracing = trace.tracing
 
     def _live(self, request_id: str, generation: int) -> Lease | None:
         lease = self._leases.get(request_id)
@@ -183,7 +218,8 @@ class LeaseTable:
             return True
 
     def check_read(self, request_id: str, generation: int, block_ids: BlockIds,
-                   content: str, watch: bool = True, read_timeout_s: float | None = None) -> ReadRefusal | None:
+                   content: str, watch: bool = True, read_timeout_s: float | None = None,
+                   parent: SpanContext | None = None) -> ReadRefusal | None:
         """Before D reads: None if the lease is live, grants these blocks and holds the KV of
         the prompt whose digest is `content`, or that prompt followed by exactly the tokens P
         sampled (Lease.holds; the lease is renewed); else why not (counted). `watch`: the
@@ -192,15 +228,27 @@ class LeaseTable:
         blocks to be freed (counted): the params that named it were swapped or replayed, and
         the KV is no use to the reader that presented them.
         `read_timeout_s`: the reader's own read timeout; a granted read keeps the blocks for
-        READ_HOLD_TIMEOUTS of it (the lease cannot expire under a read still copying)."""
-        refusal = self._check_read(request_id, generation, block_ids, content, watch, read_timeout_s)
+        READ_HOLD_TIMEOUTS of it (the lease cannot expire under a read still copying).
+        `parent`: the reader's span (the traceparent in its message): P's handling is recorded
+        under it as ``kv.check_read`` when P traces."""
+        start_ns = time.time_ns() if parent is not None and self._tracing is not None else 0
+        refusal, lease = self._check_read(request_id, generation, block_ids, content, watch, read_timeout_s)
         if refusal is not None:
             self.stats.incr("refused_reads")
             if refusal.kind is Refusal.CONTENT:  # the lease ended: free the blocks now
                 self.stats.incr("content_mismatches")
                 self._released.put(request_id)
+                if lease is not None:
+                    self._ended(lease, LeaseOutcome.CONTENT_MISMATCH)
         elif watch:
             self._wake()
+        if start_ns and self._tracing is not None:
+            attributes = {"kvbridge.request_id": request_id, "kvbridge.lease_generation": generation,
+                          "kvbridge.engine_id": self.engine_id, "kvbridge.num_blocks": sum(len(g) for g in block_ids),
+                          "kvbridge.watch": watch,
+                          "kvbridge.outcome": "granted" if refusal is None else refusal.kind.value}
+            self._tracing.record("kv.check_read", parent, start_ns, time.time_ns(), kind=SpanKind.SERVER,
+                                 attributes=attributes, error=refusal.reason if refusal is not None else None)
         return refusal
 
     def _wake(self) -> None:
@@ -212,28 +260,30 @@ class LeaseTable:
             logger.exception("the read-granted hook failed")
 
     def _check_read(self, request_id: str, generation: int, block_ids: BlockIds, content: str, watch: bool,
-                    read_timeout_s: float | None) -> ReadRefusal | None:
+                    read_timeout_s: float | None) -> tuple[ReadRefusal | None, Lease | None]:
+        """(why not, or None; the lease a content mismatch ended)."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
                 return ReadRefusal(Refusal.NO_LEASE,
-                                   f"no lease for request {request_id} (expired or already released)")
+                                   f"no lease for request {request_id} (expired or already released)"), None
             if lease.generation != generation:
-                return ReadRefusal(Refusal.STALE, f"stale lease generation {generation} for request {request_id}")
+                return ReadRefusal(Refusal.STALE,
+                                   f"stale lease generation {generation} for request {request_id}"), None
             if not lease.grants(block_ids):
                 return ReadRefusal(Refusal.BLOCKS, f"blocks not granted to request {request_id} "
-                                                   "(not the granted sequence)")
+                                                   "(not the granted sequence)"), None
             if not lease.holds(content):
                 del self._leases[request_id]
                 self._reading.pop(request_id, None)
                 return ReadRefusal(Refusal.CONTENT, f"{CONTENT_MISMATCH}: the blocks of request {request_id} "
-                                                    "hold the KV of another prompt")
+                                                    "hold the KV of another prompt"), lease
             now = self._clock()
             hold = max(self.lease_seconds * 2 / 3, READ_HOLD_TIMEOUTS * (read_timeout_s or 0.0))
             lease.expiry = max(lease.expiry, now + hold)
             heapq.heappush(self._heap, (lease.expiry, request_id, generation))
             self._reading[request_id] = (now + self.read_watch_s, watch)
-            return None
+            return None, None
 
     def reads_in_flight(self, watched: bool = False, min_age_s: float = 0.0) -> bool:
         """Has a read of leased blocks been granted (and watched, with `watched`; at least
@@ -250,24 +300,47 @@ class LeaseTable:
 
     def read_done(self, request_id: str, generation: int) -> bool:
         """D read the blocks: end the lease and queue them to be freed. True if this call ended it."""
-        return self._end(request_id, generation)
+        return self._end(request_id, generation, LeaseOutcome.READ_DONE)
 
     def release(self, request_id: str, generation: int) -> bool:
         """Nobody will read the blocks (D's release, or P's own: no D could be reached): end the
         lease and queue them to be freed (counted as an early release). True if this call ended it."""
-        ended = self._end(request_id, generation)
+        ended = self._end(request_id, generation, LeaseOutcome.RELEASE)
         if ended:
             self.stats.incr("early_releases")
         return ended
 
-    def _end(self, request_id: str, generation: int) -> bool:
+    def _end(self, request_id: str, generation: int, outcome: LeaseOutcome) -> bool:
         with self._lock:
-            if self._live(request_id, generation) is None:
+            lease = self._live(request_id, generation)
+            if lease is None:
                 return False
             del self._leases[request_id]
             self._reading.pop(request_id, None)
         self._released.put(request_id)
+        self._ended(lease, outcome)
         return True
+
+    def _ended(self, lease: Lease, outcome: LeaseOutcome) -> None:
+        """A lease just ended (removed from the table, outside the lock): count how long it held
+        its blocks and, for a traced request, record its kv.lease span."""
+        self.stats.record_lease(max(0.0, self._clock() - lease.granted_at), outcome.value)
+        if lease.trace is not None:
+            lease.trace.record("kv.lease", lease.granted_ns, time.time_ns(), attributes={
+                "kvbridge.request_id": lease.request_id, "kvbridge.lease_generation": lease.generation,
+                "kvbridge.num_blocks": sum(len(g) for g in lease.block_ids), "kvbridge.engine_id": self.engine_id,
+                "kvbridge.outcome": outcome.value}, error=_ERROR_OUTCOMES.get(outcome))
+
+    def close(self) -> None:
+        """P shuts down: the leases still held end (outcome shutdown; their blocks go with the
+        engine). Idempotent."""
+        with self._lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+            self._reading.clear()
+            self._heap.clear()
+        for lease in leases:
+            self._ended(lease, LeaseOutcome.SHUTDOWN)
 
     def finished_sending(self) -> set[str]:
         """The engine thread, once per step: the requests whose blocks may be freed now (their
@@ -292,7 +365,7 @@ class LeaseTable:
     def pop_expired(self) -> list[str]:
         """Leases past their expiry, removed. Cost: O(log n) per heap entry popped."""
         now = self._clock()
-        out: list[str] = []
+        expired: list[Lease] = []
         with self._lock:
             while self._heap and self._heap[0][0] <= now:
                 _, rid, gen = heapq.heappop(self._heap)
@@ -300,8 +373,10 @@ class LeaseTable:
                 if lease is not None and lease.expiry <= now:
                     del self._leases[rid]
                     self._reading.pop(rid, None)
-                    out.append(rid)
-        return out
+                    expired.append(lease)
+        for lease in expired:
+            self._ended(lease, LeaseOutcome.EXPIRED)
+        return [lease.request_id for lease in expired]
 
     def held_blocks(self) -> int:
         with self._lock:

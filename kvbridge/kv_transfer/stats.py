@@ -16,13 +16,25 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 PREFIX = "kvbridge_kv_"
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A whole load or a handshake: sub-millisecond on loopback (a cached peer, a small prompt), tens
+# of ms for an 8k-token read, seconds over a slow network, up to the 30 s read timeout.
+LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# A lease: from a read right after the grant (ms) to the 30 s default lease, renewed by heartbeats
+# while D waits (a queue on D), or held for a read's two timeouts.
+LEASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Bytes one request reads: 64 KiB (a few blocks of a small model) to 4 GiB, in powers of 4.
+BYTES_BUCKETS = tuple(float(1 << n) for n in range(16, 34, 2))
 
 
 @dataclass
 class _Histogram:
     buckets: tuple[float, ...] = DURATION_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
+    counts: list[int] = field(default_factory=list)
     total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
 
     def observe(self, value: float) -> None:
         i = next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))
@@ -35,6 +47,31 @@ class _Histogram:
             acc += c
             cum.append((b, acc))
         return HistogramMetricFamily(name, doc, buckets=cum, sum_value=self.total)
+
+
+class _LabelledHistogram:
+    """One histogram per value of a single label (an outcome)."""
+
+    def __init__(self, label: str, buckets: tuple[float, ...]) -> None:
+        self.label = label
+        self.buckets = buckets
+        self.by_value: dict[str, _Histogram] = {}
+
+    def observe(self, value: str, x: float) -> None:
+        h = self.by_value.get(value)
+        if h is None:
+            h = self.by_value[value] = _Histogram(self.buckets)
+        h.observe(x)
+
+    def prometheus(self, name: str, doc: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, doc, labels=[self.label])
+        for value, h in sorted(self.by_value.items()):
+            cum, acc = [], 0
+            for b, c in zip((*map(str, h.buckets), "+Inf"), h.counts):
+                acc += c
+                cum.append((b, acc))
+            family.add_metric([value], cum, sum_value=h.total)
+        return family
 
 
 class KVTransferStats:
@@ -54,6 +91,10 @@ class KVTransferStats:
         self.content_mismatches = 0  # P refused a read: its blocks hold another prompt's KV
         self._transfer_s = _Histogram()
         self._handshake_s = _Histogram()
+        self._load_s = _LabelledHistogram("outcome", LOAD_BUCKETS)  # D: park -> settled, per request
+        self._read_bytes = _Histogram(BYTES_BUCKETS)  # D: bytes of a request's completed load
+        self._handshake_wait_s = _LabelledHistogram("outcome", LOAD_BUCKETS)  # D: a request's handshake wait
+        self._lease_held_s = _LabelledHistogram("outcome", LEASE_BUCKETS)  # P: grant -> end
         self.held_blocks: Callable[[], int] = lambda: 0  # P: blocks held for remote decode now
 
     def record_transfer(self, seconds: float, nbytes: int, ndescs: int) -> None:
@@ -74,6 +115,25 @@ class KVTransferStats:
                 self._handshake_s.observe(seconds)
             else:
                 self.handshake_failures[failure] += 1
+
+    def record_load(self, seconds: float, outcome: str, nbytes: int | None = None) -> None:
+        """D: a request's remote load settled (outcome "ok" or a FailureKind value) after
+        `seconds` in WAITING_FOR_REMOTE_KVS; `nbytes`: what it read, for a completed load."""
+        with self._lock:
+            self._load_s.observe(outcome, seconds)
+            if nbytes is not None:
+                self._read_bytes.observe(nbytes)
+
+    def record_handshake_wait(self, seconds: float, outcome: str) -> None:
+        """D: a request waited `seconds` for the handshakes with P's ranks (outcome "ok" or the
+        handshake failure kind)."""
+        with self._lock:
+            self._handshake_wait_s.observe(outcome, seconds)
+
+    def record_lease(self, seconds: float, outcome: str) -> None:
+        """P: a lease ended after `seconds` (read_done, release, expired, content_mismatch, shutdown)."""
+        with self._lock:
+            self._lease_held_s.observe(outcome, seconds)
 
     def incr(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -110,4 +170,14 @@ class KVTransferStats:
                 hs_failed.add_metric([kind], n)
             yield hs_failed
             yield self._handshake_s.prometheus(PREFIX + "handshake_duration_seconds", "handshake latency")
+            yield self._load_s.prometheus(PREFIX + "load_seconds", "D: a request's remote KV load, from parking in "
+                                          "WAITING_FOR_REMOTE_KVS to settled (handshake wait, lease check and "
+                                          "reads), by outcome (ok or the failure kind)")
+            yield self._read_bytes.prometheus(PREFIX + "read_bytes", "D: bytes of KV one request read from P")
+            yield self._handshake_wait_s.prometheus(PREFIX + "handshake_seconds",
+                                                    "D: how long a request waited for the handshakes with its "
+                                                    "prefill engine's ranks, by outcome")
+            yield self._lease_held_s.prometheus(PREFIX + "lease_held_seconds",
+                                                "P: how long a lease held its blocks, grant to end, by outcome "
+                                                "(read_done, release, expired, content_mismatch, shutdown)")
         yield GaugeMetricFamily(PREFIX + "held_blocks", "P blocks held for remote decode", value=self.held_blocks())

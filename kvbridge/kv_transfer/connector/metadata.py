@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbridge.kv_transfer.params import KVTransferParams
+from kvbridge.tracing import RequestTrace
 
 BlockIds = tuple[list[int], ...]
 
@@ -38,6 +39,7 @@ class RecvSpec:
     local_block_ids: BlockIds
     remote_block_ids: BlockIds
     content: str  # content_digest of D's prompt: P checks its blocks hold that prompt's KV
+    trace: RequestTrace | None = field(default=None, compare=False)  # D's request's (its kv.* spans)
 
     @property
     def num_blocks(self) -> int:
@@ -52,6 +54,7 @@ class ReleaseSpec:
     remote: RemoteEngine
     remote_request_id: str
     lease_generation: int
+    trace: RequestTrace | None = field(default=None, compare=False)  # D's request's (its kv.release span)
 
 
 @dataclass

@@ -20,6 +20,10 @@ this rank's blocks, even once a cut link comes back; measured with NIXL/UCX over
 read settles as TRANSFER_TIMEOUT. Other reads from that peer then fail too, and the next read
 adds the peer's agent afresh.
 
+A read of a traced request (`ReadOp.traced`) notes its wall-clock start and settle times, which
+ride back in its ReadResult (the rank has no tracer: the control plane records the ``kv.read``
+span); an untraced read notes nothing more.
+
 A rank whose KV others read (P) also drives its agent's progress in `poll()`
 (`get_new_notifs`): without a progress thread NIXL advances a read only inside the
 target's calls. Failures are data (`ReadResult` with a FailureKind); nothing raises into
@@ -56,6 +60,7 @@ class ReadOp:
     local: tuple[Desc, ...]
     remote: tuple[Desc, ...]
     remote_memory: tuple[str, int] = ("cpu", 0)  # where the peer rank registered them (RankLayout)
+    traced: bool = False  # the request is traced: note the read's start and settle times (time.time_ns)
 
 
 @dataclass
@@ -83,6 +88,8 @@ class ReadResult:
     xfer_id: str
     kind: FailureKind | None  # None: DONE
     cause: str = ""
+    started_ns: int | None = None  # a traced read: when this rank started it (wall clock)
+    settled_ns: int | None = None  # a traced read: when this rank saw it settle
 
     @property
     def ok(self) -> bool:
@@ -113,6 +120,7 @@ class RankAgent:
         self.backend = backend
         self.read_timeout_s, self._clock = read_timeout_s, clock
         self._started: dict[str, tuple[float, str]] = {}  # live xfer id -> (start time, peer key)
+        self._started_ns: dict[str, int] = {}  # live xfer id of a traced read -> wall-clock start
         self.serves_reads = serves_reads  # P: others read this rank's KV; drive the agent's progress
         self.registration: RankRegistration | None = None
         self._device, self._device_id = "cpu", 0
@@ -159,22 +167,21 @@ class RankAgent:
                 state = self.backend.check_state(handle)
             except Exception as exc:
                 self._reported.add(xfer_id)
-                self._settled.append(ReadResult(xfer_id, FailureKind.TRANSFER_POLL, f"{type(exc).__name__}: {exc}"))
+                self._settle(xfer_id, FailureKind.TRANSFER_POLL, f"{type(exc).__name__}: {exc}")
                 continue
             if state is TransferState.DONE:
                 self._reported.add(xfer_id)
-                self._settled.append(ReadResult(xfer_id, None))
+                self._settle(xfer_id, None)
             elif state is TransferState.IN_PROGRESS and self._timed_out(xfer_id):
                 started, peer = self._started[xfer_id]
                 self._drop_peer(peer)  # before the handle is released: no byte may land later
                 self._reported.add(xfer_id)
-                self._settled.append(ReadResult(xfer_id, FailureKind.TRANSFER_TIMEOUT,
-                                                f"the read was still in progress after {self._clock() - started:.1f}s "
-                                                f"(limit {self.read_timeout_s}s)"))
+                self._settle(xfer_id, FailureKind.TRANSFER_TIMEOUT,
+                             f"the read was still in progress after {self._clock() - started:.1f}s "
+                             f"(limit {self.read_timeout_s}s)")
             elif state is TransferState.ERROR:
                 self._reported.add(xfer_id)
-                self._settled.append(ReadResult(xfer_id, FailureKind.TRANSFER_STATE,
-                                                "the transfer backend reported the read failed"))
+                self._settle(xfer_id, FailureKind.TRANSFER_STATE, "the transfer backend reported the read failed")
         if self.serves_reads:
             try:
                 self.backend.get_new_notifs()
@@ -182,6 +189,14 @@ class RankAgent:
                 report.backend_error = f"get_new_notifs: {type(exc).__name__}: {exc}"
         report.settled, self._settled = self._settled, []
         return report
+
+    def _settle(self, xfer_id: str, kind: FailureKind | None, cause: str = "") -> None:
+        """The read settled (None: DONE); a traced one carries its start and settle times."""
+        started_ns = self._started_ns.get(xfer_id)
+        if started_ns is None:
+            self._settled.append(ReadResult(xfer_id, kind, cause))
+        else:
+            self._settled.append(ReadResult(xfer_id, kind, cause, started_ns, time.time_ns()))
 
     def _timed_out(self, xfer_id: str) -> bool:
         started = self._started.get(xfer_id)
@@ -208,18 +223,19 @@ class RankAgent:
             return
         self._reads[op.xfer_id] = None
         self._started[op.xfer_id] = (self._clock(), op.peer)
+        if op.traced:
+            self._started_ns[op.xfer_id] = time.time_ns()
         try:
             agent = self._agent(op.peer, op.agent_metadata)
         except Exception as exc:
-            self._settled.append(ReadResult(op.xfer_id, FailureKind.HANDSHAKE,
-                                            f"adding the peer's transfer agent failed: {exc}"))
+            self._settle(op.xfer_id, FailureKind.HANDSHAKE, f"adding the peer's transfer agent failed: {exc}")
             return
         try:
             self._reads[op.xfer_id] = self.backend.read(
                 agent, self.backend.prep_descs(list(op.local), self._device, self._device_id),
                 self.backend.prep_descs(list(op.remote), *op.remote_memory), b"")
         except Exception as exc:
-            self._settled.append(ReadResult(op.xfer_id, FailureKind.TRANSFER_SETUP, f"{type(exc).__name__}: {exc}"))
+            self._settle(op.xfer_id, FailureKind.TRANSFER_SETUP, f"{type(exc).__name__}: {exc}")
 
     def _agent(self, peer: str, metadata: bytes) -> str:
         known = self._peers.get(peer)
@@ -243,6 +259,7 @@ class RankAgent:
     def _release(self, xfer_id: str) -> None:
         self._reported.discard(xfer_id)
         self._started.pop(xfer_id, None)
+        self._started_ns.pop(xfer_id, None)
         handle = self._reads.pop(xfer_id, None)
         if handle is None:
             return

@@ -23,17 +23,30 @@ P rank whose copy nobody read (MLA, P TP > D TP) is freed by the same notice.
 
 The bytes move in the ranks: the reads planned here leave as per-rank commands
 (`take_commands`) and come back as the ranks' settled results (`take_result`).
+
+Every settled load is counted in ``kvbridge_kv_load_seconds`` (by outcome) and, read in full, in
+``kvbridge_kv_read_bytes``; a request that had to wait for a handshake, in
+``kvbridge_kv_handshake_seconds``. A traced request (RecvSpec.trace) also gets its spans, under
+its request span: ``kv.load`` (a live span from the receive's start, when the request was parked
+in WAITING_FOR_REMOTE_KVS, to settled) with children ``kv.handshake`` (only when it waited for
+one), ``kv.lease_check`` (the check_read round trip: its traceparent rides the message, so P's
+``kv.check_read`` nests under it) and one ``kv.read`` per (D rank, P rank) read (times noted by
+the rank, `ReadResult.started_ns`); then ``kv.read_done`` or ``kv.release`` (D telling P). An
+untraced request notes no wall-clock time and makes no span.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
+
+from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput
@@ -51,6 +64,7 @@ from kvbridge.kv_transfer.read_plan.tp_mapping import (RankBlocks, RankKV, ReadP
                                                        check_pairing, plan_request_reads, request_salt)
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.stats import KVTransferStats
+from kvbridge.tracing import RequestTrace, format_traceparent
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
@@ -105,6 +119,17 @@ class _Recv:
     plan: ReadPlan | None = None  # READ: what is read from which P rank, and the notice that frees P
     asked_at: float = 0.0  # CHECK: when D asked P to grant the read (time.monotonic)
     reads: dict[str, _SubRead] = field(default_factory=dict)  # xfer id -> read
+    created: float = field(default_factory=time.perf_counter)  # parked (kvbridge_kv_load_seconds)
+    handshake_from: float | None = None  # waiting for a handshake since (perf_counter), or not waiting
+    # A traced request's (RecvSpec.trace) spans; untouched otherwise:
+    load_span: Span | None = None  # kv.load, live until the load settles
+    handshake_ns: int = 0  # wall clock when it started waiting for a handshake (kv.handshake)
+    check_span: Span | None = None  # kv.lease_check, live while check_read is in flight
+    check_end_ns: int = 0  # when P's answer came (noted on the control thread)
+
+    @property
+    def load_context(self) -> SpanContext | None:
+        return self.load_span.get_span_context() if self.load_span is not None else None
 
     def notice(self) -> ReleaseNotice:
         """What frees P's blocks of this request: the plan's notice; before a plan, the same
@@ -179,7 +204,7 @@ class KVReceiver:
             self._start_recv(r)
         for rel in metadata.reqs_to_release:
             self._side_request("release", self.control.release, rel.remote.host, rel.remote.port,
-                               rel.remote_request_id, rel.lease_generation)
+                               rel.remote_request_id, rel.lease_generation, trace=rel.trace)
         for remote, items in metadata.heartbeats.items():
             self._side_request("heartbeat", self.control.heartbeat, remote.host, remote.port, items)
 
@@ -230,6 +255,8 @@ class KVReceiver:
         return bool(self._recvs or self._side_requests or any(self._commands))
 
     def shutdown(self) -> None:
+        for recv in self._recvs.values():
+            self._end_spans(recv, "shutdown", "the engine shut down during the load")
         self._recvs.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._handshakes is not None:
@@ -239,13 +266,89 @@ class KVReceiver:
         assert self._handshakes is not None, "a consumer connector receives only after register_ranks"
         r = spec.remote
         future = self._handshakes.ensure(r.engine_id or None, r.host, r.port, 0)
-        self._recvs[spec.request_id] = _Recv(spec, _Phase.HANDSHAKE, [future])
+        recv = self._recvs[spec.request_id] = _Recv(spec, _Phase.HANDSHAKE, [future])
+        if spec.trace is not None:
+            recv.load_span = spec.trace.tracing.start_span("kv.load", spec.trace.parent, attributes={
+                "kvbridge.request_id": spec.request_id, "kvbridge.remote_engine_id": r.engine_id,
+                "kvbridge.remote_request_id": spec.remote_request_id,
+                "kvbridge.lease_generation": spec.lease_generation, "kvbridge.num_blocks": spec.num_blocks,
+                "server.address": r.host, "server.port": r.port})
+        self._note_handshake_wait(recv)
 
-    def _side_request(self, what: str, fn, *args) -> None:
+    def _side_request(self, what: str, fn, *args, trace: RequestTrace | None = None) -> None:
+        """Send P a message on the control thread; `trace`: the request's, for a read-done or a
+        release (its kv.read_done / kv.release span)."""
+        if trace is not None and what in _MESSAGE_SPANS:
+            fn = functools.partial(_traced_message, trace, _MESSAGE_SPANS[what], fn)
         try:
             self._side_requests.append((what, self._executor.submit(fn, *args)))
         except RuntimeError:  # executor shut down
             self.stats.incr("failed_notifications")
+
+    # ---- metrics and spans -------------------------------------------------
+    def _note_handshake_wait(self, recv: _Recv) -> None:
+        """The request waits for a handshake (one of its futures is not done): note since when."""
+        if recv.handshake_from is None and not all(f.done() for f in recv.futures):
+            recv.handshake_from = time.perf_counter()
+            if recv.load_span is not None:
+                recv.handshake_ns = time.time_ns()
+
+    def _handshake_done(self, recv: _Recv, outcome: str, error: str | None = None) -> None:
+        """The request's handshake wait (if it had one) ended: count it and record kv.handshake."""
+        if recv.handshake_from is None:
+            return
+        self.stats.record_handshake_wait(time.perf_counter() - recv.handshake_from, outcome)
+        recv.handshake_from = None
+        if recv.load_span is not None and recv.spec.trace is not None and recv.handshake_ns:
+            r = recv.spec.remote
+            recv.spec.trace.record("kv.handshake", recv.handshake_ns, time.time_ns(), parent=recv.load_context,
+                                   attributes={"kvbridge.remote_engine_id": r.engine_id, "server.address": r.host,
+                                               "server.port": r.port, "kvbridge.outcome": outcome,
+                                               "kvbridge.remote_ranks": len(recv.futures)}, error=error)
+        recv.handshake_ns = 0
+
+    def _check_done(self, recv: _Recv, outcome: str, error: str | None = None) -> None:
+        """The kv_check_read round trip ended: end its kv.lease_check span."""
+        span, recv.check_span = recv.check_span, None
+        if span is None:
+            return
+        span.set_attribute("kvbridge.outcome", outcome)
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=recv.check_end_ns or time.time_ns())
+
+    def _load_settled(self, recv: _Recv, outcome: str, error: str | None = None) -> None:
+        """The load settled (outcome "ok" or a FailureKind value): count it; end its spans, with a
+        kv.read per (D rank, P rank) read that settled. Before the reads' handles are released."""
+        nbytes = sum(r.nbytes for r in recv.reads.values()) if error is None else None
+        self.stats.record_load(time.perf_counter() - recv.created, outcome, nbytes)
+        self._end_spans(recv, outcome, error)
+
+    def _end_spans(self, recv: _Recv, outcome: str, error: str | None) -> None:
+        self._handshake_done(recv, outcome, error)
+        self._check_done(recv, outcome, error)
+        span, recv.load_span = recv.load_span, None
+        if span is None or recv.spec.trace is None:
+            return
+        tracing, parent = recv.spec.trace.tracing, span.get_span_context()
+        for read in recv.reads.values():
+            r = read.result
+            if r is None or r.started_ns is None:
+                continue
+            tracing.record("kv.read", parent, r.started_ns, r.settled_ns or time.time_ns(), attributes={
+                "kvbridge.tp_rank": read.local_rank, "kvbridge.remote_rank": read.remote_rank,
+                "kvbridge.bytes": read.nbytes, "kvbridge.descriptors": read.ndescs,
+                "kvbridge.backend": self.config.backend,
+                "kvbridge.outcome": "ok" if r.ok else r.kind.value}, error=None if r.ok else r.cause)
+        span.set_attribute("kvbridge.outcome", outcome)
+        span.set_attribute("kvbridge.num_reads", len(recv.reads))
+        if error is None:
+            span.set_attribute("kvbridge.bytes", sum(r.nbytes for r in recv.reads.values()))
+        else:
+            span.set_attribute("kvbridge.failure_kind", outcome)
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end()
+
     # ---- D: the receive state machine -------------------------------------
     def _advance(self, rid: str, recv: _Recv) -> None:
         # A phase that fails the receive removes it from _recvs: then nothing more is done to it.
@@ -269,6 +372,7 @@ class KVReceiver:
             if exc is not None:
                 kind = exc.kind.value if isinstance(exc, HandshakeError) else "error"
                 self.stats.record_handshake(0.0, kind)
+                self._handshake_done(recv, kind, str(exc))
                 self._fail(rid, recv, FailureKind.HANDSHAKE, f"{kind}: {exc}",
                            p_answered=isinstance(exc, HandshakeLayoutMismatch))
                 return
@@ -277,26 +381,43 @@ class KVReceiver:
         p_tp = metas[0].layout.tp_size
         if p_tp > MAX_REMOTE_TP_SIZE:  # a hostile payload must not make D fetch a million payloads
             self.stats.record_handshake(0.0, HandshakeFailureKind.LAYOUT_MISMATCH.value)
-            self._fail(rid, recv, FailureKind.HANDSHAKE, f"{HandshakeFailureKind.LAYOUT_MISMATCH.value}: the "
-                       f"prefill engine announces TP size {p_tp}, more than {MAX_REMOTE_TP_SIZE}")
+            cause = f"the prefill engine announces TP size {p_tp}, more than {MAX_REMOTE_TP_SIZE}"
+            self._handshake_done(recv, HandshakeFailureKind.LAYOUT_MISMATCH.value, cause)
+            self._fail(rid, recv, FailureKind.HANDSHAKE, f"{HandshakeFailureKind.LAYOUT_MISMATCH.value}: {cause}")
             return
         if len(metas) < p_tp:  # rank 0 named P's TP size: fetch the other ranks' payloads
             recv.futures += [self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, r)
                              for r in range(len(metas), p_tp)]
+            self._note_handshake_wait(recv)
             return
         try:
-            peer = self._peer(s.remote, metas)
+            waited = time.perf_counter() - recv.handshake_from if recv.handshake_from is not None else 0.0
+            peer = self._peer(s.remote, metas, waited)
         except (HandshakeLayoutMismatch, TPMappingError) as exc:
             self.stats.record_handshake(0.0, HandshakeFailureKind.LAYOUT_MISMATCH.value)
+            self._handshake_done(recv, HandshakeFailureKind.LAYOUT_MISMATCH.value, str(exc))
             self._fail(rid, recv, FailureKind.HANDSHAKE, f"{HandshakeFailureKind.LAYOUT_MISMATCH.value}: {exc}",
                        p_answered=True)
             return
+        self._handshake_done(recv, "ok")
         recv.peer = peer
         recv.phase = _Phase.CHECK
         recv.asked_at = time.monotonic()
-        recv.futures = [self._executor.submit(self.control.check_read, s.remote.host, s.remote.port,
-                                              s.remote_request_id, s.lease_generation, s.remote_block_ids,
-                                              s.content, self._needs_watch(s, peer))]
+        watch = self._needs_watch(s, peer)
+        traceparent = None
+        if recv.load_span is not None and s.trace is not None:
+            recv.check_span = s.trace.tracing.start_span("kv.lease_check", recv.load_context, kind=SpanKind.CLIENT,
+                                                         attributes={"kvbridge.remote_request_id": s.remote_request_id,
+                                                                     "kvbridge.lease_generation": s.lease_generation,
+                                                                     "kvbridge.watch": watch,
+                                                                     "server.address": s.remote.host,
+                                                                     "server.port": s.remote.port})
+            traceparent = format_traceparent(recv.check_span.get_span_context())
+        future = self._executor.submit(self.control.check_read, s.remote.host, s.remote.port, s.remote_request_id,
+                                       s.lease_generation, s.remote_block_ids, s.content, watch, traceparent)
+        if traceparent is not None:
+            future.add_done_callback(functools.partial(_note_answer, recv))
+        recv.futures = [future]
 
     def _needs_watch(self, s: RecvSpec, peer: _Peer) -> bool:
         """Does a read of this request go between a D rank and a P rank that have not completed
@@ -308,9 +429,10 @@ class KVReceiver:
             return True  # planning fails again after the check, and the request fails with the reason
         return any((peer.key, local, remote) not in self._wired for local, remote in pairs)
 
-    def _peer(self, remote: RemoteEngine, metas: list[HandshakeMetadata]) -> _Peer:
+    def _peer(self, remote: RemoteEngine, metas: list[HandshakeMetadata], waited_s: float = 0.0) -> _Peer:
         """The peer for P's ranks' payloads; raises HandshakeLayoutMismatch / TPMappingError with
-        the reason when D's ranks cannot be filled from P's."""
+        the reason when D's ranks cannot be filled from P's. `waited_s`: how long the request
+        that completes the handshake waited for it (kvbridge_kv_handshake_duration_seconds)."""
         blobs = tuple(m.agent_metadata for m in metas)
         peer = self._peers.get(remote)
         if peer is not None and peer.agent_metadata == blobs:
@@ -330,7 +452,7 @@ class KVReceiver:
         peer = self._peers[remote] = _Peer(f"{metas[0].engine_id}@{remote.host}:{remote.port}#{incarnation[:12]}",
                                            ranks, blobs, incarnation, ratios.pop(),
                                            tuple((m.layout.memory, m.layout.device_id) for m in metas))
-        self.stats.record_handshake(0.0, None)
+        self.stats.record_handshake(waited_s, None)
         logger.info("connected to prefill engine %s at %s:%s (TP %d -> TP %d here)", remote.engine_id,
                     remote.host, remote.port, len(ranks), len(self._local))
         return peer
@@ -352,9 +474,11 @@ class KVReceiver:
             if kind is HandshakeFailureKind.PEER_ERROR:
                 # P refused: a content mismatch (P freed those blocks) or a stale/foreign lease.
                 refused = FailureKind.CONTENT_MISMATCH if CONTENT_MISMATCH in str(exc) else FailureKind.STALE_LEASE
+                self._check_done(recv, refused.value, str(exc))
                 self._fail(rid, recv, refused, str(exc))
             else:
                 self._drop_peer(recv.spec.remote)
+                self._check_done(recv, FailureKind.PEER_DEATH.value, str(exc))
                 self._fail(rid, recv, FailureKind.PEER_DEATH, str(exc))
             return
         s = recv.spec
@@ -362,6 +486,7 @@ class KVReceiver:
         assert peer is not None
         if future.result() != peer.incarnation:
             # P restarted under the same address: its old agents are gone. Handshake afresh, once.
+            self._check_done(recv, "restarted", "the prefill engine answered as another incarnation")
             self._drop_peer(s.remote)
             if recv.rehandshaken:
                 self._fail(rid, recv, FailureKind.HANDSHAKE, "the prefill engine restarted during the handshake")
@@ -369,7 +494,9 @@ class KVReceiver:
             recv.rehandshaken = True
             recv.phase = _Phase.HANDSHAKE
             recv.futures = [self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, 0)]
+            self._note_handshake_wait(recv)
             return
+        self._check_done(recv, "granted")
         late = time.monotonic() - recv.asked_at
         if late > self.config.transfer_timeout_s:
             # P holds a granted read's blocks for two read timeouts from the grant (lease.py): a
@@ -389,7 +516,7 @@ class KVReceiver:
             xfer_id = f"x{next(self._xfer_ids)}"
             self._commands[local_rank].reads.append(ReadOp(
                 xfer_id, peer.rank_key(remote_rank), peer.agent_metadata[remote_rank], tuple(l_descs), tuple(r_descs),
-                peer.memory[remote_rank]))
+                peer.memory[remote_rank], traced=recv.load_span is not None))
             recv.reads[xfer_id] = _SubRead(local_rank, remote_rank, sum(n for _, n in l_descs), len(l_descs))
             self._xfers[xfer_id] = rid
         self._settle_reads(rid, recv)  # a notification-only request has no reads: settled now
@@ -431,6 +558,7 @@ class KVReceiver:
                                    sum(r.ndescs for r in reads))
         if recv.peer is not None and self._peers.get(recv.spec.remote) is recv.peer:
             self._wired.update((recv.peer.key, r.local_rank, r.remote_rank) for r in reads)
+        self._load_settled(recv, "ok")
         self._release_handles(recv)
         del self._recvs[rid]
         self._done_recv.add(rid)
@@ -441,7 +569,7 @@ class KVReceiver:
         copy, read or not) as a read-done or a release."""
         notice = recv.notice()
         self._side_request(what, send, recv.spec.remote.host, recv.spec.remote.port, notice.request_id,
-                           notice.generation)
+                           notice.generation, trace=recv.spec.trace)
 
     def _abandon_reads(self, rid: str, recv: _Recv, kind: FailureKind, cause: str) -> None:
         """A bug in this half: reads may still be in flight, so the request's blocks are kept
@@ -456,6 +584,7 @@ class KVReceiver:
     def _fail(self, rid: str, recv: _Recv, kind: FailureKind, cause: str, p_answered: bool = False) -> None:
         """`p_answered`: P's side channel answered and named itself (a handshake D refused for its
         layout): P may free now too."""
+        self._load_settled(recv, kind.value, cause)
         self._release_handles(recv)
         self._recvs.pop(rid, None)
         self.failures.handle(rid, kind, cause, recv.spec.local_block_ids, recv.spec.remote.engine_id)
@@ -478,3 +607,28 @@ class KVReceiver:
                 self.stats.incr("failed_notifications")
                 logger.warning("kv %s notification failed: %s", what, fut.exception())
         self._side_requests = pending
+
+
+_MESSAGE_SPANS = {"read-done": "kv.read_done", "release": "kv.release"}  # D telling P, per message
+
+
+def _traced_message(trace: RequestTrace, name: str, send: Callable[..., None], host: str, port: int, rid: str,
+                    gen: int) -> None:
+    """Send a read-done or release (on the control thread) and record it as `name` under the
+    request's span."""
+    start_ns = time.time_ns()
+    attributes = {"kvbridge.remote_request_id": rid, "kvbridge.lease_generation": gen, "server.address": host,
+                  "server.port": port}
+    try:
+        send(host, port, rid, gen)
+    except Exception as exc:
+        trace.record(name, start_ns, time.time_ns(), kind=SpanKind.CLIENT,
+                     attributes={**attributes, "kvbridge.outcome": "error"}, error=f"{type(exc).__name__}: {exc}")
+        raise
+    trace.record(name, start_ns, time.time_ns(), kind=SpanKind.CLIENT,
+                 attributes={**attributes, "kvbridge.outcome": "ok"})
+
+
+def _note_answer(recv: _Recv, _future: Future) -> None:
+    """Done callback of a traced check_read (control thread): when P's answer came."""
+    recv.check_end_ns = time.time_ns()

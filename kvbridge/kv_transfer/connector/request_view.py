@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from kvbridge.kv_transfer.params import KVTransferParams
+from kvbridge.tracing import RequestTrace
 
 # The finish reasons (values of the engine's FinishReason, a str enum) after which P's blocks hold
 # a prompt's KV worth reading: anything else (abort, error) frees them at once.
@@ -20,6 +21,8 @@ class ConnectorRequest(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     kv_transfer_params: KVTransferParams | None
+    # The request's trace (None: not traced): P's lease and D's load record their spans under it.
+    trace: RequestTrace | None
 
     @property
     def num_prompt_tokens(self) -> int: ...

@@ -39,6 +39,7 @@ from kvbridge.kv_transfer.handshake_manager import is_trusted_host
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams, KVTransferParamsError
 from kvbridge.kv_transfer.stats import KVTransferStats
+from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
@@ -150,7 +151,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             return
         self._consumed.add(request.request_id)
         if num_external_tokens == 0:  # everything is local: P only needs to hear it may free
-            self._release(request.request_id, p)
+            self._release(request.request_id, p, request.trace)
             return
         first_new = num_local_computed // self.block_size
         # D reads only what it lacks: its new blocks, filled from the matching tail of P's
@@ -161,7 +162,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         tokens = self.remote_tokens(request.num_prompt_tokens)
         self._meta.reqs_to_recv.append(RecvSpec(
             request.request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0, local, remote,
-            content_digest(request.prompt_token_ids[:tokens] + request.output_token_ids)))
+            content_digest(request.prompt_token_ids[:tokens] + request.output_token_ids), request.trace))
 
     def build_connector_meta(self) -> ConnectorMetadata:
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -185,7 +186,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         p = request.kv_transfer_params
         if p is not None and p.wants_remote_prefill and rid not in self._consumed:
             # Ended before its blocks were allocated (aborted in the queue): P frees now.
-            self._release(rid, p)
+            self._release(rid, p, request.trace)
         self._consumed.discard(rid)
         if p is None or not p.wants_remote_decode:
             return False, None
@@ -202,7 +203,8 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             generated = []
         continued = content_digest(request.prompt_token_ids + generated) if generated else None
         generation = self.leases.new_generation()
-        self.leases.grant(rid, block_ids, generation, content_digest(request.prompt_token_ids), continued)
+        self.leases.grant(rid, block_ids, generation, content_digest(request.prompt_token_ids), continued,
+                          request.trace)
         host, port = self._side_channel_addr()
         params = KVTransferParams(
             do_remote_decode=False, do_remote_prefill=True, remote_block_ids=tuple(tuple(g) for g in block_ids),
@@ -218,6 +220,6 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             self.stats.incr("recomputed_requests")
         return recompute
 
-    def _release(self, request_id: str, p: KVTransferParams) -> None:
+    def _release(self, request_id: str, p: KVTransferParams, trace: RequestTrace | None) -> None:
         self._meta.reqs_to_release.append(
-            ReleaseSpec(request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0))
+            ReleaseSpec(request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0, trace))

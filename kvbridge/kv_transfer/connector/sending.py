@@ -58,3 +58,4 @@ class KVSender:
 
     def shutdown(self) -> None:
         self.side_channel.close()
+        self.leases.close()  # the leases still held end (outcome shutdown)
