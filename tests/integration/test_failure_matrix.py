@@ -281,3 +281,33 @@ def test_mla_read_failure_follows_the_policy_and_frees_p(mla, policy):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["hash", "version", "layout"])
+def test_a_prefill_refused_at_its_own_handshake_is_released_at_once(loaded, prompt, want, fault):
+    """P itself answers D's handshake with a payload D refuses (another dtype or model: the hash; another
+    protocol version; a layout D cannot map): P's side channel answered, so D tells P to release the
+    lease at once instead of leaving the blocks to the lease's expiry (seen end to end with a bf16 P
+    in front of an fp32 D: P's blocks stayed 30 s)."""
+    fabric, p, d = engines(loaded, LoadFailurePolicy.RECOMPUTE, lease_s=LONG_LEASE_S)
+    try:
+        w = p.connectors.worker
+        good = p_payload(p)
+        if fault == "hash":
+            bad = good[:6] + bytes(b ^ 0xFF for b in good[6:38]) + good[38:]
+        elif fault == "version":
+            bad = good[:4] + struct.pack("!H", 99) + good[6:]
+        else:
+            meta = HandshakeMetadata(w.engine_id, w.config.backend, w.backend.agent_metadata(),
+                                     dataclasses.replace(w.ranks[0].layout, block_size=32, kv_layout="NHD"))
+            bad = encode_payload(meta, w.compat.hash())
+        w.side_channel._payloads[0] = bad
+        outs = decode(d, p, prompt, prefill(p, prompt), GREEDY)
+        assert tokens(outs) == want  # recomputed on D
+        assert d.connectors.worker.stats.failed_transfers["handshake"] == 1
+        settle(p, d)
+        stats = p.connectors.worker.stats
+        assert p.metrics().num_held_for_remote == 0 and stats.expired_leases == 0 and stats.early_releases == 1
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -55,7 +55,8 @@ from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistra
 from kvbridge.kv_transfer.control import ControlClient, incarnation_of
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
 from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, HandshakeFailureKind,
-                                            HandshakeLayoutMismatch, HandshakeMetadata, RankLayout)
+                                            HandshakeHashMismatch, HandshakeLayoutMismatch, HandshakeMetadata,
+                                            HandshakeVersionMismatch, RankLayout)
 from kvbridge.kv_transfer.handshake_manager import HandshakeManager
 from kvbridge.kv_transfer.lease import CONTENT_MISMATCH
 from kvbridge.kv_transfer.read_plan.block_mapping import BlockMappingError
@@ -74,6 +75,12 @@ MAX_REMOTE_TP_SIZE = 256  # the most ranks D will shake hands with for one prefi
 # (so does any failure once P granted the read: a rank failing to add P's agent, too).
 _RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STATE, FailureKind.TRANSFER_POLL,
                             FailureKind.TRANSFER_TIMEOUT})
+
+
+# Handshake refusals of a payload P's own side channel sent (another protocol version, dtype or
+# model, a layout D cannot map): P is up and named in the params, so it frees the lease at once on
+# D's release rather than at expiry. Not after a timeout, a refusal to connect or another engine.
+_P_ANSWERED = (HandshakeVersionMismatch, HandshakeHashMismatch, HandshakeLayoutMismatch)
 
 
 class _Phase(enum.Enum):
@@ -374,7 +381,7 @@ class KVReceiver:
                 self.stats.record_handshake(0.0, kind)
                 self._handshake_done(recv, kind, str(exc))
                 self._fail(rid, recv, FailureKind.HANDSHAKE, f"{kind}: {exc}",
-                           p_answered=isinstance(exc, HandshakeLayoutMismatch))
+                           p_answered=isinstance(exc, _P_ANSWERED))
                 return
         metas: list[HandshakeMetadata] = [f.result() for f in recv.futures]
         s = recv.spec
