@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvbridge.openai_wire import MAX_BODY_BYTES
+from kvbridge.openai_wire import MAX_BODY_BYTES, bind_socket
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
 from kvbridge.proxy.tracing_spans import ProxyTracingMiddleware
@@ -119,13 +119,9 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
                           breaker_failures=breaker_failures, breaker_cooldown_s=breaker_cooldown_s,
                           first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
                           first_byte_timeout_s=first_byte_timeout_s, tracing=tracer)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # connections made right after the URL is printed wait in the backlog
+    sock = bind_socket(host, port)  # connections made right after the URL is printed wait in the backlog
     bound_port = sock.getsockname()[1]
-    url_host = f"[{host}]" if family == socket.AF_INET6 else host
+    url_host = f"[{host}]" if sock.family == socket.AF_INET6 else host
     prefill = f"prefill: {' '.join(prefill_urls)}" if prefill_urls else "colocated: no prefill"
     print(f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: {' '.join(decode_urls)})",
           flush=True)

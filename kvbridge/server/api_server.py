@@ -29,6 +29,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbridge import openai_wire as wire
+from kvbridge.openai_wire import bind_socket
 from kvbridge.config import EngineConfig
 from kvbridge.engine.generation_config import NO_DEFAULTS, SamplingDefaults, sampling_defaults, startup_lines
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
@@ -209,19 +210,6 @@ class _Server(uvicorn.Server):
         self.engine.begin_shutdown()
         await super().shutdown(sockets)
         await asyncio.to_thread(self.engine.shutdown)
-
-
-def bind_socket(host: str, port: int, listen: bool = True) -> socket.socket:
-    """A TCP socket bound to (host, port), listening unless `listen` is False (call
-    `sock.listen(...)` later); port 0 lets the OS choose (read it with getsockname())."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    if listen:
-        sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
