@@ -37,6 +37,7 @@ from kvbridge.tracing.core import Attributes
 T = TypeVar("T")
 SCOPE_KEY = "kvbridge.proxy_spans"  # the ASGI scope's entry holding the request's RequestSpans
 TRACED_PATHS = ("/v1/completions", "/v1/chat/completions")
+STREAM_END = b"data: [DONE]\n\n"  # the last event of a streamed answer
 
 
 def request_spans(request: Request, request_id: str) -> RequestSpans | None:
@@ -138,6 +139,8 @@ class RequestSpans:
         self.status: int | None = None
         self.chunks = self.bytes = 0
         self._first_token: tuple[int, str] | None = None  # its start and outcome, while open
+        self.last_body_ns = start_ns  # when the latest body bytes were handed to the server
+        self.stream_done = False  # the latest body bytes ended a server-sent-event stream
         self._finished = False
 
     def leg(self, role: str) -> Leg:
@@ -195,10 +198,12 @@ class RequestSpans:
     def response_started(self, status: int) -> None:
         self.status = status
 
-    def body_sent(self, size: int, end_ns: int) -> None:
-        if size:
+    def body_sent(self, body: bytes, end_ns: int) -> None:
+        if body:
             self.chunks += 1
-            self.bytes += size
+            self.bytes += len(body)
+            self.last_body_ns = end_ns
+            self.stream_done = body.endswith(STREAM_END)
             self._end_first_token(end_ns)
 
     def finish(self, end_ns: int, outcome: str | None = None) -> None:
@@ -244,7 +249,7 @@ class ProxyTracingMiddleware:
                 spans.response_started(message["status"])
             elif message["type"] == "http.response.body":
                 end_ns = time.time_ns()
-                spans.body_sent(len(message.get("body", b"")), end_ns)
+                spans.body_sent(message.get("body", b""), end_ns)
                 if not message.get("more_body", False):
                     spans.finish(end_ns)
 
@@ -253,4 +258,9 @@ class ProxyTracingMiddleware:
         except BaseException as exc:
             spans.finish(time.time_ns(), outcome=type(exc).__name__)
             raise
-        spans.finish(time.time_ns(), outcome="no_answer")  # no-op after the last byte went out
+        if spans.stream_done:
+            # A stream whose [DONE] went out, closed by its client before the empty last message
+            # (the openai client does): complete, at its last byte.
+            spans.finish(spans.last_body_ns)
+        else:  # no-op after the last byte went out
+            spans.finish(time.time_ns(), outcome="client_gone" if spans.status is not None else "no_answer")
