@@ -89,3 +89,17 @@ def test_cli_options():
     p = parse_args(["proxy", "--decode", "http://d", "--otlp-traces-endpoint", "http://c/v1/traces",
                     "--otlp-traces-sample-ratio", "0.25"])
     assert tracing_config_from_args(p, "kvbridge-proxy") == TracingConfig("http://c/v1/traces", "kvbridge-proxy", 0.25)
+
+
+def test_the_exporter_thread_exists_only_with_an_endpoint():
+    import threading
+    before = set(threading.enumerate())
+    assert build_tracing(TracingConfig(None, "kvbridge-proxy")) is None
+    assert set(threading.enumerate()) == before  # tracing off: no exporter thread
+    tracing = build_tracing(TracingConfig("http://127.0.0.1:9/v1/traces", "kvbridge-proxy"))
+    try:
+        started = set(threading.enumerate()) - before
+        assert len(started) == 1  # the batch processor's one exporter thread
+    finally:
+        tracing.shutdown()  # nothing queued: returns without reaching the (closed) port
+    assert not any(t.is_alive() for t in started)
