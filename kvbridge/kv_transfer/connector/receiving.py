@@ -26,19 +26,15 @@ The bytes move in the ranks: the reads planned here leave as per-rank commands
 
 Every settled load is counted in ``kvbridge_kv_load_seconds`` (by outcome) and, read in full, in
 ``kvbridge_kv_read_bytes``; a request that had to wait for a handshake, in
-``kvbridge_kv_handshake_seconds``. A traced request (RecvSpec.trace) also gets its spans, under
-its request span: ``kv.load`` (a live span from the receive's start, when the request was parked
-in WAITING_FOR_REMOTE_KVS, to settled) with children ``kv.handshake`` (only when it waited for
-one), ``kv.lease_check`` (the check_read round trip: its traceparent rides the message, so P's
-``kv.check_read`` nests under it) and one ``kv.read`` per (D rank, P rank) read (times noted by
-the rank, `ReadResult.started_ns`); then ``kv.read_done`` or ``kv.release`` (D telling P). An
-untraced request notes no wall-clock time and makes no span.
+``kvbridge_kv_handshake_seconds``. A traced request (RecvSpec.trace) also gets its spans
+(``kv.load`` and its children, ``kv.read_done`` / ``kv.release``: receive_spans.py), made by the
+request's `LoadSpans`, which the state machine calls at its transitions. An untraced request has
+none: it notes no wall-clock time and makes no span.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import itertools
 import logging
 import time
@@ -46,12 +42,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode
-
 from kvbridge.config import KVTransferConfig
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, RemoteEngine
 from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, ReadOp, ReadResult
+from kvbridge.kv_transfer.connector.receive_spans import LoadSpans, traced_message
 from kvbridge.kv_transfer.control import ControlClient, incarnation_of
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
 from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, HandshakeFailureKind,
@@ -65,7 +60,7 @@ from kvbridge.kv_transfer.read_plan.tp_mapping import (RankBlocks, RankKV, ReadP
                                                        check_pairing, plan_request_reads, request_salt)
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.stats import KVTransferStats
-from kvbridge.tracing import RequestTrace, format_traceparent
+from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
@@ -128,15 +123,7 @@ class _Recv:
     reads: dict[str, _SubRead] = field(default_factory=dict)  # xfer id -> read
     created: float = field(default_factory=time.perf_counter)  # parked (kvbridge_kv_load_seconds)
     handshake_from: float | None = None  # waiting for a handshake since (perf_counter), or not waiting
-    # A traced request's (RecvSpec.trace) spans; untouched otherwise:
-    load_span: Span | None = None  # kv.load, live until the load settles
-    handshake_ns: int = 0  # wall clock when it started waiting for a handshake (kv.handshake)
-    check_span: Span | None = None  # kv.lease_check, live while check_read is in flight
-    check_end_ns: int = 0  # when P's answer came (noted on the control thread)
-
-    @property
-    def load_context(self) -> SpanContext | None:
-        return self.load_span.get_span_context() if self.load_span is not None else None
+    spans: LoadSpans | None = None  # a traced request's (RecvSpec.trace), until the load settles
 
     def notice(self) -> ReleaseNotice:
         """What frees P's blocks of this request: the plan's notice; before a plan, the same
@@ -275,20 +262,14 @@ class KVReceiver:
         future = self._handshakes.ensure(r.engine_id or None, r.host, r.port, 0)
         recv = self._recvs[spec.request_id] = _Recv(spec, _Phase.HANDSHAKE, [future])
         if spec.trace is not None:
-            recv.load_span = spec.trace.tracing.start_span("kv.load", spec.trace.parent, attributes={
-                "kvbridge.request_id": spec.request_id, "kvbridge.remote_engine_id": r.engine_id,
-                "kvbridge.remote_request_id": spec.remote_request_id,
-                "kvbridge.lease_generation": spec.lease_generation, "kvbridge.num_blocks": spec.num_blocks,
-                "server.address": r.host, "server.port": r.port})
+            recv.spans = LoadSpans(spec, spec.trace)
         self._note_handshake_wait(recv)
 
     def _side_request(self, what: str, fn, *args, trace: RequestTrace | None = None) -> None:
         """Send P a message on the control thread; `trace`: the request's, for a read-done or a
         release (its kv.read_done / kv.release span)."""
-        if trace is not None and what in _MESSAGE_SPANS:
-            fn = functools.partial(_traced_message, trace, _MESSAGE_SPANS[what], fn)
         try:
-            self._side_requests.append((what, self._executor.submit(fn, *args)))
+            self._side_requests.append((what, self._executor.submit(traced_message(trace, what, fn), *args)))
         except RuntimeError:  # executor shut down
             self.stats.incr("failed_notifications")
 
@@ -297,8 +278,8 @@ class KVReceiver:
         """The request waits for a handshake (one of its futures is not done): note since when."""
         if recv.handshake_from is None and not all(f.done() for f in recv.futures):
             recv.handshake_from = time.perf_counter()
-            if recv.load_span is not None:
-                recv.handshake_ns = time.time_ns()
+            if recv.spans is not None:
+                recv.spans.handshake_waited()
 
     def _handshake_done(self, recv: _Recv, outcome: str, error: str | None = None) -> None:
         """The request's handshake wait (if it had one) ended: count it and record kv.handshake."""
@@ -306,23 +287,13 @@ class KVReceiver:
             return
         self.stats.record_handshake_wait(time.perf_counter() - recv.handshake_from, outcome)
         recv.handshake_from = None
-        if recv.load_span is not None and recv.spec.trace is not None and recv.handshake_ns:
-            r = recv.spec.remote
-            recv.spec.trace.record("kv.handshake", recv.handshake_ns, time.time_ns(), parent=recv.load_context,
-                                   attributes={"kvbridge.remote_engine_id": r.engine_id, "server.address": r.host,
-                                               "server.port": r.port, "kvbridge.outcome": outcome,
-                                               "kvbridge.remote_ranks": len(recv.futures)}, error=error)
-        recv.handshake_ns = 0
+        if recv.spans is not None:
+            recv.spans.handshake_done(outcome, error, len(recv.futures))
 
     def _check_done(self, recv: _Recv, outcome: str, error: str | None = None) -> None:
         """The kv_check_read round trip ended: end its kv.lease_check span."""
-        span, recv.check_span = recv.check_span, None
-        if span is None:
-            return
-        span.set_attribute("kvbridge.outcome", outcome)
-        if error is not None:
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=recv.check_end_ns or time.time_ns())
+        if recv.spans is not None:
+            recv.spans.check_done(outcome, error)
 
     def _load_settled(self, recv: _Recv, outcome: str, error: str | None = None) -> None:
         """The load settled (outcome "ok" or a FailureKind value): count it; end its spans, with a
@@ -333,28 +304,9 @@ class KVReceiver:
 
     def _end_spans(self, recv: _Recv, outcome: str, error: str | None) -> None:
         self._handshake_done(recv, outcome, error)
-        self._check_done(recv, outcome, error)
-        span, recv.load_span = recv.load_span, None
-        if span is None or recv.spec.trace is None:
-            return
-        tracing, parent = recv.spec.trace.tracing, span.get_span_context()
-        for read in recv.reads.values():
-            r = read.result
-            if r is None or r.started_ns is None:
-                continue
-            tracing.record("kv.read", parent, r.started_ns, r.settled_ns or time.time_ns(), attributes={
-                "kvbridge.tp_rank": read.local_rank, "kvbridge.remote_rank": read.remote_rank,
-                "kvbridge.bytes": read.nbytes, "kvbridge.descriptors": read.ndescs,
-                "kvbridge.backend": self.config.backend,
-                "kvbridge.outcome": "ok" if r.ok else r.kind.value}, error=None if r.ok else r.cause)
-        span.set_attribute("kvbridge.outcome", outcome)
-        span.set_attribute("kvbridge.num_reads", len(recv.reads))
-        if error is None:
-            span.set_attribute("kvbridge.bytes", sum(r.nbytes for r in recv.reads.values()))
-        else:
-            span.set_attribute("kvbridge.failure_kind", outcome)
-            span.set_status(Status(StatusCode.ERROR, error))
-        span.end()
+        spans, recv.spans = recv.spans, None
+        if spans is not None:
+            spans.load_settled(recv.reads.values(), outcome, error, self.config.backend)
 
     # ---- D: the receive state machine -------------------------------------
     def _advance(self, rid: str, recv: _Recv) -> None:
@@ -411,19 +363,11 @@ class KVReceiver:
         recv.phase = _Phase.CHECK
         recv.asked_at = time.monotonic()
         watch = self._needs_watch(s, peer)
-        traceparent = None
-        if recv.load_span is not None and s.trace is not None:
-            recv.check_span = s.trace.tracing.start_span("kv.lease_check", recv.load_context, kind=SpanKind.CLIENT,
-                                                         attributes={"kvbridge.remote_request_id": s.remote_request_id,
-                                                                     "kvbridge.lease_generation": s.lease_generation,
-                                                                     "kvbridge.watch": watch,
-                                                                     "server.address": s.remote.host,
-                                                                     "server.port": s.remote.port})
-            traceparent = format_traceparent(recv.check_span.get_span_context())
+        traceparent = recv.spans.check_sent(watch) if recv.spans is not None else None
         future = self._executor.submit(self.control.check_read, s.remote.host, s.remote.port, s.remote_request_id,
                                        s.lease_generation, s.remote_block_ids, s.content, watch, traceparent)
-        if traceparent is not None:
-            future.add_done_callback(functools.partial(_note_answer, recv))
+        if recv.spans is not None:
+            future.add_done_callback(recv.spans.check_answered)
         recv.futures = [future]
 
     def _needs_watch(self, s: RecvSpec, peer: _Peer) -> bool:
@@ -523,7 +467,7 @@ class KVReceiver:
             xfer_id = f"x{next(self._xfer_ids)}"
             self._commands[local_rank].reads.append(ReadOp(
                 xfer_id, peer.rank_key(remote_rank), peer.agent_metadata[remote_rank], tuple(l_descs), tuple(r_descs),
-                peer.memory[remote_rank], traced=recv.load_span is not None))
+                peer.memory[remote_rank], traced=recv.spans is not None))
             recv.reads[xfer_id] = _SubRead(local_rank, remote_rank, sum(n for _, n in l_descs), len(l_descs))
             self._xfers[xfer_id] = rid
         self._settle_reads(rid, recv)  # a notification-only request has no reads: settled now
@@ -614,28 +558,3 @@ class KVReceiver:
                 self.stats.incr("failed_notifications")
                 logger.warning("kv %s notification failed: %s", what, fut.exception())
         self._side_requests = pending
-
-
-_MESSAGE_SPANS = {"read-done": "kv.read_done", "release": "kv.release"}  # D telling P, per message
-
-
-def _traced_message(trace: RequestTrace, name: str, send: Callable[..., None], host: str, port: int, rid: str,
-                    gen: int) -> None:
-    """Send a read-done or release (on the control thread) and record it as `name` under the
-    request's span."""
-    start_ns = time.time_ns()
-    attributes = {"kvbridge.remote_request_id": rid, "kvbridge.lease_generation": gen, "server.address": host,
-                  "server.port": port}
-    try:
-        send(host, port, rid, gen)
-    except Exception as exc:
-        trace.record(name, start_ns, time.time_ns(), kind=SpanKind.CLIENT,
-                     attributes={**attributes, "kvbridge.outcome": "error"}, error=f"{type(exc).__name__}: {exc}")
-        raise
-    trace.record(name, start_ns, time.time_ns(), kind=SpanKind.CLIENT,
-                 attributes={**attributes, "kvbridge.outcome": "ok"})
-
-
-def _note_answer(recv: _Recv, _future: Future) -> None:
-    """Done callback of a traced check_read (control thread): when P's answer came."""
-    recv.check_end_ns = time.time_ns()
