@@ -107,8 +107,16 @@ class TracedWorld(World):
         self.until(lambda: track.p_done, "P finishes the prefill", self.step_p)
         return track
 
-    def decode(self, track: Track) -> None:
+    def decode(self, track: Track, hold_handshake: bool = False) -> None:
+        """`hold_handshake`: D's handshake with P waits at the gate until D has parked the request
+        (over loopback it may otherwise finish before D looks, and D would not have waited)."""
+        if hold_handshake:
+            self.gate.hold("handshake")
         self.add_to_d(track)
+        if hold_handshake:
+            self.until(lambda: self.gate.is_waiting("handshake"), "D sends its handshake", self.step_d)
+            self.step_d()  # the receive is started and finds the handshake pending
+            self.gate.open("handshake")
         self.until(lambda: track.d_done, "D finishes")
         self.settle()
 
@@ -187,7 +195,7 @@ def test_an_expired_lease_is_an_error_span_on_p_and_ds_check_is_refused(dense) -
 def test_a_clean_pd_request_records_the_whole_kv_tree(dense) -> None:
     w = TracedWorld(dense)
     track = w.prefill()
-    w.decode(track)
+    w.decode(track, hold_handshake=True)
     assert [t for o in track.d_outputs for t in o.new_token_ids] == dense.want(dense.prompt)
     d_root, p_root = w.roots[track.d_id], w.roots[track.p_id]
     load = one(w.d_spans, "kv.load")
