@@ -127,12 +127,9 @@ def _add_tracing_args(p: argparse.ArgumentParser, *, service_name: bool = True) 
 def tracing_config_from_args(a: argparse.Namespace, default_name: str):
     """The process's TracingConfig (None when no endpoint); TracingConfigError for bad values."""
     from kvbridge.tracing import TracingConfig
-    if a.otlp_traces_endpoint is None:
-        if a.otlp_traces_sample_ratio != 1.0 and not 0.0 <= a.otlp_traces_sample_ratio <= 1.0:
-            TracingConfig(None, default_name, a.otlp_traces_sample_ratio)  # raises: a bad ratio is an error
-        return None
-    return TracingConfig(a.otlp_traces_endpoint, getattr(a, "otlp_service_name", None) or default_name,
-                         a.otlp_traces_sample_ratio)
+    config = TracingConfig(a.otlp_traces_endpoint, getattr(a, "otlp_service_name", None) or default_name,
+                           a.otlp_traces_sample_ratio)  # validated even when off: a bad value is an error
+    return config if config.endpoint is not None else None
 
 
 def serve_service_name(a: argparse.Namespace) -> str:

@@ -208,9 +208,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.finish_request(request_id, FinishReason.ABORT)
         if req is not None:
-            out = self.output_processor.make_output(req, None)
-            out.times = req.times
-            self._pending.append(out)
+            self._pending.append(self.output_processor.make_output(req, None))
 
     def notify_kv_transfer_rejected(self, request_id: str, kv_transfer_params) -> None:
         """D side: a request with a remote prefill was rejected before admission; tell P to
@@ -300,12 +298,9 @@ class LLMEngine:
         try:
             self._apply_stop_string(req, self.output_processor.detokenize(req))
             lp = result.logprobs.get(req.request_id)
-            out = self.output_processor.make_output(req, [lp] if lp is not None else None)
+            return self.output_processor.make_output(req, [lp] if lp is not None else None)
         except Exception as exc:
             return self._fail_request(req, exc)
-        if out.finished:
-            out.times = req.times
-        return out
 
     def _apply_stop_string(self, req: Request, stop: str | None) -> None:
         """`stop`: the stop string this step's text completed, if any. It finishes a running

@@ -80,7 +80,7 @@ class OutputProcessor:
             num_cached_tokens=max(req.num_cached_tokens, 0), logprobs=logprobs,
             kv_transfer_params=req.kv_transfer_params_out if finished else None,
             error=req.error, stop_reason=st.stopped if st.stopped is not None else req.stop_reason,
-            error_code=req.error_code)
+            error_code=req.error_code, times=req.times if finished else None)
         if finished:
             self.discard(req.request_id)
         return out

@@ -25,7 +25,6 @@ from kvbridge.engine.kv_cache_manager import KVCacheManager
 from kvbridge.engine.request import FinishReason, Request, RequestStatus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConnector
-from kvbridge.kv_transfer.failure import FailureKind
 from kvbridge.kv_transfer.params import KV_LOAD_FAILED
 from kvbridge.tracing import RequestTrace
 
@@ -50,11 +49,6 @@ class FirstStep:
     name: str
     start_ns: int
     num_tokens: int
-
-
-def failure_kind(cause: str) -> str:
-    """The FailureKind named in a load failure's cause ("KV transfer failed (<kind>): ..."), else "unknown"."""
-    return next((k.value for k in FailureKind if f"({k.value})" in cause), "unknown")
 
 
 class Scheduler:
@@ -366,7 +360,8 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
             if req.trace is not None:
-                req.trace.recompute_started(time.time_ns(), failure_kind(cause),
+                kind = out.failure_kinds.get(req.request_id)
+                req.trace.recompute_started(time.time_ns(), kind.value if kind is not None else "unknown",
                                             req.num_tokens - req.num_computed_tokens, req.num_computed_tokens)
             logger.warning("request %s: %s; recomputing locally from token %d",
                            req.request_id, cause, req.num_computed_tokens)

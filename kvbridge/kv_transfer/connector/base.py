@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
 
 from kvbridge.kv_transfer.connector.request_view import ConnectorRequest
+from kvbridge.kv_transfer.failure import FailureKind
 
 if TYPE_CHECKING:
     from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, RankReport
@@ -41,6 +42,7 @@ class KVConnectorOutput:
     failed_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     failure_causes: dict[str, str] = field(default_factory=dict)  # request id -> human-readable cause
+    failure_kinds: dict[str, FailureKind] = field(default_factory=dict)  # request id -> what failed
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)

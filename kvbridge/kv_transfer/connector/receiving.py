@@ -232,6 +232,7 @@ class KVReceiver:
             out.failed_recving.add(failure.request_id)
             out.invalid_block_ids |= failure.invalid_block_ids
             out.failure_causes[failure.request_id] = f"KV transfer failed ({failure.kind.value}): {failure.cause}"
+            out.failure_kinds[failure.request_id] = failure.kind
         self._reap_side_requests()
 
     def has_loads(self) -> bool:
