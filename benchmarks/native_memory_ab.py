@@ -20,6 +20,12 @@ Configurations (name=ENV,... or one of the named ones below):
   fix        the engine's defaults (whatever native_memory.py sets)
   trim-only  caches at 1024, malloc_trim on (the default interval)
   bound-only caches at the engine's bound, no malloc_trim
+  no-buckets the engine's defaults but bf16 matmuls on exact row counts (KVBRIDGE_ROW_BUCKETS=0;
+             before bf16 row buckets, kvbridge/engine/layers/linear.py)
+
+`--count-creations` adds one untimed run per configuration with ONEDNN_VERBOSE=profile_create and
+counts oneDNN's primitive creations (cache misses) during the timed requests: the cost the caches'
+bound and the row buckets are about, counted rather than timed.
 """
 
 from __future__ import annotations
@@ -40,8 +46,11 @@ NAMED = {
     "fix": {},
     "trim-only": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"},
     "bound-only": {"KVBRIDGE_MALLOC_TRIM_S": "0"},
+    "no-buckets": {"KVBRIDGE_ROW_BUCKETS": "0"},
 }
-CLEARED = ("KVBRIDGE_MALLOC_TRIM_S", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+CLEARED = ("KVBRIDGE_MALLOC_TRIM_S", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY", "KVBRIDGE_ROW_BUCKETS",
+           "ONEDNN_VERBOSE")
+TIMED_MARK = "KVBRIDGE-AB-TIMED-FROM-HERE"
 
 
 def requests(seed: int, n: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -104,6 +113,7 @@ def child(args: argparse.Namespace) -> None:
                 live -= out.finished
 
     run(work[:args.warmup], "w")
+    print(TIMED_MARK, flush=True)  # oneDNN's verbose lines (when on) after it are the timed requests'
     timed_from = len(rows)
     trim_s[0] = 0.0
     trims0 = engine.runner.heap_trimmer.trims
@@ -136,6 +146,12 @@ def lru_misses(rows: list[int], capacity_rows: int, count_from: int = 0) -> int:
     return misses
 
 
+def count_creations(verbose_stdout: str) -> int:
+    """oneDNN primitive creations (cache misses) printed after the child's timed mark."""
+    _, _, timed = verbose_stdout.partition(TIMED_MARK)
+    return sum(1 for line in timed.splitlines() if line.startswith("onednn_verbose") and "create:cache_miss" in line)
+
+
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
     if text in NAMED:
         return text, NAMED[text]
@@ -162,6 +178,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nice", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--count-creations", action="store_true",
+                   help="also one untimed run per config counting oneDNN primitive creations in the timed part")
     args = p.parse_args(argv)
     if args.child:
         child(args)
@@ -189,6 +207,17 @@ def main() -> int:
                   f"{r['tokens'] / r['cpu_s']:6.1f} tok/cpu-s, {r['steps']} steps, {r['trims']} trims "
                   f"({1000 * r['trim_s']:.0f} ms), RSS {r['rss_mb']:.0f} MB, load {r['load']:.1f}, "
                   f"{time.time() - t:.0f} s, outputs {r['digest']}", flush=True)
+    creations: dict[str, int] = {}
+    if args.count_creations:
+        for name, env in configs:
+            cmd = ["nice", "-n", str(args.nice), sys.executable, os.path.abspath(__file__), "--child", *passthrough]
+            done = subprocess.run(cmd, env={**base_env, **env, "ONEDNN_VERBOSE": "profile_create"},
+                                  capture_output=True, text=True, timeout=3600)
+            if done.returncode != 0:
+                print(done.stderr[-3000:], file=sys.stderr)
+                return 1
+            creations[name] = count_creations(done.stdout)
+            print(f"{name:11s} oneDNN primitive creations during the timed requests: {creations[name]}", flush=True)
     base = configs[0][0]
     med = {name: {"wall": statistics.median(r["tokens"] / r["wall_s"] for r in rs),
                   "cpu": statistics.median(r["tokens"] / r["cpu_s"] for r in rs)} for name, rs in results.items()}
@@ -206,7 +235,7 @@ def main() -> int:
     print(f"  greedy outputs identical across all runs: {len(digests) == 1}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f)
+            json.dump({"args": vars(args), "results": results, "creations": creations}, f)
     return 0 if len(digests) == 1 else 2
 
 

@@ -9,11 +9,22 @@ half of MKL's at batch sizes 16-64, and reordered into oneDNN's blocked layout a
 1.2-1.5x less (benchmarks/README.md). In bf16 torch's own `F.linear` already reaches oneDNN's
 AMX matmul but with the plain weight on every call; the weight reordered once is 1.1-1.6x
 faster than that from 1 row to 1024 (benchmarks/README.md, "bf16"). KVBRIDGE_ONEDNN=0 turns it off.
+
+Row buckets (bf16, issue 33): oneDNN compiles and caches one primitive per matmul shape, and a
+step's row count is its token count, so a prefilling server meets a new shape with almost every
+prompt. A bf16 primitive costs 4-13 ms to create (AMX brgemm JIT), and with the caches bounded
+(native_memory.py) a shape evicted comes back as a new creation. A bf16 matmul of more than
+`BUCKET_MIN_ROWS` rows therefore runs as chunks of `BUCKET_CHUNK_ROWS` rows with the last one
+zero-padded to a multiple of `BUCKET_ALIGN` (AMX's tile height: the padded rows cost next to
+nothing), so at most 31 row counts per weight ever reach oneDNN (`row_chunks`): every shape is
+created once, at warm-up, and stays cached. fp32 keeps exact row counts (a creation there costs
+about 0.5 ms and padding would cost real compute). KVBRIDGE_ROW_BUCKETS=0 turns it off.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +33,10 @@ from torch import nn
 
 _LAYOUT_ROWS_HINT = 16
 PREPACKED_DTYPES = (torch.float32, torch.bfloat16)
+BUCKET_MIN_ROWS = 16  # up to this many rows (decode batches) a matmul runs on its own row count
+BUCKET_CHUNK_ROWS = 256
+BUCKET_ALIGN = 16
+_ROW_BUCKETS = os.environ.get("KVBRIDGE_ROW_BUCKETS") != "0"
 
 
 class Linear(nn.Module):
@@ -60,8 +75,57 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_ROWS_HINT)
 
 
+class RowChunk(NamedTuple):
+    start: int  # first row of the input this chunk computes
+    rows: int  # rows of the input it computes
+    padded: int  # row count the matmul runs on (rows plus zero rows)
+
+
+def row_chunks(m: int) -> list[RowChunk]:
+    """How a bucketed matmul of m rows runs: one chunk of m rows up to BUCKET_MIN_ROWS; above,
+    chunks of BUCKET_CHUNK_ROWS rows, the last padded up to a multiple of BUCKET_ALIGN. The
+    padded counts are 1..BUCKET_MIN_ROWS and the multiples of BUCKET_ALIGN up to the chunk."""
+    if m < 1:
+        raise ValueError(f"a matmul needs at least one row, got {m}")
+    if m <= BUCKET_MIN_ROWS:
+        return [RowChunk(0, m, m)]
+    chunks = []
+    for start in range(0, m, BUCKET_CHUNK_ROWS):
+        rows = min(BUCKET_CHUNK_ROWS, m - start)
+        chunks.append(RowChunk(start, rows, -(-rows // BUCKET_ALIGN) * BUCKET_ALIGN))
+    return chunks
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    chunks = row_chunks(x.shape[0])
+    if len(chunks) == 1:
+        chunk = chunks[0]
+        if chunk.padded == chunk.rows:
+            return _onednn_linear(x, packed, bias)
+        return _onednn_linear(F.pad(x, (0, 0, 0, chunk.padded - chunk.rows)), packed, bias)[:chunk.rows]
+    out: torch.Tensor | None = None
+    for chunk in chunks:
+        piece = x[chunk.start:chunk.start + chunk.rows]
+        if chunk.padded != chunk.rows:
+            piece = F.pad(piece, (0, 0, 0, chunk.padded - chunk.rows))
+        y = _onednn_linear(piece, packed, bias)
+        if out is None:
+            out = y.new_empty(x.shape[0], y.shape[1])
+        out[chunk.start:chunk.start + chunk.rows] = y[:chunk.rows]
+    assert out is not None
+    return out
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] @ packed.T (+ bias), for a weight from prepack_weight."""
+    """x [..., in] @ packed.T (+ bias), for a weight from prepack_weight (bf16: in row buckets)."""
     shape = x.shape
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none", [], "")
+    x2 = x.reshape(-1, shape[-1])
+    if _ROW_BUCKETS and x2.dtype == torch.bfloat16 and x2.shape[0] > BUCKET_MIN_ROWS:
+        y = _bucketed_linear(x2, packed, bias)
+    else:
+        y = _onednn_linear(x2, packed, bias)
     return y.reshape(*shape[:-1], y.shape[-1])
