@@ -156,20 +156,21 @@ class ServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
-def kvbridge_spec(folder: Path, port: int, threads: int, kv_gb: float, max_seqs: int, max_len: int) -> ServerSpec:
+def kvbridge_spec(folder: Path, port: int, threads: int, kv_gb: float, max_seqs: int, max_len: int,
+                  dtype: str = "float32") -> ServerSpec:
     exe = Path(sys.executable).with_name("kvbridge")
-    command = [str(exe), "serve", str(folder), "--served-model-name", "model", "--port", str(port),
+    command = [str(exe), "serve", str(folder), "--served-model-name", "model", "--port", str(port), "--dtype", dtype,
                "--num-threads", str(threads), "--kv-cache-memory-gb", str(kv_gb), "--max-num-seqs", str(max_seqs),
                "--max-model-len", str(max_len), "--log-level", "warning"]
     return ServerSpec("kvbridge", command, {}, port)  # its own defaults (OpenMP wait policy: cli.py)
 
 
 def vllm_spec(vllm: list[str], folder: Path, port: int, threads: int, kv_gb: float, max_seqs: int,
-              max_len: int) -> ServerSpec:
-    """vLLM CPU: fp32, KV cache VLLM_CPU_KVCACHE_SPACE GiB, its OpenMP threads bound one per core
+              max_len: int, dtype: str = "float32") -> ServerSpec:
+    """vLLM CPU in `dtype` (weights and KV cache), KV cache VLLM_CPU_KVCACHE_SPACE GiB, its OpenMP threads bound one per core
     to cores 0..threads-1 (VLLM_CPU_OMP_THREADS_BIND, as its CPU docs recommend)."""
     command = [*vllm, "serve", str(folder), "--served-model-name", "model", "--port", str(port),
-               "--dtype", "float32", "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
+               "--dtype", dtype, "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
                "--uvicorn-log-level", "warning"]
     env = {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gb:g}", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(threads)}

