@@ -2,10 +2,10 @@
 
 oneDNN creates one primitive per matmul shape (4-13 ms each in bf16) and keeps it in a bounded
 cache; a step's row count is its token count, so without buckets almost every prefill was a new
-shape, and a shape evicted came back as a new creation. `row_chunks` maps any row count onto at
-most 31 padded counts; these tests check the mapping for every row count up to several chunks,
-that bucketed results are the plain matmul's (bf16 against a float64 reference), and that an
-engine serving prompts of many lengths shows oneDNN no more than the bound.
+shape, and a shape evicted came back as a new creation. `bucket_rows` maps any row count onto a
+bucket (55 of them up to a 2048-token step); these tests check the mapping for every row count
+up to 8192, that bucketed results are the plain matmul's (bf16 against a float64 reference), and
+that an engine serving prompts of many lengths shows oneDNN no more than the buckets.
 """
 
 from __future__ import annotations
@@ -16,41 +16,37 @@ import pytest
 import torch
 
 from kvbridge.engine.layers import linear
-from kvbridge.engine.layers.linear import (BUCKET_ALIGN, BUCKET_CHUNK_ROWS, BUCKET_MIN_ROWS, RowChunk,
-                                           packed_linear, prepack_weight, row_chunks)
+from kvbridge.engine.layers.linear import BUCKET_ALIGN, BUCKET_MIN_ROWS, bucket_rows, packed_linear, prepack_weight
 
-# the padded counts: 1..16, then the multiples of 16 up to 256 (31 in all)
-BOUND = len(set(range(1, BUCKET_MIN_ROWS + 1)) | set(range(BUCKET_ALIGN, BUCKET_CHUNK_ROWS + 1, BUCKET_ALIGN)))
-EDGES = sorted({1, BUCKET_MIN_ROWS - 1, BUCKET_MIN_ROWS, BUCKET_MIN_ROWS + 1, BUCKET_ALIGN * 3 - 1, BUCKET_ALIGN * 3,
-                BUCKET_CHUNK_ROWS - 1, BUCKET_CHUNK_ROWS, BUCKET_CHUNK_ROWS + 1, 2 * BUCKET_CHUNK_ROWS + 17, 2048})
+STEP_TOKENS = 2048  # the scheduler's default token budget: a step's largest row count
+BOUND = 55  # distinct buckets up to STEP_TOKENS: 1..16, 32..256 by 16, then 8 per doubling
+EDGES = sorted({1, BUCKET_MIN_ROWS - 1, BUCKET_MIN_ROWS, BUCKET_MIN_ROWS + 1, 47, 48, 255, 256, 257, 300, 511, 513,
+                1500, 2048})
 
 bf16_onednn = pytest.mark.skipif(prepack_weight(torch.zeros(16, 16, dtype=torch.bfloat16)) is None,
                                  reason="this CPU has no oneDNN bf16 matmul (no AVX-512): nothing is bucketed")
 
 
-def test_row_chunks_cover_every_row_once_with_bounded_padded_counts():
-    seen: set[int] = set()
-    for m in range(1, 5 * BUCKET_CHUNK_ROWS + 2):
-        chunks = row_chunks(m)
-        assert chunks[0].start == 0 and sum(c.rows for c in chunks) == m
-        for before, after in zip(chunks, chunks[1:]):
-            assert after.start == before.start + before.rows
-        for c in chunks:
-            assert c.rows <= c.padded < c.rows + BUCKET_ALIGN
-            if m > BUCKET_MIN_ROWS:
-                assert c.padded % BUCKET_ALIGN == 0 and c.padded <= BUCKET_CHUNK_ROWS
-            seen.add(c.padded)
+def test_bucket_rows_pads_little_and_bounds_the_row_counts():
+    previous = 0
+    for m in range(1, 4 * STEP_TOKENS + 1):
+        padded = bucket_rows(m)
+        assert padded >= m and padded >= previous and bucket_rows(padded) == padded
         if m <= BUCKET_MIN_ROWS:
-            assert chunks == [RowChunk(0, m, m)]
+            assert padded == m
+        elif m <= 256:
+            assert padded % BUCKET_ALIGN == 0 and padded - m < BUCKET_ALIGN
         else:
-            assert all(c.rows == BUCKET_CHUNK_ROWS for c in chunks[:-1])
-    assert len(seen) == BOUND
+            assert padded - m < m / 8
+        previous = padded
+    assert len({bucket_rows(m) for m in range(1, STEP_TOKENS + 1)}) == BOUND
+    assert len({bucket_rows(m) for m in range(1, 4 * STEP_TOKENS + 1)}) == BOUND + 16  # 8 more per doubling
 
 
 @pytest.mark.parametrize("m", [0, -3])
-def test_row_chunks_refuse_an_empty_matmul(m):
+def test_bucket_rows_refuses_an_empty_matmul(m):
     with pytest.raises(ValueError, match="at least one row"):
-        row_chunks(m)
+        bucket_rows(m)
 
 
 @bf16_onednn
@@ -83,7 +79,7 @@ def _recording(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
 def test_bf16_row_counts_reaching_onednn_are_bounded(monkeypatch):
     calls = _recording(monkeypatch)
     weight = prepack_weight(torch.randn(32, 16).to(torch.bfloat16))
-    for m in range(1, 3 * BUCKET_CHUNK_ROWS):
+    for m in range(1, STEP_TOKENS + 1):
         packed_linear(torch.randn(m, 16).to(torch.bfloat16), weight, None)
     assert len({rows for rows, _ in calls}) == BOUND
 
@@ -100,7 +96,8 @@ def test_fp32_keeps_exact_row_counts(monkeypatch):
 @bf16_onednn
 def test_a_bf16_engine_shows_onednn_a_bounded_set_of_shapes(monkeypatch):
     """The cause, end to end: an engine prefilling prompts of 36 different lengths one after the
-    other (steps of as many token counts) asks oneDNN for at most BOUND row counts per weight."""
+    other (steps of as many token counts) asks oneDNN for bucket row counts only, fewer than
+    the steps' distinct sizes."""
     from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
     from kvbridge.engine.engine import LLMEngine
     from kvbridge.engine.loader import load_model
@@ -124,9 +121,11 @@ def test_a_bf16_engine_shows_onednn_a_bounded_set_of_shapes(monkeypatch):
         prompt = [rng.randrange(100, loaded.arch.vocab_size) for _ in range(n)]
         [out] = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         assert len(out) == 2
-    assert len(set(step_rows)) > BOUND  # the traffic has the cause: more distinct step sizes than the bound
+    assert len(set(step_rows)) >= 36  # the traffic has the cause: a new step size per prompt
     per_weight: dict[tuple[int, ...], set[int]] = {}
     for rows, shape in calls:
         per_weight.setdefault(shape, set()).add(rows)
-    assert per_weight and all(len(rows) <= BOUND for rows in per_weight.values()), \
-        {shape: len(rows) for shape, rows in per_weight.items()}
+    assert per_weight
+    for shape, rows in per_weight.items():
+        assert all(bucket_rows(r) == r for r in rows), (shape, sorted(rows))
+        assert len(rows) < len(set(step_rows)) - 10, (shape, sorted(rows))

@@ -14,17 +14,18 @@ Row buckets (bf16, issue 33): oneDNN compiles and caches one primitive per matmu
 step's row count is its token count, so a prefilling server meets a new shape with almost every
 prompt. A bf16 primitive costs 4-13 ms to create (AMX brgemm JIT), and with the caches bounded
 (native_memory.py) a shape evicted comes back as a new creation. A bf16 matmul of more than
-`BUCKET_MIN_ROWS` rows therefore runs as chunks of `BUCKET_CHUNK_ROWS` rows with the last one
-zero-padded to a multiple of `BUCKET_ALIGN` (AMX's tile height: the padded rows cost next to
-nothing), so at most 31 row counts per weight ever reach oneDNN (`row_chunks`): every shape is
-created once, at warm-up, and stays cached. fp32 keeps exact row counts (a creation there costs
-about 0.5 ms and padding would cost real compute). KVBRIDGE_ROW_BUCKETS=0 turns it off.
+`BUCKET_MIN_ROWS` rows therefore runs on its row count rounded up to a bucket (`bucket_rows`):
+multiples of 16 (AMX's tile height) up to 256, then 8 buckets per doubling, so the zero rows
+added are at most 1/8 of the rows (16 rows below 256) and a token budget of 2048 shows oneDNN
+55 row counts per weight: each is created once, at warm-up, and stays cached. The result is
+the first rows of the padded product (a view: nothing copied). fp32 keeps exact row counts (a
+creation costs about 0.5 ms there, and padded rows are real work). KVBRIDGE_ROW_BUCKETS=0 turns
+it off.
 """
 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,7 @@ from torch import nn
 _LAYOUT_ROWS_HINT = 16
 PREPACKED_DTYPES = (torch.float32, torch.bfloat16)
 BUCKET_MIN_ROWS = 16  # up to this many rows (decode batches) a matmul runs on its own row count
-BUCKET_CHUNK_ROWS = 256
-BUCKET_ALIGN = 16
+BUCKET_ALIGN = 16  # the finest bucket step (AMX's tile height)
 _ROW_BUCKETS = os.environ.get("KVBRIDGE_ROW_BUCKETS") != "0"
 
 
@@ -75,25 +75,16 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_ROWS_HINT)
 
 
-class RowChunk(NamedTuple):
-    start: int  # first row of the input this chunk computes
-    rows: int  # rows of the input it computes
-    padded: int  # row count the matmul runs on (rows plus zero rows)
-
-
-def row_chunks(m: int) -> list[RowChunk]:
-    """How a bucketed matmul of m rows runs: one chunk of m rows up to BUCKET_MIN_ROWS; above,
-    chunks of BUCKET_CHUNK_ROWS rows, the last padded up to a multiple of BUCKET_ALIGN. The
-    padded counts are 1..BUCKET_MIN_ROWS and the multiples of BUCKET_ALIGN up to the chunk."""
+def bucket_rows(m: int) -> int:
+    """The row count a bf16 matmul of m rows runs on: m up to BUCKET_MIN_ROWS; above, m rounded
+    up to a multiple of BUCKET_ALIGN up to 256 and of 2**(k-3) for 2**k < m <= 2**(k+1) beyond
+    (8 buckets per doubling: at most m/8 rows of padding)."""
     if m < 1:
         raise ValueError(f"a matmul needs at least one row, got {m}")
     if m <= BUCKET_MIN_ROWS:
-        return [RowChunk(0, m, m)]
-    chunks = []
-    for start in range(0, m, BUCKET_CHUNK_ROWS):
-        rows = min(BUCKET_CHUNK_ROWS, m - start)
-        chunks.append(RowChunk(start, rows, -(-rows // BUCKET_ALIGN) * BUCKET_ALIGN))
-    return chunks
+        return m
+    step = max(BUCKET_ALIGN, 1 << max(0, (m - 1).bit_length() - 4))
+    return -(-m // step) * step
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -101,23 +92,11 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    chunks = row_chunks(x.shape[0])
-    if len(chunks) == 1:
-        chunk = chunks[0]
-        if chunk.padded == chunk.rows:
-            return _onednn_linear(x, packed, bias)
-        return _onednn_linear(F.pad(x, (0, 0, 0, chunk.padded - chunk.rows)), packed, bias)[:chunk.rows]
-    out: torch.Tensor | None = None
-    for chunk in chunks:
-        piece = x[chunk.start:chunk.start + chunk.rows]
-        if chunk.padded != chunk.rows:
-            piece = F.pad(piece, (0, 0, 0, chunk.padded - chunk.rows))
-        y = _onednn_linear(piece, packed, bias)
-        if out is None:
-            out = y.new_empty(x.shape[0], y.shape[1])
-        out[chunk.start:chunk.start + chunk.rows] = y[:chunk.rows]
-    assert out is not None
-    return out
+    m = x.shape[0]
+    padded = bucket_rows(m)
+    if padded == m:
+        return _onednn_linear(x, packed, bias)
+    return _onednn_linear(F.pad(x, (0, 0, 0, padded - m)), packed, bias)[:m]
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -129,3 +108,4 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     else:
         y = _onednn_linear(x2, packed, bias)
     return y.reshape(*shape[:-1], y.shape[-1])
+
