@@ -357,7 +357,9 @@ class AsyncEngine:
                 return False
             self._state = EngineState.DRAINING
             self._commands.put(_Drain(time.monotonic() + timeout_s))
-        logger.info("draining: new requests are refused; admitted ones have %.1f s to finish", timeout_s)
+        load = self.load()
+        logger.info("draining: new requests are refused; admitted ones have %.1f s to finish (%d running, %d "
+                    "waiting, %d leases held)", timeout_s, load.running, load.waiting, load.leases_held)
         return True
 
     def begin_shutdown(self) -> None:
@@ -404,6 +406,8 @@ class AsyncEngine:
         try:
             while True:
                 self._check_failure()
+                if self._drain_deadline is not None:  # before an idle wait: the last step may have ended the drain
+                    self._advance_drain()
                 busy = self._state is not EngineState.DEAD and self._has_work()
                 commands = self._take_commands(busy, backoff)
                 self._check_failure()  # before admitting anything the engine can no longer serve
@@ -411,7 +415,7 @@ class AsyncEngine:
                     if isinstance(command, _Stop):
                         return
                     self._apply(command)
-                if self._drain_deadline is not None:
+                if self._drain_deadline is not None:  # a drain just asked for, or its deadline passed
                     self._advance_drain()
                 if self._state is EngineState.DEAD or not self._has_work():
                     self._publish_load()
@@ -443,6 +447,8 @@ class AsyncEngine:
         """Draining: past the deadline, fail and abort the requests still in flight; once no work
         is left, the engine is drained (set once, logged with how P's leases ended)."""
         assert self._drain_deadline is not None
+        if self._state is EngineState.DEAD:  # the server shuts down as for any failed engine
+            return
         if self._sinks and time.monotonic() >= self._drain_deadline:
             in_flight = list(self._sinks)
             logger.warning("drain timeout: ending %d unfinished requests with an error", len(in_flight))
@@ -450,8 +456,8 @@ class AsyncEngine:
             self._abort_in_engine(in_flight)
         if not self._drained.is_set() and not self._sinks and not self._has_work():
             outcomes = " ".join(f"{k}={v}" for k, v in self._engine.lease_outcomes().items())
-            logger.info("drained: no request, lease or KV message is left (leases ended since start: %s)",
-                        outcomes or "none")
+            logger.info("drained: no request, lease or KV message is left; kv_blocks_used=%d; leases ended "
+                        "since start: %s", self._engine.load().kv_blocks_used, outcomes or "none")
             self._drained.set()
 
     def _check_failure(self) -> None:
