@@ -83,8 +83,8 @@ class Served:
             e.connectors.worker.stats.transfers)).result(timeout=10)
 
     def close(self) -> None:
+        self.engine.shutdown()  # first: it ends open streams, so the server's connections close
         self.server.stop()
-        self.engine.shutdown()
 
     def assert_all_blocks_free(self) -> None:
         wait_for(f"{self.url}: every block free", lambda: self.load()["kv_blocks_used"] == 0)
@@ -127,7 +127,7 @@ class Stream:
             self.started.set()
 
     def result(self) -> list[dict | str]:
-        self._thread.join(WAIT_S)
+        self._thread.join(4 * WAIT_S)
         assert not self._thread.is_alive(), "the stream never ended"
         return self.events
 
@@ -201,24 +201,25 @@ def test_load_counts_the_queue_prompt_tokens_and_the_oldest_wait(loaded) -> None
 
 
 def test_drain_refuses_new_work_and_lets_admitted_requests_finish(loaded) -> None:
-    c = Served(loaded, None, "C")
+    c = Served(loaded, None, "C", drain_timeout_s=300.0)  # a bound this test never reaches
     try:
+        # Long enough that both still run when the drain starts, short enough to finish well within it.
         stream = Stream(c.url, "/v1/chat/completions",
-                        {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 40,
+                        {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 100,
                          "ignore_eos": True})
         with ThreadPoolExecutor(1) as pool:
             assert stream.started.wait(WAIT_S)
             unstreamed: Future = pool.submit(httpx.post, c.url + "/v1/completions",
-                                             json={"prompt": "Once upon a time", "max_tokens": 40,
-                                                   "ignore_eos": True}, timeout=WAIT_S)
+                                             json={"prompt": "Once upon a time", "max_tokens": 100,
+                                                   "ignore_eos": True}, timeout=4 * WAIT_S)
             wait_for("both requests run", lambda: c.load()["running"] == 2)
             r = httpx.post(c.url + "/kvbridge/drain", timeout=10)
-            assert (r.status_code, r.json()) == (202, {"draining": True, "drain_timeout_s": 30.0})
+            assert (r.status_code, r.json()) == (202, {"draining": True, "drain_timeout_s": 300.0})
             assert c.load()["draining"] is True
             assert_draining_answers(c.url)
             again = httpx.post(c.url + "/kvbridge/drain", timeout=10)  # idempotent
             assert again.status_code == 202
-            answer = unstreamed.result(WAIT_S)
+            answer = unstreamed.result(4 * WAIT_S)
         assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"
         events = stream.result()
         assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
