@@ -75,6 +75,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step (default: %(default)s)")
     e.add_argument("--max-waiting", type=int, default=1024,
                    help="queued requests beyond which new ones get HTTP 503 (default: %(default)s)")
+    e.add_argument("--drain-timeout-s", type=_non_negative_float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or POST /kvbridge/drain the instance takes no new requests and lets admitted "
+                        "ones run this long; those left then end with an error (a stream's error event with code "
+                        "drain_timeout); a prefill instance also waits until every lease on its KV ended, then "
+                        "the process exits 0 (default: %(default)s)")
     e.add_argument("--log-level", default="info", help="debug, info, warning or error (default: %(default)s)")
     kv = p.add_argument_group("KV transfer (prefill/decode disaggregation)")
     # The `fake` backend (kvbridge/kv_transfer/backends/fake.py) is not offered here: it needs a
@@ -211,7 +216,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 2
     if config.tensor_parallel_size > 1 and not _WAIT_POLICY_GIVEN:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the rank processes (spawned later) share the cores
-    return run_server(config, a.host, a.port, a.api_key, log_level=a.log_level, tracing=tracing)
+    return run_server(config, a.host, a.port, a.api_key, log_level=a.log_level, tracing=tracing,
+                      drain_timeout_s=a.drain_timeout_s)
 
 
 def cmd_proxy(a: argparse.Namespace) -> int:
@@ -407,6 +413,13 @@ def _store_answer(response, base: str, not_found: str):
     if isinstance(spans, wf.TraceError):
         return wf.TraceError(f"the trace store at {base} answered no OTLP JSON: {spans.message}")
     return spans
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvbridge.config import EngineConfig
+from kvbridge.config import EngineConfig, KVRole
 from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from kvbridge.engine.kv_connector_factory import build_connectors
@@ -63,6 +63,27 @@ class EngineMetrics:
     num_preemptions: int
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy this engine is, for a router or an autoscaler (GET /kvbridge/load). The engine
+    thread makes one after each step; it is read from any thread without waiting for a step."""
+
+    role: str  # "prefill" (kv role producer), "decode" (consumer) or "both" (kv both, or no KV transfer)
+    running: int
+    waiting: int  # queued, or waiting for their KV from a prefill instance
+    queued_prompt_tokens: int  # prompt tokens of queued requests not computed yet
+    oldest_arrival: float | None  # time.monotonic() at which the oldest waiting request arrived; None: none waits
+    kv_blocks_total: int
+    kv_blocks_used: int
+    leases_held: int  # P: leases granted on finished requests' blocks and not ended yet
+
+    def oldest_wait_s(self, now: float) -> float:
+        return max(0.0, now - self.oldest_arrival) if self.oldest_arrival is not None else 0.0
+
+
+_ROLES = {KVRole.PRODUCER: "prefill", KVRole.CONSUMER: "decode", KVRole.BOTH: "both"}
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  connectors: tuple[SchedulerConnector, WorkerConnector] | None = None) -> None:
@@ -90,6 +111,7 @@ class LLMEngine:
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self._eos_ids = frozenset(eos | set(self.tokenizer.stop_token_ids))
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
+        self.role = _ROLES[config.kv_transfer.role] if config.kv_transfer is not None else "both"
 
     def _check_tp_split(self, kv: KVConnectors | None) -> None:
         """At TP N the model must split over the ranks, and each rank process creates its own
@@ -365,6 +387,21 @@ class LLMEngine:
             kv_cache_usage=kvm.usage, num_free_blocks=kvm.num_free_blocks, num_total_blocks=kvm.pool.num_usable_blocks,
             prefix_cache_queries=kvm.prefix_queries, prefix_cache_hits=kvm.prefix_hits,
             num_preemptions=s.num_preemptions)
+
+    def load(self) -> EngineLoad:
+        """This engine's load now: O(waiting requests)."""
+        s, pool = self.scheduler, self.kv_cache_manager.pool
+        waiting = [*s.waiting, *s.remote_waiting.values()]
+        return EngineLoad(
+            role=self.role, running=len(s.running), waiting=len(waiting),
+            queued_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.waiting),
+            oldest_arrival=min((r.arrival_time for r in waiting), default=None),
+            kv_blocks_total=pool.num_usable_blocks, kv_blocks_used=pool.num_usable_blocks - pool.num_free_blocks,
+            leases_held=len(self.connectors.worker.leases) if self.connectors is not None else 0)
+
+    def lease_outcomes(self) -> dict[str, int]:
+        """P: how many leases ended by each outcome since start (read_done, release, expired, ...)."""
+        return self.connectors.worker.stats.lease_outcomes() if self.connectors is not None else {}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline helper: run prompts to completion, return their output token ids in order."""

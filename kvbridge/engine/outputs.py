@@ -21,6 +21,9 @@ class TokenLogprob:
 # RequestOutput.error_code of a request whose own output stage (detokenising, stop strings,
 # building its output) raised: that request fails, the engine and the batch go on.
 REQUEST_OUTPUT_FAILED = "request_output_failed"
+# RequestOutput.error_code of a request still unfinished when its server's drain timed out
+# (--drain-timeout-s): it ends with an error (HTTP 503, or a stream's error event), never truncated.
+DRAIN_TIMEOUT = "drain_timeout"
 
 
 @dataclass

@@ -135,6 +135,11 @@ class KVTransferStats:
         with self._lock:
             self._lease_held_s.observe(outcome, seconds)
 
+    def lease_outcomes(self) -> dict[str, int]:
+        """P: how many leases ended by each outcome (read_done, release, expired, ...) so far."""
+        with self._lock:
+            return {outcome: sum(h.counts) for outcome, h in sorted(self._lease_held_s.by_value.items())}
+
     def incr(self, name: str, n: int = 1) -> None:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)

@@ -1,9 +1,19 @@
 """The OpenAI-compatible HTTP server of one kvbridge instance: the app, its routes, its lifecycle.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streaming or not, served by
-completions.py), GET /v1/models, /health (200 healthy, 503 shutting down or dead) and
-/metrics. `build_app` makes the FastAPI app of an engine; `run_server` loads the model,
-serves it with uvicorn until SIGINT/SIGTERM (or until the engine fails) and shuts down.
+completions.py), GET /v1/models, /health (200 healthy, 503 draining, shutting down or dead),
+/metrics and /kvbridge/load (the engine's load, for a router or an autoscaler), POST
+/kvbridge/release_kv (P: free a request's held blocks) and /kvbridge/drain. `build_app` makes
+the FastAPI app of an engine; `run_server` loads the model, serves it with uvicorn until
+SIGINT/SIGTERM (or until the engine fails, or a drain ends) and shuts down.
+
+Drain (issue 29: an instance leaving a pool): POST /kvbridge/drain or SIGTERM. New generation
+requests get 503 code "draining" and /health 503 {"status": "draining"}, so routers send work
+elsewhere; admitted requests run on for up to the drain timeout (--drain-timeout-s), then end
+with an error (a stream's error event with code "drain_timeout", else a 503 body); a P keeps
+serving its leases (D's reads, read-done, release_kv) until each ended. Once the engine is
+drained the server shuts down and `run_server` returns 0. A second SIGTERM or a SIGINT while
+draining shuts down at once (in-flight requests fail), as SIGINT always does.
 
 Every error is OpenAI's body {"error": {...}}: 400 for anything wrong with the request
 (never FastAPI's 422, never a 500), 401 for a bad API key, 404 for an unknown model,
@@ -19,7 +29,9 @@ import hmac
 import json
 import logging
 import os
+import signal
 import socket
+import time
 from dataclasses import dataclass
 
 import uvicorn
@@ -36,12 +48,13 @@ from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.server.async_engine import AsyncEngine, EngineState
 from kvbridge.server.completions import ApiError, CompletionHandlers, as_api_error, json_response, read_json
-from kvbridge.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvbridge.server.metrics import CONTENT_TYPE, LoadCollector, ServerMetrics
 from kvbridge.tracing import Tracing, TracingConfig, build_tracing
 
 logger = logging.getLogger(__name__)
 
 _METRICS_TIMEOUT_S = 10.0  # a scrape waits at most this long for the current step
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 # The routes are module-level functions that find their instance's state in
@@ -56,6 +69,7 @@ class _Instance:
     handlers: CompletionHandlers
     metrics: ServerMetrics
     api_key: str | None
+    drain_timeout_s: float
 
 
 def _instance(raw: Request) -> _Instance:
@@ -119,8 +133,32 @@ async def _release_kv(raw: Request) -> Response:
     return Response(json.dumps({"released": bool(released)}), media_type="application/json")
 
 
+async def _load(raw: Request) -> Response:
+    """The engine's load as its thread last published it (never waits for a step)."""
+    engine = _instance(raw).engine
+    load = engine.load()
+    body = {"role": load.role, "running": load.running, "waiting": load.waiting,
+            "queued_prompt_tokens": load.queued_prompt_tokens, "oldest_wait_s": load.oldest_wait_s(time.monotonic()),
+            "kv_blocks_total": load.kv_blocks_total, "kv_blocks_used": load.kv_blocks_used,
+            "leases_held": load.leases_held, "draining": engine.is_draining}
+    return Response(json.dumps(body), media_type="application/json")
+
+
+async def _drain(raw: Request) -> Response:
+    """Start draining (idempotent): 202 {"draining": true, "drain_timeout_s": ...}; 503 when the
+    engine is stopping or dead. The server exits once drained (run_server)."""
+    instance = _instance(raw)
+    engine = instance.engine
+    if not engine.begin_drain(instance.drain_timeout_s) and not engine.is_draining:
+        return ApiError(503, f"cannot drain: the engine is {engine.state.value}", code="unavailable").response()
+    return Response(json.dumps({"draining": True, "drain_timeout_s": instance.drain_timeout_s}), status_code=202,
+                    media_type="application/json")
+
+
 async def _health(raw: Request) -> Response:
     engine = _instance(raw).engine
+    if engine.is_draining:
+        return Response('{"status": "draining"}', status_code=503, media_type="application/json")
     if engine.is_healthy:
         return Response('{"status":"ok"}', media_type="application/json")
     reason = engine.dead_reason or f"engine is {engine.state.value}"
@@ -158,24 +196,32 @@ async def _on_unexpected(raw: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: AsyncEngine, api_key: str | None = None,
-              sampling_defaults: SamplingDefaults = NO_DEFAULTS, tracing: Tracing | None = None) -> FastAPI:
+              sampling_defaults: SamplingDefaults = NO_DEFAULTS, tracing: Tracing | None = None,
+              drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> FastAPI:
     """The FastAPI app of one instance. The caller owns `engine` (and shuts it down) and
     `tracing` (None: requests are not traced).
     `sampling_defaults`: what a request that omits a sampling field gets (--generation-config).
+    `drain_timeout_s`: how long a drain lets admitted requests run (POST /kvbridge/drain).
     `app.state.registry` is the Prometheus registry /metrics serves: other components
     may register their collectors on it."""
     app = FastAPI(title="kvbridge", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine.model_name, engine.max_model_len)
+    if drain_timeout_s < 0:
+        raise ValueError("drain_timeout_s must be >= 0")
     app.state.instance = _Instance(engine, CompletionHandlers(engine, metrics, sampling_defaults, tracing), metrics,
-                                       api_key)
+                                   api_key, drain_timeout_s)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.registry = metrics.registry
     for collector in engine.engine_collectors():
         metrics.registry.register(collector)
+    metrics.registry.register(LoadCollector(engine.load, lambda: engine.is_draining))
     app.include_router(_v1)
     app.add_api_route("/kvbridge/release_kv", _release_kv, methods=["POST"],
                       dependencies=[Depends(_check_api_key)], include_in_schema=False)
+    app.add_api_route("/kvbridge/drain", _drain, methods=["POST"],
+                      dependencies=[Depends(_check_api_key)], include_in_schema=False)
+    app.add_api_route("/kvbridge/load", _load, methods=["GET"], include_in_schema=False)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _prometheus, methods=["GET"])
     app.add_exception_handler(ApiError, _on_api_error)
@@ -186,23 +232,33 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
 
 
 class _Server(uvicorn.Server):
-    """Shuts the engine down as part of uvicorn's graceful shutdown (SIGINT/SIGTERM):
-    in-flight requests fail at once, so connections drain, then the engine thread stops.
+    """SIGTERM drains (AsyncEngine.begin_drain) and the server stops once the engine is drained.
+    SIGINT, or a second SIGTERM while draining, shuts down at once as part of uvicorn's graceful
+    shutdown: in-flight requests fail, so connections close, then the engine thread stops.
     An engine that fails (a step raised, a TP rank process died) shuts the server down too,
     so `kvbridge serve` exits non-zero and a supervisor can restart it."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
         self.engine_failed = False
+
+    def handle_exit(self, sig: int, frame) -> None:  # uvicorn's signal handler (SIGINT, SIGTERM)
+        if sig == signal.SIGTERM and not self.should_exit and self.engine.begin_drain(self.drain_timeout_s):
+            return  # not captured: uvicorn re-raises captured signals on its way out, and a drain exits 0
+        super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:  # uvicorn calls it every 0.1 s; True stops serving
         state = self.engine.state
-        if state is EngineState.DEAD or (state is EngineState.RUNNING and not self.engine.is_healthy):
+        if state is EngineState.DEAD or (state in (EngineState.RUNNING, EngineState.DRAINING)
+                                         and not self.engine.is_alive):
             if not self.engine_failed:
                 self.engine_failed = True
                 logger.error("the engine failed (%s); shutting the server down",
                              self.engine.dead_reason or "its thread or a rank process is gone")
+            return True
+        if self.engine.drained:
             return True
         return await super().on_tick(counter)
 
@@ -213,9 +269,13 @@ class _Server(uvicorn.Server):
 
 
 def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
-               log_level: str = "info", tracing: TracingConfig | None = None) -> int:
-    """Load the model, serve until SIGINT/SIGTERM, shut down cleanly. Blocks. Returns the exit
-    status: 0 after a requested shutdown, 1 when the engine failed."""
+               log_level: str = "info", tracing: TracingConfig | None = None,
+               drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+    """Load the model, serve until SIGINT, a drain (SIGTERM, POST /kvbridge/drain) ends or the
+    engine fails, shut down cleanly. Blocks. Returns the exit status: 0 after a requested
+    shutdown or a drain, 1 when the engine failed."""
+    if drain_timeout_s < 0:
+        raise ValueError("drain_timeout_s must be >= 0")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -236,8 +296,8 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
     sock.listen(2048)
     for i, line in enumerate(startup_lines(defaults)):  # as vLLM: a warning, then the defaults
         logger.log(logging.WARNING if i == 0 else logging.INFO, "%s", line)
-    server = _Server(uvicorn.Config(build_app(engine, api_key, defaults, tracer), log_level=log_level,
-                                    timeout_graceful_shutdown=10), engine)
+    server = _Server(uvicorn.Config(build_app(engine, api_key, defaults, tracer, drain_timeout_s),
+                                    log_level=log_level, timeout_graceful_shutdown=10), engine, drain_timeout_s)
     bound_port = sock.getsockname()[1]
     shown_host = f"[{host}]" if ":" in host else host
     print(f"kvbridge: serving {engine.model_name} at http://{shown_host}:{bound_port}/v1",

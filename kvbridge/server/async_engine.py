@@ -15,6 +15,17 @@ outputs up to the finished one. A consumer that stops early must call
 Failure: an exception from `step()` does not end the thread silently. Every in-flight
 request gets a final output with FinishReason.ERROR, the engine is marked DEAD
 (/health answers 503) and new requests are refused with EngineUnavailableError.
+
+Drain (`begin_drain`, before an instance leaves): new requests are refused with
+EngineDrainingError while admitted ones run on; those still unfinished `timeout_s` later end
+with an error output (error_code DRAIN_TIMEOUT) and are aborted, so their blocks are freed.
+Everything else goes on as before: calls (P's release_kv), KV reads of this engine's blocks
+and the connector's messages. The engine is drained (`drained`, `wait_drained`) once it has
+no pending work left: no request, no block held for a remote reader (every lease ended: read
+done, released or expired), no connector message in flight. Then the owner shuts it down.
+
+Load: after each round of its loop the engine thread publishes the engine's `EngineLoad`
+(`load()`), so a reader never waits for a step.
 """
 
 from __future__ import annotations
@@ -25,18 +36,19 @@ import enum
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvbridge.engine.outputs import RequestOutput
+from kvbridge.engine.outputs import DRAIN_TIMEOUT, RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.tracing import RequestTrace
 
 if TYPE_CHECKING:
     from kvbridge.config import EngineConfig
-    from kvbridge.engine.engine import EngineMetrics, LLMEngine
+    from kvbridge.engine.engine import EngineLoad, EngineMetrics, LLMEngine
     from kvbridge.kv_transfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
@@ -55,6 +67,7 @@ _IDLE_WAIT_S = 1.0
 
 class EngineState(enum.Enum):
     RUNNING = "running"
+    DRAINING = "draining"  # drain asked for: new requests are refused, admitted ones run on
     SHUTTING_DOWN = "shutting_down"  # shutdown asked for: new requests are refused
     DEAD = "dead"  # step() raised: in-flight requests were failed, new ones are refused
     STOPPED = "stopped"  # the engine thread has exited
@@ -62,6 +75,10 @@ class EngineState(enum.Enum):
 
 class EngineUnavailableError(RuntimeError):
     """The engine is shutting down or dead; the API answers HTTP 503."""
+
+
+class EngineDrainingError(EngineUnavailableError):
+    """The engine is draining: it admits no new request (HTTP 503, code "draining")."""
 
 
 @dataclass(frozen=True)
@@ -97,12 +114,17 @@ class _Stop:
     pass
 
 
+@dataclass(frozen=True)
+class _Drain:
+    deadline: float  # time.monotonic(): requests still unfinished then end with DRAIN_TIMEOUT
+
+
 class _Wake:
     """Step now: a transfer started that completes only while this engine polls."""
 
 
 _WAKE = _Wake()
-_Command = _Add | _Abort | _Call | _Stop | _Wake
+_Command = _Add | _Abort | _Call | _Stop | _Wake | _Drain
 
 
 class RequestStream:
@@ -158,6 +180,9 @@ class AsyncEngine:
         self._stop_posted = False
         self.dead_reason: str | None = None
         self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._drain_deadline: float | None = None  # engine thread only: set by _Drain
+        self._drained = threading.Event()
+        self._load: EngineLoad | None = None  # the engine thread's latest snapshot (one reference: atomic)
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._abandoned = False  # the constructor gave up waiting for `build` (Ctrl-C)
@@ -180,6 +205,8 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
+        self.role: str = engine.role
+        self._load = engine.load()
         engine.set_wakeup(lambda: self._commands.put(_WAKE))
 
     def _build_and_run(self, build: Callable[[], LLMEngine] | None) -> None:
@@ -218,8 +245,33 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return (self._state is EngineState.RUNNING and self._thread.is_alive()
+        """Running, and able to admit requests (not draining, stopping or dead)."""
+        return self._state is EngineState.RUNNING and self.is_alive
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine thread runs and the engine has not failed (it may be draining)."""
+        return (self._state in (EngineState.RUNNING, EngineState.DRAINING) and self._thread.is_alive()
                 and self._engine.failure() is None)
+
+    @property
+    def is_draining(self) -> bool:
+        return self._state is EngineState.DRAINING
+
+    @property
+    def drained(self) -> bool:
+        """The drain has finished: no request, lease or connector message is left."""
+        return self._drained.is_set()
+
+    def wait_drained(self, timeout_s: float | None = None) -> bool:
+        """Block until drained (True) or `timeout_s` passed (False)."""
+        return self._drained.wait(timeout_s)
+
+    def load(self) -> EngineLoad:
+        """The engine's load as of its thread's latest round (never waits for a step)."""
+        load = self._load
+        assert load is not None  # set when the engine was adopted
+        return load
 
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                           params: SamplingParams,
@@ -294,13 +346,29 @@ class AsyncEngine:
                            "rejection; its lease will free the blocks", request_id,
                            exc_info=True)
 
+    def begin_drain(self, timeout_s: float) -> bool:
+        """Refuse new requests (EngineDrainingError), let admitted ones run for up to `timeout_s`,
+        then fail and abort those left; `drained` once no work is left. Does not wait. True if
+        this call started the drain; False if it was already draining, stopping or dead."""
+        if timeout_s < 0:
+            raise ValueError("timeout_s must be >= 0")
+        with self._lock:
+            if self._state is not EngineState.RUNNING or self._stop_posted:
+                return False
+            self._state = EngineState.DRAINING
+            self._commands.put(_Drain(time.monotonic() + timeout_s))
+        load = self.load()
+        logger.info("draining: new requests are refused; admitted ones have %.1f s to finish (%d running, %d "
+                    "waiting, %d leases held)", timeout_s, load.running, load.waiting, load.leases_held)
+        return True
+
     def begin_shutdown(self) -> None:
         """Refuse new requests and ask the engine thread to stop; does not wait. In-flight
         requests finish with FinishReason.ERROR."""
         with self._lock:
             if self._stop_posted:
                 return
-            if self._state is EngineState.RUNNING:
+            if self._state in (EngineState.RUNNING, EngineState.DRAINING):
                 self._state = EngineState.SHUTTING_DOWN
             self._stop_posted = True
             self._commands.put(_Stop())
@@ -316,6 +384,8 @@ class AsyncEngine:
 
     def _submit(self, command: _Command) -> None:
         with self._lock:
+            if isinstance(command, _Add) and self._state is EngineState.DRAINING:
+                raise EngineDrainingError("the server is draining: it takes no new requests")
             if isinstance(command, _Add) and self._state is not EngineState.RUNNING:
                 raise EngineUnavailableError(self._unavailable_message())
             if not self._stop_posted:
@@ -336,6 +406,8 @@ class AsyncEngine:
         try:
             while True:
                 self._check_failure()
+                if self._drain_deadline is not None:  # before an idle wait: the last step may have ended the drain
+                    self._advance_drain()
                 busy = self._state is not EngineState.DEAD and self._has_work()
                 commands = self._take_commands(busy, backoff)
                 self._check_failure()  # before admitting anything the engine can no longer serve
@@ -343,7 +415,10 @@ class AsyncEngine:
                     if isinstance(command, _Stop):
                         return
                     self._apply(command)
+                if self._drain_deadline is not None:  # a drain just asked for, or its deadline passed
+                    self._advance_drain()
                 if self._state is EngineState.DEAD or not self._has_work():
+                    self._publish_load()
                     continue
                 try:
                     outputs = self._engine.step()
@@ -351,6 +426,7 @@ class AsyncEngine:
                     self._die(exc)
                     continue
                 self._dispatch(outputs)
+                self._publish_load()
                 # KV reads in flight: poll at the shortest interval, or their completion waits
                 # for the backoff (up to 10 ms, a third of an 8k-token read here). Reads planned
                 # after the ranks ran (P's check_read answer came in during the step) ride the
@@ -360,6 +436,29 @@ class AsyncEngine:
                 backoff = 0.0 if ready else min(max(2 * backoff, _MIN_BACKOFF_S), cap)
         finally:
             self._stop()
+
+    def _publish_load(self) -> None:
+        try:
+            self._load = self._engine.load()
+        except Exception:  # a snapshot must never stop the loop; the last one stays
+            logger.exception("reading the engine's load failed")
+
+    def _advance_drain(self) -> None:
+        """Draining: past the deadline, fail and abort the requests still in flight; once no work
+        is left, the engine is drained (set once, logged with how P's leases ended)."""
+        assert self._drain_deadline is not None
+        if self._state is EngineState.DEAD:  # the server shuts down as for any failed engine
+            return
+        if self._sinks and time.monotonic() >= self._drain_deadline:
+            in_flight = list(self._sinks)
+            logger.warning("drain timeout: ending %d unfinished requests with an error", len(in_flight))
+            self._fail_all("the server drained before this request completed (drain timeout)", DRAIN_TIMEOUT)
+            self._abort_in_engine(in_flight)
+        if not self._drained.is_set() and not self._sinks and not self._has_work():
+            outcomes = " ".join(f"{k}={v}" for k, v in self._engine.lease_outcomes().items())
+            logger.info("drained: no request, lease or KV message is left; kv_blocks_used=%d; leases ended "
+                        "since start: %s", self._engine.load().kv_blocks_used, outcomes or "none")
+            self._drained.set()
 
     def _check_failure(self) -> None:
         """A failure found outside a step (e.g. a TP rank process died while idle) kills the engine."""
@@ -380,8 +479,11 @@ class AsyncEngine:
     def _take_commands(self, busy: bool, backoff: float) -> list[_Command]:
         commands: list[_Command] = []
         if not busy or backoff > 0:
+            wait = backoff if busy else _IDLE_WAIT_S
+            if self._drain_deadline is not None and self._sinks:  # wake up for the drain's deadline
+                wait = max(0.0, min(wait, self._drain_deadline - time.monotonic()))
             try:
-                commands.append(self._commands.get(timeout=backoff if busy else _IDLE_WAIT_S))
+                commands.append(self._commands.get(timeout=wait))
             except queue.Empty:
                 return commands
         while True:
@@ -401,6 +503,8 @@ class AsyncEngine:
                     logger.exception("request %s: abort failed", command.request_id)
         elif isinstance(command, _Call):
             _run_call(command, self._engine)
+        elif isinstance(command, _Drain):
+            self._drain_deadline = command.deadline
         # _Wake: nothing to apply; taking it off the queue ended the wait, so the loop steps now
 
     def _apply_add(self, add: _Add) -> None:
@@ -448,9 +552,9 @@ class AsyncEngine:
             except Exception:
                 logger.exception("request %s: abort failed", request_id)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, error_code: str | None = None) -> None:
         failures = [RequestOutput(request_id=rid, new_token_ids=[], new_text="", finished=True,
-                                  finish_reason=FinishReason.ERROR, error=message)
+                                  finish_reason=FinishReason.ERROR, error=message, error_code=error_code)
                     for rid in self._sinks]
         self._dispatch(failures)
         self._sinks.clear()

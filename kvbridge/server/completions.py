@@ -41,12 +41,12 @@ from pydantic import BaseModel, ValidationError
 from kvbridge import openai_wire as wire
 from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedError, EngineRequestError
 from kvbridge.engine.generation_config import SamplingDefaults
-from kvbridge.engine.outputs import RequestOutput
+from kvbridge.engine.outputs import DRAIN_TIMEOUT, RequestOutput
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params, wire_or_none
 from kvbridge.server import protocol as p
-from kvbridge.server.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
+from kvbridge.server.async_engine import AsyncEngine, EngineDrainingError, EngineUnavailableError, RequestStream
 from kvbridge.server.metrics import RequestTimer, ServerMetrics
 from kvbridge.tracing import TRACEPARENT_HEADER, RequestTrace, Tracing, parse_traceparent, without_none
 
@@ -249,6 +249,8 @@ class CompletionHandlers:
         except EngineOverloadedError as exc:
             raise ApiError(503, str(exc) or "the server is overloaded; retry later",
                            code="overloaded", headers={"Retry-After": "1"}) from None
+        except EngineDrainingError as exc:  # a router retries it on another instance
+            raise ApiError(503, str(exc), code="draining") from None
         except EngineUnavailableError as exc:
             raise ApiError(503, str(exc), code="unavailable") from None
         if span is not None:
@@ -482,6 +484,8 @@ def as_api_error(exc: BaseException, request_id: str) -> ApiError:
 
 
 def _raise_if_failed(output: RequestOutput) -> None:
+    if output.finish_reason is FinishReason.ERROR and output.error_code == DRAIN_TIMEOUT:
+        raise ApiError(503, output.error or "the server drained before this request completed", code=DRAIN_TIMEOUT)
     if output.finish_reason is FinishReason.ERROR:
         raise ApiError(500, output.error or "the engine failed to serve this request",
                        code=output.error_code or "engine_error")

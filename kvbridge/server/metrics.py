@@ -15,7 +15,9 @@ vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds,
 vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds,
 vllm:request_inference_time_seconds, vllm:request_prompt_tokens and
 vllm:request_generation_tokens. Engine-wide gauges (queue lengths, KV cache usage, prefix cache counters) come from
-the latest EngineMetrics snapshot, which the server refreshes on every scrape.
+the latest EngineMetrics snapshot, which the server refreshes on every scrape. The load gauges (what GET
+/kvbridge/load answers: queued prompt tokens, the oldest wait, leases held, draining, the role) come from
+the load snapshot the engine thread publishes after each step (`LoadCollector`), read without waiting.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
 
 if TYPE_CHECKING:
-    from kvbridge.engine.engine import EngineMetrics
+    from kvbridge.engine.engine import EngineLoad, EngineMetrics
 
 PREFIX = "kvbridge_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -239,3 +241,30 @@ class _EngineCollector(Collector):
         rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
                                 "Prefix cache hits over queries since start (tokens).", value=rate)
+
+
+class LoadCollector(Collector):
+    """Exports the load gauges from `load()` (the engine thread's latest EngineLoad, read without
+    waiting) and `draining()` at each scrape."""
+
+    def __init__(self, load: Callable[[], EngineLoad], draining: Callable[[], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._load, self._draining, self._clock = load, draining, clock
+
+    def describe(self) -> list[Metric]:
+        return []  # values are only known at collect time
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._load()
+        role = GaugeMetricFamily(PREFIX + "instance_role", "1, labelled with this instance's role (prefill, "
+                                 "decode or both).", labels=["role"])
+        role.add_metric([load.role], 1.0)
+        yield role
+        yield GaugeMetricFamily(PREFIX + "draining", "1 while the instance drains (takes no new requests).",
+                                value=1.0 if self._draining() else 0.0)
+        yield GaugeMetricFamily(PREFIX + "queued_prompt_tokens",
+                                "Prompt tokens of waiting requests not computed yet.", value=load.queued_prompt_tokens)
+        yield GaugeMetricFamily(PREFIX + "oldest_wait_seconds", "How long the oldest waiting request has waited "
+                                "(0 when none waits).", value=load.oldest_wait_s(self._clock()))
+        yield GaugeMetricFamily(PREFIX + "leases_held", "Leases on KV blocks granted to decode instances and "
+                                "not ended yet (prefill instances).", value=load.leases_held)

@@ -55,6 +55,12 @@ def test_up_forwards_cpu_bind_to_its_instances(started: list[dict]) -> None:
     assert call["extra_serve_args"] == ["--cpu-bind", "none"]
 
 
+def test_up_forwards_the_drain_timeout_to_its_instances(started: list[dict]) -> None:
+    assert run_cli(["up", "--drain-timeout-s", "2.5"]) == 0
+    [call] = started
+    assert call["extra_serve_args"] == ["--drain-timeout-s", "2.5"]
+
+
 def test_up_gives_prefill_and_decode_instances_their_tp_sizes(started: list[dict]) -> None:
     assert run_cli(["up", "--prefill-tp", "2", "--decode-tp", "3"]) == 0
     [call] = started
@@ -72,6 +78,8 @@ def test_up_gives_prefill_and_decode_instances_their_tp_sizes(started: list[dict
     (["up", "--decode-tp", "0"], "must be at least 1, got 0"),
     (["up", "--", "-tp", "2"], "--tensor-parallel-size is set by `up` for each instance"),
     (["up", "--cpu-bind", "0-x"], "kvbridge serve: error: '0-x' is not a CPU id or a range such as 0-3"),
+    (["up", "--drain-timeout-s", "-1"], "argument --drain-timeout-s: must be >= 0, got -1"),
+    (["up", "--", "--drain-timeout-s", "nan"], "argument --drain-timeout-s: must be >= 0, got nan"),
 ])
 def test_up_refuses_invalid_instance_options_before_starting_anything(
         started: list[dict], capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
