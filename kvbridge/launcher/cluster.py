@@ -3,7 +3,8 @@ processes of this one on one host (`kvbridge up`, and tests through LocalCluster
 
 It starts each child with the kvbridge CLI, keeps each child's stdout and stderr in a
 log file of its own, waits (bounded) until every child's /health answers 200, and
-stops exactly the pids it started: SIGTERM, a grace period, then SIGKILL.
+stops exactly the pids it started: SIGINT (stop now: an instance's SIGTERM is a drain that
+may take up to its --drain-timeout-s), a grace period, then SIGKILL.
 
 Contract with kvbridge/cli.py (the launcher builds these command lines):
   serve MODEL --host H --port P --kv-role producer|consumer --kv-backend B
@@ -11,7 +12,7 @@ Contract with kvbridge/cli.py (the launcher builds these command lines):
   proxy --prefill URL... --decode URL... --host H --port P
 With --host other than loopback, each decode instance also gets --kv-trusted-hosts HOST
 (unless the extra args name trusted hosts) and UCX_NET_DEVICES names HOST's interface.
-Both must answer GET /health with 200 once ready, and exit on SIGTERM. An API key reaches
+Both must answer GET /health with 200 once ready, and exit on SIGINT. An API key reaches
 both in KVBRIDGE_API_KEY.
 """
 
@@ -194,19 +195,20 @@ def spawn_child(name: str, argv: Sequence[str], env: Mapping[str, str], log_dir:
 
 
 def stop_children(children: Sequence[ChildProcess], grace_s: float = 10.0) -> None:
-    """SIGTERM each child still running, wait up to `grace_s` in all, SIGKILL the rest, reap all.
+    """SIGINT each child still running (stop now; SIGTERM would start an instance's drain), wait
+    up to `grace_s` in all, SIGKILL the rest, reap all.
 
     Signals only these pids, and only while Popen has not reaped them (no pid reuse race).
     """
     for child in children:
         if child.alive():
-            child.popen.send_signal(signal.SIGTERM)
+            child.popen.send_signal(signal.SIGINT)
     deadline = time.monotonic() + grace_s
     for child in children:
         try:
             child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logger.warning("%s (pid %d) ignored SIGTERM for %.1fs: killing it", child.name, child.pid, grace_s)
+            logger.warning("%s (pid %d) ignored SIGINT for %.1fs: killing it", child.name, child.pid, grace_s)
             child.popen.kill()
             child.popen.wait()
         child.close_log()
