@@ -160,7 +160,7 @@ def kvbridge_spec(folder: Path, port: int, threads: int, kv_gb: float, max_seqs:
     exe = Path(sys.executable).with_name("kvbridge")
     command = [str(exe), "serve", str(folder), "--served-model-name", "model", "--port", str(port),
                "--num-threads", str(threads), "--kv-cache-memory-gb", str(kv_gb), "--max-num-seqs", str(max_seqs),
-               "--max-model-len", str(max_len), "--log-level", "warning", "--dtype", "float32"]  # as vllm_spec
+               "--max-model-len", str(max_len), "--log-level", "warning"]
     return ServerSpec("kvbridge", command, {}, port)  # its own defaults (OpenMP wait policy: cli.py)
 
 
