@@ -225,9 +225,9 @@ class PDPair:
         self.label = backend if (prefill_tp, decode_tp) == (1, 1) else f"{backend} P{prefill_tp}>D{decode_tp}"
         specs = cluster.plan_instances(1, 1, prefill_tp=prefill_tp, decode_tp=decode_tp)
         env = cluster.child_env(os.environ, loopback_only=netns is None, num_threads=num_threads)
-        extra = {"prefill": ["--kv-cache-memory-gb", str(kv_cache_gb), "--log-level", "warning"],
-                 "decode": ["--kv-cache-memory-gb", str(kv_cache_gb), "--log-level", "warning",
-                            "--no-prefix-caching"]}
+        # fp32, as copy_bytes counts (the default --dtype auto is bf16 on a CPU with native bf16)
+        common = ["--kv-cache-memory-gb", str(kv_cache_gb), "--log-level", "warning", "--dtype", "float32"]
+        extra = {"prefill": common, "decode": [*common, "--no-prefix-caching"]}
         hosts = {"prefill": "127.0.0.1", "decode": "127.0.0.1"}
         prefix: dict[str, list[str]] = {"prefill": [], "decode": []}
         if netns is not None:  # each serve derives UCX_NET_DEVICES from its --host

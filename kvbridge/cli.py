@@ -46,8 +46,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes, and authenticate the KV side channel "
                         "(P and D need the same key) (`up`: the proxy's and every instance's; "
                         "default: $KVBRIDGE_API_KEY, or none)")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype (default: %(default)s)")
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype; auto: bfloat16 on a CPU with native bf16 arithmetic "
+                        "(avx512_bf16 or amx_bf16), float32 on other CPUs, on CUDA the model's own dtype as vLLM "
+                        "picks it; `up` gives every instance the dtype it resolved (default: %(default)s)")
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda if available, else cpu (default: %(default)s)")
     e.add_argument("--max-model-len", type=int, default=None,
@@ -158,6 +160,20 @@ def _add_instance_args(p: argparse.ArgumentParser) -> None:
                         "(`up`: --prefill-tp, --decode-tp) (default: %(default)s)")
 
 
+def dtype_choice(a: argparse.Namespace):
+    """The dtype the engine options ask for, `auto` resolved for this machine (a DtypeChoice)."""
+    from kvbridge.engine.dtype_choice import resolve_dtype
+    return resolve_dtype(a.dtype, a.device, a.model)
+
+
+def dtype_line(a: argparse.Namespace) -> str:
+    """The start-up line saying which dtype an instance computes in and why."""
+    choice = dtype_choice(a)
+    if a.dtype == "auto":
+        return f"dtype {choice.dtype} (--dtype auto: {choice.reason})"
+    return f"dtype {choice.dtype} (--dtype {a.dtype})"
+
+
 def engine_config_from_args(a: argparse.Namespace):
     from kvbridge.config import (CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy,
                                  SchedulerConfig, default_num_threads)
@@ -174,7 +190,7 @@ def engine_config_from_args(a: argparse.Namespace):
             trusted_hosts=tuple(h for h in a.kv_trusted_hosts.split(",") if h),
             side_channel_key=a.api_key or None)  # P and D share it: it authenticates the side channel
     return EngineConfig(
-        model=a.model, served_model_name=a.served_model_name, dtype=a.dtype, device=a.device,
+        model=a.model, served_model_name=a.served_model_name, dtype=dtype_choice(a).dtype, device=a.device,
         max_model_len=a.max_model_len, seed=a.seed, num_threads=a.num_threads or default_num_threads(),
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks,
                           kv_cache_memory_bytes=int(a.kv_cache_memory_gb * (1 << 30)),
@@ -216,6 +232,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 2
     if config.tensor_parallel_size > 1 and not _WAIT_POLICY_GIVEN:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the rank processes (spawned later) share the cores
+    import logging
+    if not logging.getLogger().handlers:  # as run_server configures it
+        logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvbridge.cli").info("%s", dtype_line(a))
     return run_server(config, a.host, a.port, a.api_key, log_level=a.log_level, tracing=tracing,
                       drain_timeout_s=a.drain_timeout_s)
 
@@ -288,8 +308,12 @@ def cmd_up(a: argparse.Namespace) -> int:
             print(f"kvbridge up: error: --{dest.replace('_', '-')} is set by `up` for each instance; "
                   "it cannot be passed after --", file=sys.stderr)
             return 2
-    if _checked_engine_config(child) is None:
+    config = _checked_engine_config(child)
+    if config is None:
         return 2
+    if child.dtype == "auto":  # resolved once here: P and D must agree on the KV dtype
+        extra = ["--dtype", config.dtype, *extra]
+        print(f"kvbridge up: every instance computes in {dtype_line(child)}", file=sys.stderr, flush=True)
     return run_cluster(model=model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port, host=a.host,
                        kv_backend=child.kv_backend, extra_serve_args=extra, num_threads=child.num_threads,
                        api_key=child.api_key, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,

@@ -40,12 +40,12 @@ def leave_gloo() -> None:
     dist.destroy_process_group()
 
 
-def load_folder(folder: Path, tp: int = 1, rank: int = 0,
-                all_reduce: AllReduce | None = None) -> tuple[ModelArchConfig, CausalLM, RankShard | None]:
-    """The folder's architecture and model (rank `rank` of `tp`'s shard), weights loaded."""
+def load_folder(folder: Path, tp: int = 1, rank: int = 0, all_reduce: AllReduce | None = None,
+                dtype: torch.dtype = torch.float32) -> tuple[ModelArchConfig, CausalLM, RankShard | None]:
+    """The folder's architecture and model (rank `rank` of `tp`'s shard) in `dtype`, weights loaded."""
     arch = arch_from_config(json.loads((folder / "config.json").read_text()))
     shard = rank_shard(arch.num_heads, arch.cache_kv_heads, tp, rank) if tp > 1 else None
-    model = build_model(arch, torch.float32, "cpu", shard, all_reduce)
+    model = build_model(arch, dtype, "cpu", shard, all_reduce)
     model.load_weights(read_weights(folder, arch))
     return arch, model, shard
 

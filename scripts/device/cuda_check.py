@@ -261,7 +261,8 @@ def mixed(folder: Path, reference: list[list[int]], p_device: str = DEVICE, d_de
     """P and D on different memory: NIXL moves VRAM -> DRAM or DRAM -> VRAM (or refuses)."""
     base = 18200 if p_device == DEVICE else 18250
     ports = dict(p=base, d=base + 1, proxy=base + 2, p_side=base + 3, d_side=base + 4)
-    common = [str(folder), "--kv-backend", "nixl", "--num-blocks", "256", "--max-model-len", "2048"]
+    common = [str(folder), "--kv-backend", "nixl", "--num-blocks", "256", "--max-model-len", "2048",
+              "--dtype", "float32"]  # as the reference; auto would differ between the GPU and the CPU
     p = start("mixed-p", ["serve", *common, "--device", p_device, "--port", str(ports["p"]), "--kv-role", "producer",
                           "--kv-side-channel-port", str(ports["p_side"]), "--kv-engine-id", "mixed-p"])
     d = start("mixed-d", ["serve", *common, "--device", d_device, "--port", str(ports["d"]), "--kv-role", "consumer",
@@ -287,7 +288,7 @@ def mixed(folder: Path, reference: list[list[int]], p_device: str = DEVICE, d_de
 def tp(folder: Path):
     port = 18300
     proc = start("tp2", ["serve", str(folder), "--tensor-parallel-size", "2", "--device", DEVICE, "--port", str(port),
-                         "--num-blocks", "256", "--max-model-len", "2048"])
+                         "--num-blocks", "256", "--max-model-len", "2048", "--dtype", "float32"])
     try:
         t0 = time.monotonic()
         try:

@@ -90,7 +90,7 @@ def want() -> Want:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = LocalCluster(MODEL, port=0, kv_backend="nixl", log_dir=tmp_path_factory.mktemp("logs-disconnects"),
-                     num_threads=1, extra_serve_args=["--num-blocks", "320", "--max-model-len", "512"])
+                     num_threads=1, extra_serve_args=["--num-blocks", "320", "--max-model-len", "512", "--dtype", "float32"])
     with c:  # started: every process healthy
         yield c
 

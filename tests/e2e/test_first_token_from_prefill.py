@@ -50,7 +50,7 @@ def fleet(tmp_path_factory):
     try:
         serve_port, proxy_port = free_ports(2)
         fleet._spawn("c", [*DEFAULT_CLI, "serve", SMOLLM2, "--host", "127.0.0.1", "--port", str(serve_port),
-                           "--num-threads", "1", "--num-blocks", "64", "--max-model-len", "512"],
+                           "--num-threads", "1", "--num-blocks", "64", "--max-model-len", "512", "--dtype", "float32"],
                      http_url("127.0.0.1", serve_port))
         fleet._spawn("proxy-c", [*DEFAULT_CLI, "proxy", "--decode", fleet.urls["c"], "--host", "127.0.0.1",
                                  "--port", str(proxy_port)], http_url("127.0.0.1", proxy_port))

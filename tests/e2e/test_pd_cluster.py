@@ -44,7 +44,7 @@ def reference():
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def cluster(request, tmp_path_factory):
     c = LocalCluster(MODEL, port=0, kv_backend=request.param, log_dir=tmp_path_factory.mktemp("logs"),
-                     extra_serve_args=["--num-blocks", "128", "--max-model-len", "1024"])
+                     extra_serve_args=["--num-blocks", "128", "--max-model-len", "1024", "--dtype", "float32"])
     with c:
         c.wait_healthy(300)
         yield c

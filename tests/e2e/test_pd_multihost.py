@@ -85,7 +85,7 @@ class Deployment:
         env.pop("UCX_NET_DEVICES", None)  # serve derives it from --host
         env.update(UCX_TLS="tcp", UCX_MODULES="^ib")
         common = ["--kv-backend", backend, "--num-threads", "1", "--num-blocks", "160", "--max-model-len", "1536",
-                  "--kv-lease-seconds", str(LEASE_S), "--port", str(PORT)]
+                  "--kv-lease-seconds", str(LEASE_S), "--port", str(PORT), "--dtype", "float32"]
         cli = [sys.executable, "-m", "kvbridge.cli"]
         self.children: list[ChildProcess] = []
         try:

@@ -31,7 +31,7 @@ class Instance:
         self.port = port or free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "kvbridge.cli", "serve", MODEL, "--port", str(self.port),
-                "--num-blocks", "64", "--max-model-len", "512", "--num-threads", "1", *args]
+                "--num-blocks", "64", "--max-model-len", "512", "--num-threads", "1", "--dtype", "float32", *args]
         self.child = spawn_child(name, argv, child_env(os.environ, loopback_only=True, num_threads=1), log_dir)
 
     def wait_healthy(self, timeout_s: float = 180) -> None:

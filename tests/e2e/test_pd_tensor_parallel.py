@@ -53,7 +53,8 @@ class Fleet:
             for k, (name, (role, tp, *extra)) in enumerate(instances.items()):
                 spec = InstanceSpec(name, role, ports[2 * k], ports[2 * k + 1], f"{name}-{os.getpid()}", tp)
                 argv = serve_command(DEFAULT_CLI, model, spec, host="127.0.0.1", kv_backend=backend, num_threads=1,
-                                     extra_args=["--num-blocks", "64", "--max-model-len", "512", *(extra or [[]])[0]])
+                                     extra_args=["--num-blocks", "64", "--max-model-len", "512", "--dtype", "float32",
+                                                 *(extra or [[]])[0]])
                 self._spawn(name, argv, http_url("127.0.0.1", spec.port))
             self.wait_healthy()
         except BaseException:

@@ -166,7 +166,7 @@ class Serve:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "serve.log"
         argv = [sys.executable, "-m", "kvbridge.cli", "serve", model, "--port", str(self.port), "-tp", str(tp),
-                "--num-threads", "2", "--num-blocks", "64", "--max-model-len", "512", *args]
+                "--num-threads", "2", "--num-blocks", "64", "--max-model-len", "512", "--dtype", "float32", *args]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})})

@@ -79,8 +79,8 @@ def fleet(tmp_path_factory):
     env = child_env({**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "50"}, loopback_only=True, num_threads=1)
     port, p2_port, p2_side, proxy2_port = free_ports(4)
     tracing = ["--otlp-traces-endpoint", receiver.endpoint]
-    up_argv = [sys.executable, "-m", "kvbridge.cli", "up", "--port", str(port), "--num-threads", "1", *tracing,
-               "--", *INSTANCE_ARGS[:4]]
+    up_argv = [sys.executable, "-m", "kvbridge.cli", "up", "--port", str(port), "--num-threads", "1", "--dtype", "float32",
+               *tracing, "--", *INSTANCE_ARGS[:4]]
     stdout, stderr = logs / "up.out", logs / "up.err"
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
         up = subprocess.Popen(up_argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)

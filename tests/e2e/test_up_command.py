@@ -49,6 +49,7 @@ def test_up_passes_options_to_every_instance_and_sigterm_leaves_no_process(tmp_p
         children = {name: (int(pid), cmd) for name, pid, cmd in
                     re.findall(r"started (\S+) \(pid (\d+)\): (.*)", stderr.read_text())}
         assert sorted(children) == ["decode-0", "prefill-0", "proxy"]
+        dtypes = set()
         for name in ("prefill-0", "decode-0"):
             pid, _ = children[name]
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
@@ -56,8 +57,10 @@ def test_up_passes_options_to_every_instance_and_sigterm_leaves_no_process(tmp_p
                            ["--max-model-len", "512"], ["--max-num-seqs", "4"]):
                 assert any(cmdline[i:i + 2] == option for i in range(len(cmdline))), (name, option, cmdline)
             assert KEY not in cmdline
+            dtypes.add(cmdline[cmdline.index("--dtype") + 1])  # --dtype auto, resolved once by `up`
             environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
             assert f"KVBRIDGE_API_KEY={KEY}" in environ and "OMP_NUM_THREADS=1" in environ
+        assert len(dtypes) == 1 and dtypes <= {"float32", "bfloat16"}, dtypes
         assert KEY not in children["proxy"][1]
         # ... and their effect: the KV cache size, the context length, the key on the proxy and instances.
         assert [metric(url, "kvbridge_kv_cache_total_blocks") for url in (prefill, decode)] == [64, 64]

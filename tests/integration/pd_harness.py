@@ -22,7 +22,7 @@ def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBacke
                 policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE, backend_name: str = "fake",
                 handshake_timeout_s: float = 5.0, engine_id: str | None = None,
                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, tp: int = 1,
-                prefix_caching: bool = True, transfer_timeout_s: float = 30.0) -> LLMEngine:
+                prefix_caching: bool = True, transfer_timeout_s: float = 30.0, dtype: str = "float32") -> LLMEngine:
     kv = None
     if role is not None:
         kv = KVTransferConfig(role=role, backend=backend_name, engine_id=engine_id or f"{role.value}-{next(_ids)}",
@@ -31,7 +31,7 @@ def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBacke
     scheduler = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs),
                                                      ("max_num_batched_tokens", max_num_batched_tokens))
                                    if v is not None})
-    config = EngineConfig(model=loaded.source, tensor_parallel_size=tp, kv_transfer=kv, num_threads=2,
+    config = EngineConfig(model=loaded.source, tensor_parallel_size=tp, kv_transfer=kv, num_threads=2, dtype=dtype,
                           cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                             enable_prefix_caching=prefix_caching), scheduler=scheduler)
     connectors = build_connectors(config, loaded.arch, loaded.name, backend) if kv is not None else None

@@ -41,10 +41,10 @@ class HybridSteps:
     step of (seq -> new tokens); the same interface as tests/paged_steps.PagedSteps."""
 
     def __init__(self, model: CausalLM, arch: ModelArchConfig, kv_heads: int, tp: int = 1, rank: int = 0,
-                 num_blocks: int = 24) -> None:
+                 num_blocks: int = 24, dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.layout: KVCacheLayout = plan_kv_cache_layout(arch, KERNEL_BLOCK, num_blocks, kv_heads, tp, rank)
-        self.kv_cache = self.layout.allocate(torch.float32, "cpu").zero_()
+        self.kv_cache = self.layout.allocate(dtype, "cpu").zero_()
         model.bind_kv_cache_layout(self.layout)
         self.mamba = [g.kind is KVCacheKind.MAMBA for g in layer_groups(arch)]
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()

@@ -283,6 +283,32 @@ def test_mla_read_failure_follows_the_policy_and_frees_p(mla, policy):
         d.shutdown()
 
 
+@pytest.mark.parametrize("policy", [LoadFailurePolicy.RECOMPUTE, LoadFailurePolicy.FAIL])
+def test_a_bf16_prefill_is_refused_at_an_fp32_decodes_handshake(loaded, prompt, want, policy):
+    """Real engines in different dtypes (what two `--dtype auto` on different CPUs would give): D's
+    handshake refuses P's KV on the hash, naming the dtype, before any read; recompute answers as
+    the fp32 engine alone, fail says why. P's blocks are released at once, every block comes back."""
+    fabric = FakeFabric(seed=7)
+    p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P", lease_s=LONG_LEASE_S,
+                    dtype="bfloat16")
+    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D", policy=policy)
+    try:
+        outs = decode(d, p, prompt, prefill(p, prompt), GREEDY)
+        check_outcome(outs, policy, want)
+        stats = d.connectors.worker.stats
+        assert stats.failed_transfers["handshake"] == 1 and stats.handshake_failures["hash_mismatch"] == 1
+        assert stats.transfers == 0
+        if policy is LoadFailurePolicy.FAIL:
+            assert 'dtype (peer "bfloat16", local "float32")' in outs[-1].error
+        settle(p, d)
+        assert p.connectors.worker.stats.early_releases == 1 and p.connectors.worker.stats.expired_leases == 0
+        for e in (p, d):
+            assert e.metrics().num_free_blocks == e.metrics().num_total_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 @pytest.mark.parametrize("fault", ["hash", "version", "layout"])
 def test_a_prefill_refused_at_its_own_handshake_is_released_at_once(loaded, prompt, want, fault):
     """P itself answers D's handshake with a payload D refuses (another dtype or model: the hash; another

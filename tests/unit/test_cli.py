@@ -24,6 +24,11 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return calls
 
 
+def auto_dtype() -> list[str]:
+    """What `up` adds for the default --dtype auto: the dtype it resolved on this machine."""
+    return ["--dtype", cli.dtype_choice(cli.build_parser().parse_args(["serve"])).dtype]
+
+
 def run_cli(argv: list[str]) -> int:
     try:
         return cli.main(argv)
@@ -36,7 +41,7 @@ def test_up_passes_its_engine_options_to_every_instance(started: list[dict]) -> 
                     "--max-model-len", "512", "--no-prefix-caching", "--kv-lease-seconds", "5",
                     "--kv-load-failure-policy", "fail", "--api-key", "sk-up", "--num-decode", "2"]) == 0
     [call] = started
-    assert call["extra_serve_args"] == ["--max-model-len", "512", "--block-size", "32", "--no-prefix-caching",
+    assert call["extra_serve_args"] == [*auto_dtype(), "--max-model-len", "512", "--block-size", "32", "--no-prefix-caching",
                                         "--kv-lease-seconds", "5.0", "--kv-load-failure-policy", "fail"]
     assert (call["model"], call["num_decode"], call["num_threads"], call["kv_backend"], call["api_key"]) == \
         ("model.gguf", 2, 1, "tcp", "sk-up")  # the key goes in the children's environment, not argv
@@ -52,7 +57,7 @@ def test_up_passes_what_follows_double_dash_verbatim_to_each_serve(started: list
 def test_up_forwards_cpu_bind_to_its_instances(started: list[dict]) -> None:
     assert run_cli(["up", "--decode-tp", "2", "--cpu-bind", "none"]) == 0
     [call] = started
-    assert call["extra_serve_args"] == ["--cpu-bind", "none"]
+    assert call["extra_serve_args"] == [*auto_dtype(), "--cpu-bind", "none"]
 
 
 def test_up_forwards_the_drain_timeout_to_its_instances(started: list[dict]) -> None:

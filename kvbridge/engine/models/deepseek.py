@@ -192,7 +192,12 @@ class MoE(nn.Module):
         self.all_reduce = all_reduce
         hidden = arch.hidden_size
         self.size = moe.moe_intermediate_size // tp_size
-        self.gate = nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
+        # The router stays fp32 whatever the model's dtype, as transformers keeps it (its
+        # _keep_in_fp32_modules_strict: gate.weight): the top-k choice is discrete, and a gate
+        # rounded to bf16 picked other experts than transformers' bf16 model on near-ties
+        # (tests/integration/test_bf16_parity.py: logits 2.5 apart on DeepSeek-V3 with MoE).
+        self.gate = nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=torch.float32, device=device),
+                                 requires_grad=False)
         self.correction_bias = (nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32, device=device),
                                              requires_grad=False) if moe.scoring == "sigmoid" else None)
         self.w_gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * self.size, hidden, dtype=dtype, device=device),
@@ -203,7 +208,7 @@ class MoE(nn.Module):
                        if moe.num_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.gate.float())
+        logits = F.linear(x.float(), self.gate)
         weights, ids = route(logits, self.moe, self.correction_bias)
         out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
         flat = ids.flatten()
