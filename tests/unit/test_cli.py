@@ -63,7 +63,7 @@ def test_up_forwards_cpu_bind_to_its_instances(started: list[dict]) -> None:
 def test_up_forwards_the_drain_timeout_to_its_instances(started: list[dict]) -> None:
     assert run_cli(["up", "--drain-timeout-s", "2.5"]) == 0
     [call] = started
-    assert call["extra_serve_args"] == ["--drain-timeout-s", "2.5"]
+    assert call["extra_serve_args"] == [*auto_dtype(), "--drain-timeout-s", "2.5"]
 
 
 def test_up_gives_prefill_and_decode_instances_their_tp_sizes(started: list[dict]) -> None:
