@@ -287,6 +287,26 @@ def autoscaling_of(overrides: dict[str, dict]) -> Autoscaling:
     return Autoscaling(**found)
 
 
+def connect(address: str | None) -> None:
+    """Join the Ray cluster at `address` ("auto": the one this host belongs to) as a driver. A
+    loopback address means a loopback-bound Ray: this process must see it as one too."""
+    if address and address.split(":")[0] in LOOPBACK_HOSTS:
+        loopback_ray_env(os.environ)
+    import ray
+    ray.init(address=address, configure_logging=False, log_to_driver=False)
+
+
+def status_report(name: str = DEFAULT_APP_NAME) -> dict:
+    """Each pool's deployment status and replica counts (Serve's) and members (the router's)."""
+    from ray import serve
+    app = serve.status().applications[name]
+    members = serve.get_deployment_handle("router", name).members.remote().result(timeout_s=60)
+    return {"status": str(app.status), "pools": {
+        role: {"status": str(app.deployments[role].status),
+               "replicas": {str(k): v for k, v in app.deployments[role].replica_states.items()},
+               "router": members.get(role, [])} for role in ("prefill", "decode")}}
+
+
 def remove(name: str = DEFAULT_APP_NAME) -> None:
     """Delete the application and wait until every replica left (drained engines exited)."""
     from ray import serve
@@ -337,7 +357,7 @@ def run_up(config: AppConfig, ray_address: str | None = None, host: str = "127.0
             # Logical CPUs: as `kvbridge up`, the engines share this host's cores.
             start_local_ray(host, num_cpus=max(os.cpu_count() or 1, 16))
         else:
-            ray.init(address=ray_address, configure_logging=False, log_to_driver=False)
+            connect(ray_address)
         url = deploy(config, ready_timeout_s)
         print(f"kvbridge on Ray ready: router {url} (application {config.name!r}; prefill "
               f"{_size_text(config.prefill)}, decode {_size_text(config.decode)})\n"

@@ -36,7 +36,9 @@ class ReplicaEndpoint:
     engine_id: str
     host: str
     side_channel_port: int
-    pid: int
+    pid: int  # the engine's process
+    replica_pid: int  # the Serve replica's process (the engine's parent)
+    node_id: str  # the Ray node it runs on
 
     @classmethod
     def from_metadata(cls, replica_id: str, metadata: dict) -> ReplicaEndpoint | None:
@@ -44,7 +46,8 @@ class ReplicaEndpoint:
         if metadata.get("kvbridge") != 1:
             return None
         return cls(replica_id, str(metadata["role"]), str(metadata["url"]), str(metadata["engine_id"]),
-                   str(metadata["host"]), int(metadata["side_channel_port"]), int(metadata["pid"]))
+                   str(metadata["host"]), int(metadata["side_channel_port"]), int(metadata["pid"]),
+                   int(metadata["replica_pid"]), str(metadata["node_id"]))
 
 
 Listener = Callable[[list[ReplicaEndpoint]], None]

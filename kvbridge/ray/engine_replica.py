@@ -164,8 +164,10 @@ class EngineReplica:
     # ---- what Serve calls ----------------------------------------------------------------
     def record_replica_metadata(self) -> dict:
         """What the router learns of this replica through Ray (discovery.py)."""
+        import ray
         return {"kvbridge": 1, "role": self.options.role, "url": self.url, "engine_id": self.engine_id,
                 "host": self.host, "side_channel_port": self.side_channel_port, "pid": self.child.pid,
+                "replica_pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "tp": self.options.tensor_parallel_size, "log": str(self.child.log_path)}
 
     async def check_health(self) -> None:
