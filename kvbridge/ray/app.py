@@ -37,6 +37,7 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 STATUS_POLL_S = 0.5
 RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps every node on loopback
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost"})
+OBJECT_STORE_BYTES = 256 << 20
 
 
 class DeployError(RuntimeError):
@@ -323,8 +324,10 @@ def start_local_ray(host: str = "127.0.0.1", num_cpus: int | None = None,
     if host in LOOPBACK_HOSTS:
         loopback_ray_env(os.environ)
     import ray
+    # kvbridge passes little through Ray's object store: a small one, not 30% of the memory.
     ray.init(address="local", _node_ip_address=host, include_dashboard=False, num_cpus=num_cpus,
-             resources=resources, configure_logging=False, log_to_driver=False)
+             resources=resources, object_store_memory=OBJECT_STORE_BYTES, configure_logging=False,
+             log_to_driver=False)
 
 
 def loopback_ray_env(env: dict[str, str] | os._Environ) -> None:
