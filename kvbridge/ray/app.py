@@ -348,13 +348,15 @@ def run_up(config: AppConfig, ray_address: str | None = None, host: str = "127.0
     """`kvbridge up --ray`: deploy the application on an embedded Ray instance bound to `host`
     (or onto the cluster at `ray_address`), serve until Ctrl-C or SIGTERM, then remove the
     application and stop the Ray instance this process started (a cluster it joined keeps running)."""
+    started = ray_address is None
+    if started and host in LOOPBACK_HOSTS:
+        loopback_ray_env(os.environ)  # before ray is imported
     import ray
     from ray import serve
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         signal.signal(signal.SIGTERM, _interrupt)
-    started = ray_address is None
     try:
         if started:
             # Logical CPUs: as `kvbridge up`, the engines share this host's cores.
