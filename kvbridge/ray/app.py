@@ -364,10 +364,11 @@ def run_up(config: AppConfig, ray_address: str | None = None, host: str = "127.0
         else:
             connect(ray_address)
         url = deploy(config, ready_timeout_s)
+        address = ray.get_runtime_context().gcs_address
         print(f"kvbridge on Ray ready: router {url} (application {config.name!r}; prefill "
-              f"{_size_text(config.prefill)}, decode {_size_text(config.decode)})\n"
-              f"  scale: kvbridge ray scale --prefill-replicas MIN:MAX --decode-replicas MIN:MAX"
-              f"{'' if started else ' --ray-address ' + ray_address}\n"
+              f"{_size_text(config.prefill)}, decode {_size_text(config.decode)}; Ray at {address})\n"
+              f"  scale: kvbridge ray scale --ray-address {address} --prefill-replicas MIN:MAX "
+              "--decode-replicas MIN:MAX\n"
               "Ctrl-C removes the application" + (" and stops Ray." if started else " (the cluster keeps running)."),
               flush=True)
         threading.Event().wait()  # until KeyboardInterrupt

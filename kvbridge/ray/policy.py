@@ -11,7 +11,8 @@ count; Serve then clamps it to the pool's MIN:MAX bounds and applies its up/down
   `target_wait_s` asks for one more replica than there are.
 - decode grows on its sequences against its KV capacity: the running (+ waiting) sequences
   against `target_running` per replica, and the KV blocks in use against `target_kv_usage` of
-  the pool's blocks; a sequence waiting for KV asks for one more replica.
+  the pool's blocks; sequences that keep waiting (on average at least one over the look-back)
+  ask for one more replica.
 - both shrink toward the least that covers their load (0 when idle; the MIN bound holds).
 
 The module imports nothing but the standard library: Serve pickles it by value into its
@@ -81,7 +82,7 @@ def decode_replicas(loads: Sequence[Load], current: int, target_running: float =
     if total > 0:
         used = sum(x.kv_blocks_used for x in live)
         want = max(want, math.ceil(len(live) * (used / total) / target_kv_usage))
-    if any(x.waiting for x in live):
+    if any(x.waiting >= 1 for x in live):  # a sequence waiting the whole look-back (not a request's moment in line)
         want = max(want, current + 1)
     return want
 

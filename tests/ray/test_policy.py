@@ -26,8 +26,9 @@ def test_decode_grows_on_sequences_and_kv_usage():
     assert decode_replicas([Load(running=40)], 1, target_running=16) == 3
     # KV: 90% of the blocks in use against a 0.7 target -> ceil(1 * 0.9 / 0.7) = 2
     assert decode_replicas([Load(running=4, kv_blocks_total=100, kv_blocks_used=90)], 1, target_kv_usage=0.7) == 2
-    # a sequence waiting (for KV or a slot) asks for one more
+    # sequences that keep waiting (for KV or a slot) ask for one more; a request's moment in line does not
     assert decode_replicas([Load(running=2, waiting=1, kv_blocks_total=100, kv_blocks_used=10)], 2) == 3
+    assert decode_replicas([Load(running=2, waiting=0.2, kv_blocks_total=100, kv_blocks_used=10)], 2) == 1
 
 
 def test_draining_replicas_do_not_count():

@@ -16,8 +16,10 @@ from tests.ray.cluster import D_RESOURCE, P_RESOURCE, Load, Pools, app_config, a
 
 pytestmark = pytest.mark.timeout(1500)
 NAME = "kvbridge-autoscale"
-LONG_PROMPT = ("Summarise the following notes in one line. " + " ".join(
-    f"Note {i}: the shipment of crate {i} left the harbour at dawn and reached the warehouse by noon." for i in range(24)))
+NOTES = " ".join(f"Note {i}: the shipment of crate {i} left the harbour at dawn and reached the warehouse by noon."
+                 for i in range(24))
+# Long prompts that share no prefix block (each starts differently): no prefix-cache hit shortens them.
+LONG_PROMPTS = [f"Request {i} of the audit. Summarise these notes in one line. {NOTES}" for i in range(64)]
 SHORT_PROMPTS = ["Tell me a long story about a dragon.", "Write a poem about the sea.", "Explain how rain forms."]
 AUTOSCALING = app.Autoscaling(prefill_target_queued_tokens=256, prefill_target_wait_s=0.5, decode_target_running=4,
                               decode_target_kv_usage=0.9, metrics_interval_s=0.5, look_back_period_s=2.0,
@@ -62,7 +64,7 @@ def test_prefill_grows_on_long_prompts_decode_on_long_outputs_both_shrink_when_i
     url, pools = deployed
     wait_sizes({"prefill": 1, "decode": 1}, 60, "the initial sizes")
     started = time.monotonic()
-    with Load(url, [LONG_PROMPT], max_tokens=1, clients=16) as load:
+    with Load(url, LONG_PROMPTS, max_tokens=1, clients=16) as load:
         wait_sizes({"prefill": 2}, 300, "prefill grows on long prompts", steady={"decode": 1})
     prefill_up_s = time.monotonic() - started
     assert [r for r in load.results if r[3] is not None] == []
