@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from kvbridge.ray import policy
@@ -293,6 +294,11 @@ def connect(address: str | None) -> None:
     loopback address means a loopback-bound Ray: this process must see it as one too."""
     if address and address.split(":")[0] in LOOPBACK_HOSTS:
         loopback_ray_env(os.environ)
+    if "RAY_AUTH_MODE" not in os.environ and (
+            {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys() or Path("~/.ray/auth_token").expanduser().exists()):
+        # A cluster `ray.init()` or `ray start` made holds Ray's token (token auth is Ray's default
+        # there); a driver that joins it only sends the token in token mode.
+        os.environ["RAY_AUTH_MODE"] = "token"
     import ray
     ray.init(address=address, configure_logging=False, log_to_driver=False)
 
