@@ -66,16 +66,17 @@ def test_prefill_grows_on_long_prompts_decode_on_long_outputs_both_shrink_when_i
     started = time.monotonic()
     with Load(url, LONG_PROMPTS, max_tokens=1, clients=16) as load:
         wait_sizes({"prefill": 2}, 300, "prefill grows on long prompts", steady={"decode": 1})
-    prefill_up_s = time.monotonic() - started
+        prefill_up_s = time.monotonic() - started
     assert [r for r in load.results if r[3] is not None] == []
     started = time.monotonic()
     with Load(url, SHORT_PROMPTS, max_tokens=200, clients=16) as load:
         wait_sizes({"decode": 2}, 300, "decode grows on long outputs")
-    decode_up_s = time.monotonic() - started
+        decode_up_s = time.monotonic() - started
     assert [r for r in load.results if r[3] is not None] == []
     started = time.monotonic()
     wait_sizes({"prefill": 1, "decode": 1}, 300, "both shrink when idle")
-    print(f"prefill grew in {prefill_up_s:.0f} s, decode in {decode_up_s:.0f} s, both shrank in "
-          f"{time.monotonic() - started:.0f} s")
+    print(f"from the burst's start: prefill grew in {prefill_up_s:.0f} s, decode in {decode_up_s:.0f} s; both "
+          f"shrank to one"
+          f" {time.monotonic() - started:.0f} s after the last answer")
     pools.wait(lambda e: (len(e["prefill"]), len(e["decode"])) == (1, 1), 60, "the router's pools shrank")
     assert_blocks_free([e.url for r in pools.endpoints.values() for e in r])
