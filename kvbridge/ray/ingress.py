@@ -112,7 +112,9 @@ class RouterIngress:
         def on_change(endpoints: list[discovery.ReplicaEndpoint]) -> None:
             urls = [e.url for e in endpoints]
             assert self._loop is not None
-            asyncio.run_coroutine_threadsafe(self.proxy.set_members(kind, urls), self._loop)
+            done = asyncio.run_coroutine_threadsafe(self.proxy.set_members(kind, urls), self._loop)
+            done.add_done_callback(lambda f: f.cancelled() or f.exception() is None or logger.error(
+                "%s pool update to %s failed", kind.value, urls, exc_info=f.exception()))
         return on_change
 
     # ---- what Serve and the CLI call -----------------------------------------------------
