@@ -1,4 +1,4 @@
-"""The `kvbridge` command: serve, proxy, up, bench, trace."""
+"""The `kvbridge` command: serve, proxy, up, ray, bench, trace."""
 
 from __future__ import annotations
 
@@ -314,10 +314,65 @@ def cmd_up(a: argparse.Namespace) -> int:
     if child.dtype == "auto":  # resolved once here: P and D must agree on the KV dtype
         extra = ["--dtype", config.dtype, *extra]
         print(f"kvbridge up: every instance computes in {dtype_line(child)}", file=sys.stderr, flush=True)
+    if a.ray or a.ray_address:
+        return _up_on_ray(a, model, child, extra)
+    if a.prefill_replicas or a.decode_replicas or a.prefill_resources or a.decode_resources:
+        print("kvbridge up: error: --prefill-replicas, --decode-replicas and --*-resources need --ray",
+              file=sys.stderr)
+        return 2
     return run_cluster(model=model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port, host=a.host,
                        kv_backend=child.kv_backend, extra_serve_args=extra, num_threads=child.num_threads,
                        api_key=child.api_key, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
                        proxy_args=up_proxy_args(a))
+
+
+def _up_on_ray(a: argparse.Namespace, model: str, child: argparse.Namespace, extra: list[str]) -> int:
+    """`kvbridge up --ray`: the application on Ray (kvbridge/ray/app.py)."""
+    from kvbridge.ray.app import AppConfig, PoolSize, parse_resources, run_up
+    try:
+        prefill = PoolSize.parse(a.prefill_replicas) if a.prefill_replicas else PoolSize(a.num_prefill, a.num_prefill)
+        decode = PoolSize.parse(a.decode_replicas) if a.decode_replicas else PoolSize(a.num_decode, a.num_decode)
+        prefill_resources, decode_resources = parse_resources(a.prefill_resources), parse_resources(a.decode_resources)
+    except ValueError as exc:
+        print(f"kvbridge up --ray: error: {exc}", file=sys.stderr)
+        return 2
+    router = {"host": a.host, "port": a.port}
+    if a.max_body_bytes is not None:
+        router["max_body_bytes"] = a.max_body_bytes
+    config = AppConfig(model=model, prefill=prefill, decode=decode, name=a.app_name, kv_backend=child.kv_backend,
+                       num_threads=child.num_threads, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
+                       serve_args=tuple(extra), api_key=child.api_key, prefill_resources=prefill_resources,
+                       decode_resources=decode_resources, replica_cpus=a.replica_cpus, router=router)
+    return run_up(config, ray_address=a.ray_address, host=a.host)
+
+
+def cmd_ray(a: argparse.Namespace) -> int:
+    """`kvbridge ray scale|status`: a running application on a Ray cluster."""
+    import json
+
+    from kvbridge.ray.app import DeployError, PoolSize, connect, router_url, scale, status_report
+    try:
+        prefill = PoolSize.parse(a.prefill_replicas) if getattr(a, "prefill_replicas", None) else None
+        decode = PoolSize.parse(a.decode_replicas) if getattr(a, "decode_replicas", None) else None
+    except ValueError as exc:
+        print(f"kvbridge ray: error: {exc}", file=sys.stderr)
+        return 2
+    connect(a.ray_address)
+    try:
+        if a.ray_command == "scale":
+            if prefill is None and decode is None:
+                print("kvbridge ray scale: error: give --prefill-replicas and/or --decode-replicas", file=sys.stderr)
+                return 2
+            print(json.dumps(scale(a.app_name, prefill, decode, timeout_s=a.timeout), indent=2))
+        else:
+            print(json.dumps({"router": router_url(a.app_name), **status_report(a.app_name)}, indent=2))
+    except KeyError:
+        print(f"kvbridge ray: no application {a.app_name!r} on this cluster", file=sys.stderr)
+        return 1
+    except DeployError as exc:
+        print(f"kvbridge ray: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def up_tracing_args(a: argparse.Namespace) -> list[str]:
@@ -533,9 +588,46 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tensor parallel size of each decode instance (default: %(default)s)")
     cluster.add_argument("--max-body-bytes", type=_positive_int, default=None,
                          help="the proxy's --max-body-bytes (default: the proxy's, 32 MiB)")
+    on_ray = up.add_argument_group("on Ray (the `kvbridge[ray]` extra; README, \"kvbridge on Ray\")")
+    on_ray.add_argument("--ray", action="store_true",
+                        help="deploy the router, a prefill pool and a decode pool as a Ray Serve application on an "
+                             "embedded Ray instance bound to --host (Ctrl-C removes the application and stops Ray)")
+    on_ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                        help="deploy onto the running Ray cluster at ADDR instead (implies --ray; Ctrl-C removes "
+                             "the application, the cluster keeps running)")
+    on_ray.add_argument("--prefill-replicas", default=None, metavar="N|MIN:MAX",
+                        help="prefill pool size: N fixed, or MIN:MAX autoscaled on queued prompt tokens and queue "
+                             "wait (default: --num-prefill)")
+    on_ray.add_argument("--decode-replicas", default=None, metavar="N|MIN:MAX",
+                        help="decode pool size: N fixed, or MIN:MAX autoscaled on running sequences against KV "
+                             "capacity (default: --num-decode)")
+    on_ray.add_argument("--prefill-resources", default="", metavar="RES",
+                        help="Ray custom resources each prefill replica needs, as name=amount,... or JSON, e.g. "
+                             "prefill_node=1 (nodes started with --resources '{\"prefill_node\": 4}')")
+    on_ray.add_argument("--decode-resources", default="", metavar="RES",
+                        help="Ray custom resources each decode replica needs (as --prefill-resources)")
+    on_ray.add_argument("--replica-cpus", type=float, default=0.0,
+                        help="logical CPUs Ray reserves for each engine rank (default: 0, engines share the node's "
+                             "cores as `kvbridge up`'s do)")
+    on_ray.add_argument("--app-name", default="kvbridge", help="the Serve application's name (default: %(default)s)")
     _add_engine_args(up)
     _add_tracing_args(up, service_name=False)
     up.set_defaults(func=cmd_up, serve_args=[])
+
+    ray_cmd = sub.add_parser("ray", help="a kvbridge application running on Ray: scale, status")
+    ray_sub = ray_cmd.add_subparsers(dest="ray_command", required=True)
+    for name, text in (("scale", "change a pool's size or autoscaling bounds in place (no replica restarts)"),
+                       ("status", "the router's URL and each pool's replicas, as the router sees them")):
+        r = ray_sub.add_parser(name, help=text, description=text)
+        r.add_argument("--ray-address", default="auto", metavar="ADDR",
+                       help="the Ray cluster (default: %(default)s, the cluster this host belongs to)")
+        r.add_argument("--app-name", default="kvbridge", help="the Serve application's name (default: %(default)s)")
+        r.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the new sizes "
+                       "(default: %(default)s)")
+        if name == "scale":
+            r.add_argument("--prefill-replicas", default=None, metavar="N|MIN:MAX", help="the prefill pool's size")
+            r.add_argument("--decode-replicas", default=None, metavar="N|MIN:MAX", help="the decode pool's size")
+        r.set_defaults(func=cmd_ray)
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     bench.add_argument("name", help="e.g. engine_vs_transformers")

@@ -54,6 +54,12 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     api_key=api_key, upstream_api_key=upstream_api_key, retry=retry,
                     first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
                     first_byte_timeout_s=first_byte_timeout_s, tracing=tracing)
+    return proxy_app(proxy, tracing)
+
+
+def proxy_app(proxy: PDProxy, tracing: Tracing | None = None) -> FastAPI:
+    """The FastAPI app serving `proxy` (build_proxy_app's; kvbridge/ray's ingress builds its
+    PDProxy over pools whose membership follows Ray). `tracing`: the proxy's tracer, or None."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

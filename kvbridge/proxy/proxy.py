@@ -223,6 +223,17 @@ class PDProxy:
         except httpx.HTTPError as exc:
             pool.set_health(upstream, False, f"/health failed: {exc!r}")
 
+    async def set_members(self, kind: UpstreamKind, urls: list[str]) -> None:
+        """A dynamic pool's instances are now `urls` (routing.UpstreamPool.set_members): the
+        new ones are probed at once, so one that is healthy takes traffic without waiting for the
+        next health round; one that left is picked no more."""
+        pool = self.decode if kind is UpstreamKind.DECODE else self.prefill
+        if pool is None:
+            raise ValueError("colocated mode has no prefill pool")
+        added, _removed = pool.set_members(urls)
+        if added and self.client is not None:
+            await asyncio.gather(*(self._probe(pool, u) for u in added))
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)

@@ -214,18 +214,46 @@ def make_policy(name: str) -> SelectionPolicy:
 
 
 class UpstreamPool:
-    """The instances of one kind and the policy that picks among the healthy ones."""
+    """The instances of one kind and the policy that picks among the healthy ones.
+
+    `dynamic`: the membership follows a discovery source (`set_members`, e.g. Ray Serve's
+    replica list, kvbridge/ray/) and may be empty; otherwise `urls` is fixed and non-empty."""
 
     def __init__(self, kind: UpstreamKind, urls: Sequence[str], policy: SelectionPolicy,
                  breaker_failures: int = 5, breaker_cooldown_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if not urls:
+                 clock: Callable[[], float] = time.monotonic, dynamic: bool = False) -> None:
+        if not urls and not dynamic:
             raise ValueError(f"at least one {kind.value} URL is required")
         self.kind = kind
         self.policy = policy
         self.clock = clock
+        self.dynamic = dynamic
+        self._breaker = (breaker_failures, breaker_cooldown_s)
         self.upstreams = [Upstream(url.rstrip("/"), i, breaker=CircuitBreaker(breaker_failures, breaker_cooldown_s))
                           for i, url in enumerate(urls)]
+        self._next_index = len(self.upstreams)
+
+    def set_members(self, urls: Sequence[str]) -> tuple[list[Upstream], list[Upstream]]:
+        """Make `urls` the pool's instances: (added, removed). An instance that stays keeps its
+        Upstream (health, breaker, outstanding count); a new one starts unhealthy (the health loop
+        admits it) and sorts after every earlier one; a removed one is no longer picked, while
+        the requests already sent to it finish on their own."""
+        wanted = list(dict.fromkeys(url.rstrip("/") for url in urls))
+        by_url = {u.url: u for u in self.upstreams}
+        added = []
+        for url in wanted:
+            if url not in by_url:
+                by_url[url] = Upstream(url, self._next_index, breaker=CircuitBreaker(*self._breaker))
+                self._next_index += 1
+                added.append(by_url[url])
+        keep = set(wanted)
+        removed = [u for u in self.upstreams if u.url not in keep]
+        self.upstreams = sorted((by_url[url] for url in wanted), key=lambda u: u.index)
+        for u in added:
+            logger.info("%s instance %s joined the pool", self.kind.value, u.url)
+        for u in removed:
+            logger.info("%s instance %s left the pool", self.kind.value, u.url)
+        return added, removed
 
     def healthy(self) -> list[Upstream]:
         return [u for u in self.upstreams if u.healthy]

@@ -1,7 +1,7 @@
 """The package layering: imports run one way, and no file takes part in an import circle.
 
-Imports run down the floors: cli/chaos/__main__ -> the three programs (server, proxy, launcher)
--> engine -> kv_transfer -> spec and config (the ground floor). Every top-level module and package of kvbridge has its floor here, so a
+Imports run down the floors: cli/chaos/__main__ -> ray (kvbridge on Ray Serve, which composes
+the programs) -> the three programs (server, proxy, launcher) -> engine -> kv_transfer -> spec and config (the ground floor). Every top-level module and package of kvbridge has its floor here, so a
 new one must be placed; any import that runs up a floor fails, and so does any circle of files (a
 function-local import counts: it only hides the circle; a relative import counts as the module it
 names)."""
@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
 # openai_wire: the HTTP shapes the server and the proxy share (pydantic stays at the HTTP edge);
 # stop_strings: the stream's stop-string rule the engine and the proxy share;
 # tracing: OpenTelemetry tracers and trace context, used by every layer.
+# ray: the Ray Serve application runs the proxy's router and engine instances (launcher's
+# command lines): above the programs, below the CLI.
 FLOOR = {"spec": 0, "config": 0, "stop_strings": 0, "tracing": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
-         "launcher": 3, "openai_wire": 3, "cli": 4, "chaos": 4, "__main__": 4}
+         "launcher": 3, "openai_wire": 3, "ray": 3.5, "cli": 4, "chaos": 4, "__main__": 4}
 PROGRAMS = ("server", "proxy", "launcher")
 
 
@@ -54,7 +56,7 @@ def imports() -> set[tuple[str, str]]:
             for edge in imports_in(name, path.read_text(), set(mods), path.name == "__init__.py")}
 
 
-def floor(module: str) -> int:
+def floor(module: str) -> float:
     """A module's floor; KeyError for a top-level name FLOOR does not place."""
     parts = module.split(".")
     return FLOOR[parts[1]] if len(parts) > 1 else 0
@@ -143,6 +145,13 @@ def test_the_three_programs_import_not_one_another():
 
     crossing = {(a, b) for a, b in imports() if program(a) and program(b) and program(a) != program(b)}
     assert crossing == set()
+
+
+def test_only_the_cli_imports_the_ray_package():
+    """kvbridge[ray] is optional: nothing but cli.py (lazily, for `up --ray` and `kvbridge ray`)
+    imports kvbridge.ray, so the default install runs without Ray."""
+    importers = {a for a, b in imports() if b.startswith("kvbridge.ray") and not a.startswith("kvbridge.ray")}
+    assert importers == {"kvbridge.cli"}
 
 
 def test_the_checks_see_an_upward_import_and_a_circle():

@@ -1,0 +1,82 @@
+"""Autoscaling (policy.py through Serve's autoscaler): on a Ray cluster of three nodes on this
+machine, each pool autoscaled between 1 and 2 replicas with low targets. A burst of long
+prompts (one output token: the request ends at prefill) grows the prefill pool to its max while
+the decode pool stays at one; a burst of long outputs grows the decode pool; both shrink back to
+one when idle. Waits are bounded polls of Serve's status. Needs the instances' load
+(`GET /kvbridge/load`) and drain. About 5-8 minutes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvbridge.ray import app
+from tests.ray.cluster import D_RESOURCE, P_RESOURCE, Load, Pools, app_config, assert_blocks_free, ray_cluster
+
+pytestmark = pytest.mark.timeout(1500)
+NAME = "kvbridge-autoscale"
+NOTES = " ".join(f"Note {i}: the shipment of crate {i} left the harbour at dawn and reached the warehouse by noon."
+                 for i in range(24))
+# Long prompts that share no prefix block (each starts differently): no prefix-cache hit shortens them.
+LONG_PROMPTS = [f"Request {i} of the audit. Summarise these notes in one line. {NOTES}" for i in range(64)]
+SHORT_PROMPTS = ["Tell me a long story about a dragon.", "Write a poem about the sea.", "Explain how rain forms."]
+AUTOSCALING = app.Autoscaling(prefill_target_queued_tokens=256, prefill_target_wait_s=0.5, decode_target_running=4,
+                              decode_target_kv_usage=0.9, metrics_interval_s=0.5, look_back_period_s=2.0,
+                              upscale_delay_s=1.0, downscale_delay_s=15.0)
+
+
+def running(role: str) -> int:
+    """The pool's RUNNING replicas, as Serve reports them."""
+    from ray import serve
+    states = serve.status().applications[NAME].deployments[role].replica_states
+    return sum(n for state, n in states.items() if str(state).endswith("RUNNING"))
+
+
+def wait_sizes(want: dict[str, int], timeout_s: float, what: str, steady: dict[str, int] | None = None) -> None:
+    """Poll Serve until the pools have `want` running replicas; `steady`: sizes that must hold
+    the whole time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = {role: running(role) for role in ("prefill", "decode")}
+        for role, n in (steady or {}).items():
+            assert now[role] == n, f"{role} left {n} replicas while waiting for {what}: {now}"
+        if all(now[r] == n for r, n in want.items()):
+            return
+        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}; pools now {now}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def deployed():
+    with ray_cluster({P_RESOURCE: 4, D_RESOURCE: 4}):
+        config = app_config(NAME, app.PoolSize(1, 2, True), app.PoolSize(1, 2, True), autoscaling=AUTOSCALING)
+        url = app.deploy(config, timeout_s=600)
+        pools = Pools(NAME)
+        try:
+            yield url, pools
+        finally:
+            pools.close()
+            app.remove(NAME)
+
+
+def test_prefill_grows_on_long_prompts_decode_on_long_outputs_both_shrink_when_idle(deployed):
+    url, pools = deployed
+    wait_sizes({"prefill": 1, "decode": 1}, 60, "the initial sizes")
+    started = time.monotonic()
+    with Load(url, LONG_PROMPTS, max_tokens=1, clients=16) as load:
+        wait_sizes({"prefill": 2}, 300, "prefill grows on long prompts", steady={"decode": 1})
+        prefill_up_s = time.monotonic() - started
+    assert [r for r in load.results if r[3] is not None] == []
+    started = time.monotonic()
+    with Load(url, SHORT_PROMPTS, max_tokens=200, clients=16) as load:
+        wait_sizes({"decode": 2}, 300, "decode grows on long outputs")
+        decode_up_s = time.monotonic() - started
+    assert [r for r in load.results if r[3] is not None] == []
+    started = time.monotonic()
+    wait_sizes({"prefill": 1, "decode": 1}, 300, "both shrink when idle")
+    print(f"from the burst's start: prefill grew in {prefill_up_s:.0f} s, decode in {decode_up_s:.0f} s; both "
+          f"shrank to one"
+          f" {time.monotonic() - started:.0f} s after the last answer")
+    pools.wait(lambda e: (len(e["prefill"]), len(e["decode"])) == (1, 1), 60, "the router's pools shrank")
+    assert_blocks_free([e.url for r in pools.endpoints.values() for e in r])

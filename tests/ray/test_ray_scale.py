@@ -1,0 +1,119 @@
+"""Rescaling a running application while 16 clients stream (`kvbridge ray scale`'s path,
+app.scale): 1P1D -> 2P2D -> 1P1D on a Ray cluster of three nodes on this machine. No replica
+restarts on a change of size; new replicas take traffic once healthy; a replica that leaves
+drains (a P until every lease it granted ended, a D until its streams finished) before its
+engine exits. 0 failed requests, every answer equals the colocated one, every block free
+afterwards, and no lease on a removed P ended by expiry. Needs the instances' drain
+(`POST /kvbridge/drain`, SIGTERM) and load (`GET /kvbridge/load`). About 4-6 minutes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from kvbridge.ray import app
+from tests.e2e.processes import gone, metric
+from tests.ray.cluster import (D_RESOURCE, MODEL, P_RESOURCE, Load, Pools, app_config, assert_blocks_free,
+                               colocated_instance, ray_cluster, wait_router)
+
+pytestmark = pytest.mark.timeout(1200)
+NAME = "kvbridge-scale"
+MAX_TOKENS = 16
+PROMPTS = ["Hello there", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
+            "Constantinople. Summarise its three most important turning points, with a date for each:")]
+
+
+def counts(endpoints: dict) -> tuple[int, int]:
+    return len(endpoints["prefill"]), len(endpoints["decode"])
+
+
+def healthy(members: dict) -> tuple[int, int]:
+    return tuple(len([u for u in members[r] if u["healthy"]]) for r in ("prefill", "decode"))
+
+
+class ExpiryWatch:
+    """The last `kvbridge_kv_expired_leases_total` each prefill engine reported before it exited
+    (scraped every 0.1 s until its /metrics refuses the connection)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.last = {u: 0.0 for u in urls}
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._watch, args=(u,), daemon=True) for u in urls]
+        for t in self.threads:
+            t.start()
+
+    def _watch(self, url: str) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.last[url] = metric(url, "kvbridge_kv_expired_leases_total")
+            except (httpx.HTTPError, AssertionError):
+                return  # gone
+            self.stopping.wait(0.1)
+
+    def stop(self) -> dict[str, float]:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(30)
+        return self.last
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    with ray_cluster({P_RESOURCE: 4, D_RESOURCE: 4}), \
+            colocated_instance(tmp_path_factory.mktemp("colocated")) as reference:
+        url = app.deploy(app_config(NAME, app.PoolSize(1, 1), app.PoolSize(1, 1)), timeout_s=600)
+        pools = Pools(NAME)
+        try:
+            pools.wait(lambda e: counts(e) == (1, 1), 60, "1 P and 1 D published")
+            wait_router(NAME, lambda m: healthy(m) == (1, 1), 30, "the router has 1 healthy P and D")
+            yield url, reference, pools
+        finally:
+            pools.close()
+            app.remove(NAME)
+
+
+def reference_text(base: str, prompt: str) -> str:
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+
+
+def test_scale_up_and_down_while_16_clients_stream(deployed):
+    url, reference, pools = deployed
+    want = {p: reference_text(reference, p) for p in PROMPTS}
+    first = {e.replica_id for r in pools.endpoints.values() for e in r}
+    with Load(url, PROMPTS, MAX_TOKENS) as load:
+        load.wait_done(16, 300)
+        started = time.monotonic()
+        app.scale(NAME, app.PoolSize(2, 2), app.PoolSize(2, 2), timeout_s=600)
+        up = pools.wait(lambda e: counts(e) == (2, 2), 120, "2 P and 2 D published")
+        wait_router(NAME, lambda m: healthy(m) == (2, 2), 60, "the router has 2 healthy P and 2 healthy D")
+        up_s = time.monotonic() - started
+        assert first <= {e.replica_id for r in up.values() for e in r}, "a change of size restarted a replica"
+        new = [e for r in up.values() for e in r if e.replica_id not in first]
+        load.wait_done(len(load.results) + 48, 300)
+        served = {e.url: metric(e.url, "kvbridge_prompt_tokens_total") for e in new}
+        assert all(v > 0 for v in served.values()), f"a new replica took no traffic: {served}"
+
+        watch = ExpiryWatch([e.url for e in up["prefill"]])
+        started = time.monotonic()
+        app.scale(NAME, app.PoolSize(1, 1), app.PoolSize(1, 1), timeout_s=600)
+        down = pools.wait(lambda e: counts(e) == (1, 1), 120, "1 P and 1 D published")
+        staying = {e.replica_id for r in down.values() for e in r}
+        removed = [e for r in up.values() for e in r if e.replica_id not in staying]
+        assert len(removed) == 2
+        assert gone([e.pid for e in removed], 120) == [], "a removed replica's engine did not exit"
+        down_s = time.monotonic() - started
+        load.wait_done(len(load.results) + 16, 300)
+    expired = watch.stop()
+    print(f"scale-up to serving {up_s:.0f} s, scale-down to the drained engines' exit {down_s:.0f} s; "
+          f"{len(load.results)} answers")
+    failed = [r for r in load.results if r[3] is not None]
+    assert failed == [], f"{len(failed)} failed requests, e.g. {failed[:3]}"
+    assert [(p, t) for p, t, _, _ in load.results if t != want[p]] == []
+    assert expired == {u: 0.0 for u in expired}, "a lease on a prefill replica ended by expiry"
+    assert_blocks_free([e.url for r in down.values() for e in r])
