@@ -545,26 +545,34 @@ def _sleeper(tmp_path: Path, name: str, code: str = "import time; time.sleep(60)
     return cluster.spawn_child(name, [sys.executable, "-c", code], {}, tmp_path)
 
 
-def test_stop_children_terminates_each_child_and_nothing_else(tmp_path):
+def _wait_ready(child: cluster.ChildProcess) -> None:
+    deadline = time.monotonic() + 10
+    while "ready" not in child.tail():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_stop_children_interrupts_each_child_and_nothing_else(tmp_path):
+    # SIGINT (stop now), not SIGTERM: an instance's SIGTERM starts a drain that may outlast the grace.
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL); print('ready', flush=True); time.sleep(60)"
     try:
-        children = [_sleeper(tmp_path, "a"), _sleeper(tmp_path, "b")]
+        children = [_sleeper(tmp_path, "a", code), _sleeper(tmp_path, "b", code)]
+        for child in children:
+            _wait_ready(child)
         cluster.stop_children(children, grace_s=5)
-        assert [c.popen.returncode for c in children] == [-signal.SIGTERM, -signal.SIGTERM]
+        assert [c.popen.returncode for c in children] == [-signal.SIGINT, -signal.SIGINT]
         assert bystander.poll() is None
     finally:
         bystander.kill()
         bystander.wait()
 
 
-def test_stop_children_kills_a_child_that_ignores_sigterm_after_grace(tmp_path):
-    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+def test_stop_children_kills_a_child_that_ignores_sigint_after_grace(tmp_path):
+    code = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
             "print('ready', flush=True); time.sleep(60)")
     child = _sleeper(tmp_path, "stubborn", code)
-    deadline = time.monotonic() + 10
-    while "ready" not in child.tail():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    _wait_ready(child)
     started = time.monotonic()
     cluster.stop_children([child], grace_s=0.3)
     assert child.popen.returncode == -signal.SIGKILL
