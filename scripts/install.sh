@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Installs kvbridge and everything it needs into ./.venv. Idempotent: a second run with
-# unchanged inputs does nothing. Usage: scripts/install.sh [--test]
+# unchanged inputs does nothing. Usage: scripts/install.sh [--test | --ray]
+# (--test: the test extras, Ray included; --ray: the `ray` extra, for `kvbridge up --ray`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
-stamp=.venv/.kvbridge-installed${extras:+-test}
+case "${1:-}" in
+  --test) extras="[test]" ;;
+  --ray) extras="[ray]" ;;
+esac
+stamp=.venv/.kvbridge-installed${extras:+-${extras:1:-1}}
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
 # kvbridge's CPU kernels (kvbridge/engine/layers/csrc), compiled once per machine and cache
 # directory so that no server compiles at start-up (a no-op in about 2 s once built); a failure
