@@ -174,6 +174,7 @@ def test_tiny_model_pairings_answer_like_one_tp1_engine(tiny_fleet, tiny_model, 
 
 SMOL = {"p1": (KVRole.PRODUCER, 1), "p3": (KVRole.PRODUCER, 3), "d1": (KVRole.CONSUMER, 1),
         "d3": (KVRole.CONSUMER, 3)}
+SMOL_TP3 = {name: SMOL[name] for name in ("p3", "d3")}  # p1 and d1: the session's shared cluster's
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +183,10 @@ def smol_want() -> Reference:
 
 
 @pytest.fixture(scope="module")
-def smol_fleet(tmp_path_factory):
-    fleet = Fleet(SMOLLM2, "nixl", SMOL, tmp_path_factory.mktemp("logs-smollm2"))
+def smol_fleet(tmp_path_factory, smollm2_pd):
+    shared = smollm2_pd.get()  # tests/e2e/conftest.py: TP 1 P and D, NIXL, one thread each
+    fleet = Fleet(SMOLLM2, "nixl", SMOL_TP3, tmp_path_factory.mktemp("logs-smollm2"))
+    fleet.urls.update(p1=shared.urls.prefill[0], d1=shared.urls.decode[0])
     try:
         yield fleet
     finally:
