@@ -6,7 +6,8 @@ takes seconds of CPU to start), so a cluster several modules use as it is starts
 proxy, NIXL, one thread each, 320 blocks, a 512-token context), started when a test first asks for
 it and stopped right after the last test of the session that uses it (pytest runs the tests in
 the order of `session.items`; other shapes start and stop meanwhile, so few processes are alive
-at once). A test must leave it working: one that kills or breaks a process starts its own.
+at once). A test must leave it working: one that kills or breaks a process starts its own (if a
+test breaks it anyway, the next test that asks for it gets a new one).
 
 After every test that used it, every block is back in its pool on P and D (checked per test, not
 only when it stops), and neither has a lease expired.
@@ -45,16 +46,20 @@ class SharedCluster:
     def __init__(self, log_dir: Path, **options) -> None:
         self.log_dir, self.options = log_dir, options
         self.cluster: LocalCluster | None = None
-        self.closed = False
+        self.closed, self.restarts = False, 0
 
     def get(self) -> LocalCluster:
         assert not self.closed, "a shared cluster was asked for after its last test (see SHARED)"
+        if self.cluster is not None and self.cluster.first_dead_child() is not None:
+            # A test broke it (that test failed its own checks): a new one, so the next tests
+            # do not fail for it. The old logs stay in their own folder.
+            self.cluster.stop()
+            self.cluster, self.restarts = None, self.restarts + 1
         if self.cluster is None:
-            cluster = LocalCluster(MODEL, port=0, log_dir=self.log_dir, **self.options)
+            log_dir = self.log_dir / (f"restart-{self.restarts}" if self.restarts else "")
+            cluster = LocalCluster(MODEL, port=0, log_dir=log_dir, **self.options)
             cluster.start()  # stops what it started if it fails
             self.cluster = cluster
-        dead = self.cluster.first_dead_child()
-        assert dead is None, f"shared cluster: {dead.name} exited with {dead.popen.returncode} (a test broke it)"
         return self.cluster
 
     def close(self) -> None:
