@@ -50,7 +50,8 @@ def fleet(tmp_path_factory, smollm2_pd):
     512-token context); the colocated instance, its proxy and the P/D proxy: the module's own."""
     shared = smollm2_pd.get()
     fleet = Fleet(SMOLLM2, "nixl", {}, tmp_path_factory.mktemp("logs-first-token"))
-    fleet.urls.update(p=shared.urls.prefill[0], d=shared.urls.decode[0])
+    fleet.adopt("p", shared.urls.prefill[0])
+    fleet.adopt("d", shared.urls.decode[0])
     try:
         serve_port, proxy_port = free_ports(2)
         fleet._spawn("c", [*DEFAULT_CLI, "serve", SMOLLM2, "--host", "127.0.0.1", "--port", str(serve_port),
@@ -63,6 +64,12 @@ def fleet(tmp_path_factory, smollm2_pd):
         yield fleet
     finally:
         fleet.stop()
+
+
+@pytest.fixture(autouse=True)
+def leases_expired_before(fleet):
+    """`settled` counts only this test's expired leases on the shared P and D."""
+    fleet.note_expired_leases()
 
 
 def settled(fleet: Fleet, timeout_s: float = 15.0) -> None:
