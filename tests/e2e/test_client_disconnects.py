@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(600)
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 24
 # The issue's "fresh timestamp", fixed so that the answers are too: every prompt of the module is
-# its own and the cluster is the module's, so none hits D's prefix cache and D reads P's KV.
+# its own (no other test's prompt has it), so none hits D's prefix cache and D reads P's KV.
 TAG = 1764158400123456789
 ANIMALS = ["cat", "dog", "fox", "owl", "whale", "horse", "otter", "crow"]
 LONG_TAIL = (" It lived in a lighthouse on a rocky island, where storms came every winter and the keeper "
@@ -87,12 +87,11 @@ def want() -> Want:
     return found
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(MODEL, port=0, kv_backend="nixl", log_dir=tmp_path_factory.mktemp("logs-disconnects"),
-                     num_threads=1, extra_serve_args=["--num-blocks", "320", "--max-model-len", "512", "--dtype", "float32"])
-    with c:  # started: every process healthy
-        yield c
+@pytest.fixture
+def cluster(smollm2_pd_cluster):
+    """The session's shared cluster (tests/e2e/conftest.py: NIXL, one thread each, 320 blocks, a
+    512-token context), every process healthy; checked after each test (blocks free, no lease expired)."""
+    return smollm2_pd_cluster
 
 
 def p_url(c: LocalCluster) -> str:

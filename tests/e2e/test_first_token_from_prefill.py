@@ -25,14 +25,14 @@ import pytest
 from openai import APIError, BadRequestError, OpenAI
 
 from kvbridge.config import KVRole
-from kvbridge.launcher.cluster import DEFAULT_CLI, free_ports, http_url
+from kvbridge.launcher.cluster import DEFAULT_CLI, InstanceSpec, free_ports, http_url, serve_command
 from tests.e2e.processes import metric
 from tests.e2e.test_pd_tensor_parallel import PROMPTS as PD_PROMPTS
 from tests.e2e.test_pd_tensor_parallel import SMOLLM2, Fleet, assert_settled
 
 pytestmark = pytest.mark.timeout(600)
 PROMPTS = [*PD_PROMPTS, "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-INSTANCES = {"p": (KVRole.PRODUCER, 1), "d": (KVRole.CONSUMER, 1)}
+INSTANCE_ARGS = ("--num-blocks", "64", "--max-model-len", "512")  # Fleet's, as the shared cluster's context
 CONTINUED = {"outcome": "continued"}
 FINISHED = {"outcome": "finished_at_prefill"}
 
@@ -45,8 +45,13 @@ class Answer:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    fleet = Fleet(SMOLLM2, "nixl", INSTANCES, tmp_path_factory.mktemp("logs-first-token"))
+def fleet(tmp_path_factory, smollm2_pd):
+    """P and D: the session's shared cluster's (tests/e2e/conftest.py: NIXL, one thread each, a
+    512-token context); the colocated instance, its proxy and the P/D proxy: the module's own."""
+    shared = smollm2_pd.get()
+    fleet = Fleet(SMOLLM2, "nixl", {}, tmp_path_factory.mktemp("logs-first-token"))
+    fleet.adopt("p", shared.urls.prefill[0])
+    fleet.adopt("d", shared.urls.decode[0])
     try:
         serve_port, proxy_port = free_ports(2)
         fleet._spawn("c", [*DEFAULT_CLI, "serve", SMOLLM2, "--host", "127.0.0.1", "--port", str(serve_port),
@@ -59,6 +64,12 @@ def fleet(tmp_path_factory):
         yield fleet
     finally:
         fleet.stop()
+
+
+@pytest.fixture(autouse=True)
+def leases_expired_before(fleet):
+    """`settled` counts only this test's expired leases on the shared P and D."""
+    fleet.note_expired_leases()
 
 
 def settled(fleet: Fleet, timeout_s: float = 15.0) -> None:
@@ -171,17 +182,23 @@ def test_a_request_decode_refuses_gets_its_status_before_any_byte(fleet):
 
 
 def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_event(fleet):
-    """Last in this module: it kills D. The client has P's token and D's stream has started
-    when D dies; the stream must end with an error event, never a silent truncation."""
-    client = OpenAI(base_url=fleet.urls["proxy-p-d"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    """It kills a D of its own (P is shared: it serves on). The client has P's token and D's
+    stream has started when D dies; the stream must end with an error event, never a silent
+    truncation."""
+    port, side_channel = free_ports(2)
+    spec = InstanceSpec("d-killed", KVRole.CONSUMER, port, side_channel, f"d-killed-{os.getpid()}", 1)
+    fleet._spawn(spec.name, serve_command(DEFAULT_CLI, SMOLLM2, spec, host="127.0.0.1", kv_backend="nixl",
+                                          num_threads=1, extra_args=list(INSTANCE_ARGS)), http_url("127.0.0.1", port))
+    fleet.wait_healthy([spec.name])
+    client = OpenAI(base_url=fleet.proxy("p", spec.name) + "/v1", api_key="unused", max_retries=0, timeout=120)
     chunks = iter(client.completions.create(model=SMOLLM2, prompt=PROMPTS[1], max_tokens=300, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True}))
     assert next(chunks).choices[0].text  # P's token, sent by the proxy before D computed anything
     deadline = time.monotonic() + 60
-    while metric(fleet.urls["d"], "kvbridge_num_requests_running") == 0:  # D read P's KV and decodes
+    while metric(fleet.urls[spec.name], "kvbridge_num_requests_running") == 0:  # D read P's KV and decodes
         assert time.monotonic() < deadline, "D never ran the request"
         time.sleep(0.01)
-    os.kill(fleet.child("d").pid, signal.SIGKILL)
+    os.kill(fleet.child(spec.name).pid, signal.SIGKILL)
     with pytest.raises(APIError, match="decode instance stream failed"):
         for _ in chunks:
             pass

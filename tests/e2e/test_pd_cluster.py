@@ -42,13 +42,29 @@ def reference():
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
-def cluster(request, tmp_path_factory):
-    c = LocalCluster(MODEL, port=0, kv_backend=request.param, log_dir=tmp_path_factory.mktemp("logs"),
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tcp_cluster(tmp_path_factory):
+    c = LocalCluster(MODEL, port=0, kv_backend="tcp", log_dir=tmp_path_factory.mktemp("logs"),
                      extra_serve_args=["--num-blocks", "128", "--max-model-len", "1024", "--dtype", "float32"])
     with c:
         c.wait_healthy(300)
         yield c
-        assert_all_blocks_free(c)
+
+
+@pytest.fixture
+def cluster(request, backend, smollm2_pd):
+    """tcp: the module's own cluster; NIXL: the session's shared one (tests/e2e/conftest.py).
+    Either way every block is free on P and D after each test."""
+    if backend == "nixl":
+        yield request.getfixturevalue("smollm2_pd_cluster")  # checks the blocks itself
+        return
+    c = request.getfixturevalue("tcp_cluster")
+    yield c
+    assert_all_blocks_free(c)
 
 
 def assert_all_blocks_free(c: LocalCluster, timeout_s: float = 15.0) -> None:
