@@ -405,7 +405,8 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 def main() -> int:
     a = parse_args()
-    signal.signal(signal.SIGTERM, _interrupt)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also where SIGINT came ignored (a background job)
+        signal.signal(sig, _interrupt)
     import tempfile
     log_dir = a.log_dir or Path(tempfile.mkdtemp(prefix="ray_vs_up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
