@@ -227,16 +227,27 @@ def summarize(batches: list[Batch], concurrencies: list[int]) -> list[dict]:
                      "ray_ttft_p50_ms": med[RAY]["ttft_p50_s"] * 1e3,
                      "ttft_ratio": med[RAY]["ttft_p50_s"] / med[UP]["ttft_p50_s"],
                      "up_tok_s": med[UP]["tok_s"], "ray_tok_s": med[RAY]["tok_s"],
-                     "tok_s_ratio": med[RAY]["tok_s"] / med[UP]["tok_s"]})
+                     "tok_s_ratio": med[RAY]["tok_s"] / med[UP]["tok_s"],
+                     # paired: each repetition's Ray/up (the same workload, back to back)
+                     "ttft_ratio_per_rep": paired(batches, c, "ttft_p50_s"),
+                     "tok_s_ratio_per_rep": paired(batches, c, "tok_s")})
     return rows
 
 
+def paired(batches: list[Batch], concurrency: int, key: str) -> list[float]:
+    by = {(b.setup, b.rep): getattr(b, key) for b in batches if b.concurrency == concurrency}
+    return [by[RAY, rep] / by[UP, rep] for rep in sorted({r for _, r in by})]
+
+
 def print_table(rows: list[dict]) -> None:
-    print("| concurrency | TTFT p50 up (ms) | TTFT p50 Ray (ms) | Ray/up | tok/s up | tok/s Ray | Ray/up |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| concurrency | TTFT p50 up (ms) | TTFT p50 Ray (ms) | Ray/up | per rep | tok/s up | tok/s Ray | Ray/up "
+          "| per rep |")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['concurrency']} | {r['up_ttft_p50_ms']:.0f} | {r['ray_ttft_p50_ms']:.0f} | "
-              f"{r['ttft_ratio']:.3f} | {r['up_tok_s']:.1f} | {r['ray_tok_s']:.1f} | {r['tok_s_ratio']:.3f} |")
+              f"{r['ttft_ratio']:.3f} | {' '.join(f'{x:.2f}' for x in r['ttft_ratio_per_rep'])} | "
+              f"{r['up_tok_s']:.1f} | {r['ray_tok_s']:.1f} | {r['tok_s_ratio']:.3f} | "
+              f"{' '.join(f'{x:.2f}' for x in r['tok_s_ratio_per_rep'])} |")
 
 
 # ---- scale timings ------------------------------------------------------------------------------
