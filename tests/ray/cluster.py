@@ -21,7 +21,7 @@ from kvbridge.ray import app, discovery
 from tests.e2e.processes import metric
 
 MODEL = "SmolLM2-135M-Instruct"
-ENGINE_ARGS = ("--kv-cache-memory-gb", "0.25", "--max-model-len", "1024")
+ENGINE_ARGS = ("--kv-cache-memory-gb", "0.25", "--max-model-len", "1024", "--dtype", "float32")  # fp32: greedy P/D = colocated holds batch for batch (bf16 is not batch-invariant)
 P_RESOURCE, D_RESOURCE = "kvbridge_prefill_node", "kvbridge_decode_node"
 
 
