@@ -194,25 +194,25 @@ def spawn_child(name: str, argv: Sequence[str], env: Mapping[str, str], log_dir:
     return ChildProcess(name, argv, popen, log_path, log_file)
 
 
-def stop_children(children: Sequence[ChildProcess], grace_s: float = 10.0) -> None:
-    """SIGINT each child still running (stop now; SIGTERM would start an instance's drain), wait
-    up to `grace_s` in all, SIGKILL the rest, reap all.
+def stop_children(children: Sequence[ChildProcess], grace_s: float = 10.0,
+                  sig: signal.Signals = signal.SIGINT) -> None:
+    """Send `sig` to each child still running (SIGINT, the default: stop now; SIGTERM would start
+    an instance's drain), wait up to `grace_s` in all, SIGKILL the rest, reap all.
 
     Signals only these pids, and only while Popen has not reaped them (no pid reuse race).
     """
     for child in children:
         if child.alive():
-            child.popen.send_signal(signal.SIGINT)
+            child.popen.send_signal(sig)
     deadline = time.monotonic() + grace_s
     for child in children:
         try:
             child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logger.warning("%s (pid %d) ignored SIGINT for %.1fs: killing it", child.name, child.pid, grace_s)
+            logger.warning("%s (pid %d) ignored %s for %.1fs: killing it", child.name, child.pid, sig.name, grace_s)
             child.popen.kill()
             child.popen.wait()
         child.close_log()
-
 
 class LocalCluster:
     """num_prefill P + num_decode D instances and a proxy on one host.

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -34,7 +33,7 @@ import httpx
 
 from kvbridge.config import KVRole
 from kvbridge.launcher.cluster import (DEFAULT_CLI, LOOPBACK_HOSTS, ChildProcess, InstanceSpec, child_env,
-                                       free_ports, http_url, serve_command, spawn_child)
+                                       free_ports, http_url, serve_command, spawn_child, stop_children)
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
 
 logger = logging.getLogger(__name__)
@@ -209,19 +208,8 @@ class EngineReplica:
 
     def _stop_child(self, grace_s: float) -> None:
         """SIGTERM the engine (it drains), wait up to `grace_s`, then SIGKILL; reap it."""
-        child = self.child
-        if child.alive():
-            child.popen.send_signal(signal.SIGTERM)
-        try:
-            child.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s (pid %d) did not exit %.0f s after SIGTERM: killing it", self.engine_id, child.pid,
-                           grace_s)
-            child.popen.kill()
-            child.popen.wait()
-        child.close_log()
+        stop_children([self.child], grace_s, signal.SIGTERM)
         self._client.close()
-
 
 def _draining(r: httpx.Response) -> bool:
     try:
