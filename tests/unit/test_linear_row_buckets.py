@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kvbridge.engine.layers import linear
-from kvbridge.engine.layers.linear import BUCKET_ALIGN, BUCKET_MIN_ROWS, bucket_rows, packed_linear, prepack_weight
+from kvbridge.engine.layers.linear import packed_linear, prepack_weight
+from kvbridge.engine.layers.shape_buckets import BUCKET_ALIGN, BUCKET_MIN_ROWS, bucket_rows
 
 STEP_TOKENS = 2048  # the scheduler's default token budget: a step's largest row count
 BOUND = 55  # distinct buckets up to STEP_TOKENS: 1..16, 32..256 by 16, then 8 per doubling

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbridge.engine.layers import cpu_kernels
+from kvbridge.engine.layers.shape_buckets import prefill_sdpa
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class PrefillSeq:
     block_index: torch.Tensor | None  # [ceil(context_len / block_size)]
     # [1, 1, query_len, context_len], True = attend; None: plain causal over the new K/V.
     mask: torch.Tensor | None
+    # The mask grown to bucketed lengths (shape_buckets.prefill_sdpa), made by the first layer.
+    padded_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -284,12 +287,9 @@ class PagedAttention(nn.Module):
         if seq.block_index is None:
             ks = k[seq.start:seq.end].transpose(0, 1).unsqueeze(0)
             vs = v[seq.start:seq.end].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None,
-                                                 enable_gqa=gqa)
         else:
             ks, vs = (kv_layer[:, i].index_select(0, seq.block_index)
                       .view(-1, self.num_kv_heads, self.head_dim)[:seq.context_len].transpose(0, 1).unsqueeze(0)
-                      for i in (0, 1))
-            out = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=seq.mask,
-                                                 enable_gqa=gqa)
+                      .to(q.dtype) for i in (0, 1))
+        out = prefill_sdpa(qs, ks, vs, seq.mask, enable_gqa=gqa, mask_cache=seq.padded_masks)
         return out[0].transpose(0, 1).reshape(seq.end - seq.start, self.num_heads * self.head_dim)

@@ -14,10 +14,11 @@ Row buckets (bf16, issue 33): oneDNN compiles and caches one primitive per matmu
 step's row count is its token count, so a prefilling server meets a new shape with almost every
 prompt. A bf16 primitive costs 4-13 ms to create (AMX brgemm JIT), and with the caches bounded
 (native_memory.py) a shape evicted comes back as a new creation. A bf16 matmul of more than
-`BUCKET_MIN_ROWS` rows therefore runs on its row count rounded up to a bucket (`bucket_rows`):
-multiples of 16 (AMX's tile height) up to 256, then 8 buckets per doubling, so the zero rows
-added are at most 1/8 of the rows (16 rows below 256) and a token budget of 2048 shows oneDNN
-55 row counts per weight: each is created once, at warm-up, and stays cached. The result is
+`BUCKET_MIN_ROWS` rows therefore runs on its row count rounded up to a bucket
+(shape_buckets.bucket_rows, which bf16 prefill attention uses too): multiples of 16 (AMX's tile
+height) up to 256, then 8 buckets per doubling, so the zero rows added are at most 1/8 of the
+rows (16 rows below 256) and a token budget of 2048 shows oneDNN 55 row counts per weight:
+each is created once, at warm-up, and stays cached. The result is
 the first rows of the padded product (a view: nothing copied). fp32 keeps exact row counts (a
 creation costs about 0.5 ms there, and padded rows are real work). KVBRIDGE_ROW_BUCKETS=0 turns
 it off.
@@ -31,12 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbridge.engine.layers import shape_buckets
+from kvbridge.engine.layers.shape_buckets import bucket_rows
+
 
 _LAYOUT_ROWS_HINT = 16
 PREPACKED_DTYPES = (torch.float32, torch.bfloat16)
-BUCKET_MIN_ROWS = 16  # up to this many rows (decode batches) a matmul runs on its own row count
-BUCKET_ALIGN = 16  # the finest bucket step (AMX's tile height)
-_ROW_BUCKETS = os.environ.get("KVBRIDGE_ROW_BUCKETS") != "0"
 
 
 class Linear(nn.Module):
@@ -75,18 +76,6 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_ROWS_HINT)
 
 
-def bucket_rows(m: int) -> int:
-    """The row count a bf16 matmul of m rows runs on: m up to BUCKET_MIN_ROWS; above, m rounded
-    up to a multiple of BUCKET_ALIGN up to 256 and of 2**(k-3) for 2**k < m <= 2**(k+1) beyond
-    (8 buckets per doubling: at most m/8 rows of padding)."""
-    if m < 1:
-        raise ValueError(f"a matmul needs at least one row, got {m}")
-    if m <= BUCKET_MIN_ROWS:
-        return m
-    step = max(BUCKET_ALIGN, 1 << max(0, (m - 1).bit_length() - 4))
-    return -(-m // step) * step
-
-
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -103,7 +92,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """x [..., in] @ packed.T (+ bias), for a weight from prepack_weight (bf16: in row buckets)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if _ROW_BUCKETS and x2.dtype == torch.bfloat16 and x2.shape[0] > BUCKET_MIN_ROWS:
+    if shape_buckets.ENABLED and x2.dtype == torch.bfloat16 and x2.shape[0] > shape_buckets.BUCKET_MIN_ROWS:
         y = _bucketed_linear(x2, packed, bias)
     else:
         y = _onednn_linear(x2, packed, bias)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbridge.engine.layers.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from kvbridge.engine.layers.shape_buckets import prefill_sdpa
 
 
 class MLAPagedAttention(nn.Module):
@@ -91,6 +92,5 @@ class MLAPagedAttention(nn.Module):
         k = torch.cat((kv[..., :self.nope], k_pe), dim=-1).transpose(0, 1).unsqueeze(0)  # [1, heads, C, qk]
         v = kv[..., self.nope:].transpose(0, 1).unsqueeze(0)  # [1, heads, C, v]
         q = torch.cat((q_nope[seq.start:seq.end], q_pe[seq.start:seq.end]), dim=-1).transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=seq.mask, is_causal=seq.mask is None,
-                                             scale=self.scale)
+        out = prefill_sdpa(q, k, v, seq.mask, scale=self.scale, mask_cache=seq.padded_masks)
         return out[0].transpose(0, 1)  # [L, heads, v]
