@@ -9,6 +9,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvbridge.ray import cli as ray_cli
+from kvbridge.tracing import trace_command
+
 if TYPE_CHECKING:
     from kvbridge.config import EngineConfig
 
@@ -315,7 +318,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         extra = ["--dtype", config.dtype, *extra]
         print(f"kvbridge up: every instance computes in {dtype_line(child)}", file=sys.stderr, flush=True)
     if a.ray or a.ray_address:
-        return _up_on_ray(a, model, child, extra)
+        return ray_cli.up_on_ray(a, model, child, extra)
     if a.prefill_replicas or a.decode_replicas or a.prefill_resources or a.decode_resources:
         print("kvbridge up: error: --prefill-replicas, --decode-replicas and --*-resources need --ray",
               file=sys.stderr)
@@ -324,55 +327,6 @@ def cmd_up(a: argparse.Namespace) -> int:
                        kv_backend=child.kv_backend, extra_serve_args=extra, num_threads=child.num_threads,
                        api_key=child.api_key, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
                        proxy_args=up_proxy_args(a))
-
-
-def _up_on_ray(a: argparse.Namespace, model: str, child: argparse.Namespace, extra: list[str]) -> int:
-    """`kvbridge up --ray`: the application on Ray (kvbridge/ray/app.py)."""
-    from kvbridge.ray.app import AppConfig, PoolSize, parse_resources, run_up
-    try:
-        prefill = PoolSize.parse(a.prefill_replicas) if a.prefill_replicas else PoolSize(a.num_prefill, a.num_prefill)
-        decode = PoolSize.parse(a.decode_replicas) if a.decode_replicas else PoolSize(a.num_decode, a.num_decode)
-        prefill_resources, decode_resources = parse_resources(a.prefill_resources), parse_resources(a.decode_resources)
-    except ValueError as exc:
-        print(f"kvbridge up --ray: error: {exc}", file=sys.stderr)
-        return 2
-    router = {"host": a.host, "port": a.port}
-    if a.max_body_bytes is not None:
-        router["max_body_bytes"] = a.max_body_bytes
-    config = AppConfig(model=model, prefill=prefill, decode=decode, name=a.app_name, kv_backend=child.kv_backend,
-                       num_threads=child.num_threads, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
-                       serve_args=tuple(extra), api_key=child.api_key, prefill_resources=prefill_resources,
-                       decode_resources=decode_resources, replica_cpus=a.replica_cpus, router=router)
-    return run_up(config, ray_address=a.ray_address, host=a.host)
-
-
-def cmd_ray(a: argparse.Namespace) -> int:
-    """`kvbridge ray scale|status`: a running application on a Ray cluster."""
-    import json
-
-    from kvbridge.ray.app import DeployError, PoolSize, connect, router_url, scale, status_report
-    try:
-        prefill = PoolSize.parse(a.prefill_replicas) if getattr(a, "prefill_replicas", None) else None
-        decode = PoolSize.parse(a.decode_replicas) if getattr(a, "decode_replicas", None) else None
-    except ValueError as exc:
-        print(f"kvbridge ray: error: {exc}", file=sys.stderr)
-        return 2
-    connect(a.ray_address)
-    try:
-        if a.ray_command == "scale":
-            if prefill is None and decode is None:
-                print("kvbridge ray scale: error: give --prefill-replicas and/or --decode-replicas", file=sys.stderr)
-                return 2
-            print(json.dumps(scale(a.app_name, prefill, decode, timeout_s=a.timeout), indent=2))
-        else:
-            print(json.dumps({"router": router_url(a.app_name), **status_report(a.app_name)}, indent=2))
-    except KeyError:
-        print(f"kvbridge ray: no application {a.app_name!r} on this cluster", file=sys.stderr)
-        return 1
-    except DeployError as exc:
-        print(f"kvbridge ray: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def up_tracing_args(a: argparse.Namespace) -> list[str]:
@@ -403,95 +357,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_chaos(a: argparse.Namespace) -> int:
     from kvbridge.chaos import main as chaos_main
     return chaos_main(a.args)
-
-
-def cmd_trace(a: argparse.Namespace) -> int:
-    """One request's waterfall from an OTLP JSON file or a trace store (Jaeger API v3). Exit 2: the
-    input cannot be used (no file, not OTLP JSON, bad options); 1: the trace is not there (no such
-    request or trace id, the store unreachable or failing)."""
-    from kvbridge.tracing import waterfall as wf
-    if (a.file is None) == (a.endpoint is None):
-        print("kvbridge trace: error: give an OTLP JSON FILE or --endpoint URL (one of them)", file=sys.stderr)
-        return 2
-    if a.file is not None:
-        try:
-            with open(a.file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            print(f"kvbridge trace: error: cannot read {a.file}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
-        except UnicodeDecodeError:
-            print(f"kvbridge trace: error: {a.file} is not OTLP JSON (not UTF-8 text)", file=sys.stderr)
-            return 2
-        spans = wf.parse_otlp_json(text)
-        if isinstance(spans, wf.TraceError):
-            print(f"kvbridge trace: error: {a.file} is not OTLP JSON: {spans.message}", file=sys.stderr)
-            return 2
-    else:
-        if a.request_id is None and a.trace_id is None:
-            print("kvbridge trace: error: --endpoint needs --request-id or --trace-id", file=sys.stderr)
-            return 2
-        spans = _trace_store_spans(a)
-        if isinstance(spans, wf.TraceError):
-            print(f"kvbridge trace: {spans.message}", file=sys.stderr)
-            return 1
-    if a.list:
-        print(wf.render_trace_list(wf.trace_summaries(spans)), end="")
-        return 0
-    chosen = wf.select_trace(spans, request_id=a.request_id, trace_id=a.trace_id)
-    if isinstance(chosen, wf.TraceError):
-        print(f"kvbridge trace: {chosen.message}", file=sys.stderr)
-        return 1
-    if chosen.note:
-        print(f"kvbridge trace: {chosen.note}", file=sys.stderr)
-    print(wf.render_waterfall(wf.build_waterfall(chosen.spans), width=a.width,
-                              min_gap_ns=int(a.min_gap_ms * 1e6)), end="")
-    return 0
-
-
-def _trace_store_spans(a: argparse.Namespace):
-    """The spans of the wanted trace from a Jaeger API v3 trace store, or a TraceError. By request
-    id: FindTraces (`GET /api/v3/traces`, the spans of --service carrying the id, started in the last
-    --lookback seconds), then the whole trace by id (`GET /api/v3/traces/{id}`), which holds the other
-    services' spans too."""
-    import time
-
-    import httpx
-
-    from kvbridge.tracing import waterfall as wf
-    base = a.endpoint.rstrip("/")
-    try:
-        with httpx.Client(timeout=a.timeout) as client:
-            if a.trace_id is not None:
-                return _store_answer(client.get(f"{base}/api/v3/traces/{a.trace_id.strip().lower()}"), base,
-                                     f"no trace {a.trace_id}")
-            now = time.time_ns()
-            query = wf.jaeger_find_query(a.service, a.request_id, now - int(a.lookback * 1e9), now + 60 * 10**9)
-            found = _store_answer(client.get(f"{base}/api/v3/traces", params=query), base,
-                                  f"no trace of service {a.service} with {wf.REQUEST_ID_ATTRIBUTE}={a.request_id} "
-                                  f"in the last {a.lookback:g} s")
-            if isinstance(found, wf.TraceError):
-                return found
-            chosen = wf.select_trace(found, request_id=a.request_id)  # a store that ignores attributes
-            if isinstance(chosen, wf.TraceError):
-                return wf.TraceError(f"{chosen.message} at {base}")
-            whole = _store_answer(client.get(f"{base}/api/v3/traces/{chosen.trace_id}"), base, "")
-            return chosen.spans if isinstance(whole, wf.TraceError) else whole
-    except httpx.HTTPError as exc:
-        return wf.TraceError(f"the trace store at {base} is unreachable: {type(exc).__name__}: {exc}")
-
-
-def _store_answer(response, base: str, not_found: str):
-    from kvbridge.tracing import waterfall as wf
-    if response.status_code == 404:
-        return wf.TraceError(f"{not_found} at {base}")
-    if response.status_code != 200:
-        return wf.TraceError(f"the trace store at {base} answered HTTP {response.status_code}: "
-                             f"{response.text.strip()[:200]}")
-    spans = wf.parse_otlp_json(response.text)
-    if isinstance(spans, wf.TraceError):
-        return wf.TraceError(f"the trace store at {base} answered no OTLP JSON: {spans.message}")
-    return spans
 
 
 def _non_negative_float(text: str) -> float:
@@ -588,46 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tensor parallel size of each decode instance (default: %(default)s)")
     cluster.add_argument("--max-body-bytes", type=_positive_int, default=None,
                          help="the proxy's --max-body-bytes (default: the proxy's, 32 MiB)")
-    on_ray = up.add_argument_group("on Ray (the `kvbridge[ray]` extra; README, \"kvbridge on Ray\")")
-    on_ray.add_argument("--ray", action="store_true",
-                        help="deploy the router, a prefill pool and a decode pool as a Ray Serve application on an "
-                             "embedded Ray instance bound to --host (Ctrl-C removes the application and stops Ray)")
-    on_ray.add_argument("--ray-address", default=None, metavar="ADDR",
-                        help="deploy onto the running Ray cluster at ADDR instead (implies --ray; Ctrl-C removes "
-                             "the application, the cluster keeps running)")
-    on_ray.add_argument("--prefill-replicas", default=None, metavar="N|MIN:MAX",
-                        help="prefill pool size: N fixed, or MIN:MAX autoscaled on queued prompt tokens and queue "
-                             "wait (default: --num-prefill)")
-    on_ray.add_argument("--decode-replicas", default=None, metavar="N|MIN:MAX",
-                        help="decode pool size: N fixed, or MIN:MAX autoscaled on running sequences against KV "
-                             "capacity (default: --num-decode)")
-    on_ray.add_argument("--prefill-resources", default="", metavar="RES",
-                        help="Ray custom resources each prefill replica needs, as name=amount,... or JSON, e.g. "
-                             "prefill_node=1 (nodes started with --resources '{\"prefill_node\": 4}')")
-    on_ray.add_argument("--decode-resources", default="", metavar="RES",
-                        help="Ray custom resources each decode replica needs (as --prefill-resources)")
-    on_ray.add_argument("--replica-cpus", type=float, default=0.0,
-                        help="logical CPUs Ray reserves for each engine rank (default: 0, engines share the node's "
-                             "cores as `kvbridge up`'s do)")
-    on_ray.add_argument("--app-name", default="kvbridge", help="the Serve application's name (default: %(default)s)")
+    ray_cli.add_up_ray_args(up)
     _add_engine_args(up)
     _add_tracing_args(up, service_name=False)
     up.set_defaults(func=cmd_up, serve_args=[])
 
-    ray_cmd = sub.add_parser("ray", help="a kvbridge application running on Ray: scale, status")
-    ray_sub = ray_cmd.add_subparsers(dest="ray_command", required=True)
-    for name, text in (("scale", "change a pool's size or autoscaling bounds in place (no replica restarts)"),
-                       ("status", "the router's URL and each pool's replicas, as the router sees them")):
-        r = ray_sub.add_parser(name, help=text, description=text)
-        r.add_argument("--ray-address", default="auto", metavar="ADDR",
-                       help="the Ray cluster (default: %(default)s, the cluster this host belongs to)")
-        r.add_argument("--app-name", default="kvbridge", help="the Serve application's name (default: %(default)s)")
-        r.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the new sizes "
-                       "(default: %(default)s)")
-        if name == "scale":
-            r.add_argument("--prefill-replicas", default=None, metavar="N|MIN:MAX", help="the prefill pool's size")
-            r.add_argument("--decode-replicas", default=None, metavar="N|MIN:MAX", help="the decode pool's size")
-        r.set_defaults(func=cmd_ray)
+    ray_cli.add_ray_command(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark from benchmarks/")
     bench.add_argument("name", help="e.g. engine_vs_transformers")
@@ -638,36 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("args", nargs=argparse.REMAINDER)
     chaos.set_defaults(func=cmd_chaos)
 
-    trace = sub.add_parser(
-        "trace", help="print one request's trace as a waterfall (OTLP JSON file or a Jaeger trace store)",
-        description="Print one request's spans as a waterfall: each span under its parent, its start (ms from "
-                    "the trace's start), duration, service, key attributes and ERROR status, and the gaps no "
-                    "child span covers. Read an OTLP JSON file (the OpenTelemetry Collector's file exporter "
-                    "output, or one JSON document) or query a trace store over Jaeger's API v3 (--endpoint).",
-        epilog="Exit status: 0 printed; 1 no such request or trace, or the trace store unreachable; 2 the "
-               "input cannot be used (no file, not OTLP JSON, bad options).")
-    trace.add_argument("file", nargs="?", default=None, metavar="FILE",
-                       help="OTLP JSON: one {\"resourceSpans\": [...]} object per line, or one document")
-    trace.add_argument("--endpoint", default=None, metavar="URL",
-                       help="a trace store's Jaeger API v3 base URL instead of FILE (Jaeger's query service, "
-                            "e.g. http://127.0.0.1:16686); needs --request-id or --trace-id")
-    which = trace.add_mutually_exclusive_group()
-    which.add_argument("--request-id", default=None, metavar="ID",
-                       help="the trace in which a span has the attribute kvbridge.request_id=ID")
-    which.add_argument("--trace-id", default=None, metavar="HEX", help="the trace with this id (32 hex digits)")
-    trace.add_argument("--list", action="store_true", help="list the traces found (FILE) instead of a waterfall")
-    trace.add_argument("--service", default="kvbridge-proxy",
-                       help="--endpoint --request-id: the service whose span carries the request id "
-                            "(default: %(default)s)")
-    trace.add_argument("--lookback", type=float, default=3600.0, metavar="SECONDS",
-                       help="--endpoint --request-id: how far back the request started (default: %(default)s)")
-    trace.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
-                       help="--endpoint: seconds for each HTTP request to the trace store (default: %(default)s)")
-    trace.add_argument("--min-gap-ms", type=float, default=0.1, metavar="MS",
-                       help="gaps shorter than this are counted, not printed (default: %(default)s)")
-    trace.add_argument("--width", type=_positive_int, default=40, help="bar width in characters "
-                       "(default: %(default)s)")
-    trace.set_defaults(func=cmd_trace)
+    trace_command.add_trace_command(sub, _positive_int)
     return parser
 
 
