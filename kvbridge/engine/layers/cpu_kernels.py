@@ -8,8 +8,9 @@ builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
   decode also reads a bf16 cache (widened to fp32 as read, every sum fp32; `decode_applies`);
   bf16 prompts go to torch's SDPA, whose AMX path is 2.4-5x this kernel's speed in bf16
   (benchmarks/README.md, "bf16");
-- `rms_norm`, `add_rms_norm_`, `rotary_`, `write_kv_`: one-pass versions of small per-layer
-  ops (csrc/elementwise.cpp). Call sites ask `applies(...)` and keep their torch path.
+- `rms_norm`, `add_rms_norm_`, `rotary_`, `write_kv_`, `silu_and_mul`: one-pass versions of small
+  per-layer ops (csrc/elementwise.cpp), fp32 or bf16 (fp32 arithmetic, rounded where torch's bf16
+  ops round). Call sites ask `applies(...)` / `elementwise_applies(...)` and keep their torch path.
 
 The build needs g++ and ninja (both on the machines kvbridge installs on; `scripts/install.sh`
 builds it, so a server never compiles at start-up) and goes to `$KVBRIDGE_CACHE_DIR/cpu-kernels`.
@@ -122,6 +123,17 @@ def _load_or_explain() -> bool:
 def applies(*tensors: torch.Tensor) -> bool:
     """The kernels take these tensors: every one fp32 on the CPU, and the kernels are loaded."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
+
+
+ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)  # what the one-pass ops of elementwise.cpp take
+
+
+def elementwise_applies(*tensors: torch.Tensor) -> bool:
+    """The one-pass ops (rms_norm, add_rms_norm_, rotary_, write_kv_, silu_and_mul) take these
+    tensors: all on the CPU, all of one dtype in ELEMENTWISE_DTYPES, and the kernels are loaded."""
+    dtype = tensors[0].dtype
+    return (dtype in ELEMENTWISE_DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+            and available())
 
 
 DECODE_DTYPES = (torch.float32, torch.bfloat16)  # what paged_decode_attention takes

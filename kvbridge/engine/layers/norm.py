@@ -10,16 +10,17 @@ from kvbridge.engine.layers import cpu_kernels
 
 
 def _one_pass(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The CPU kernel applies: fp32 rows [tokens, hidden] with one weight per column."""
-    return x.dim() == 2 and x.stride(1) == 1 and weight.shape == x.shape[-1:] and cpu_kernels.applies(x, weight)
+    """The CPU kernel applies: fp32 or bf16 rows [tokens, hidden] with one weight (same dtype) per column."""
+    return (x.dim() == 2 and x.stride(1) == 1 and weight.shape == x.shape[-1:]
+            and cpu_kernels.elementwise_applies(x, weight))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise the last dimension of x and scale by weight (broadcastable to x).
 
     Below fp32 the statistics are taken in fp32 and the scale is applied after the cast
-    back to x's dtype, as the reference implementation does. fp32 rows on CPU take one pass
-    (cpu_kernels); torch's rms_norm makes several there.
+    back to x's dtype, as the reference implementation does. fp32 and bf16 rows on CPU take one
+    pass (cpu_kernels, the same rounding); torch's rms_norm makes several there.
     """
     if _one_pass(x, weight):
         return torch.ops.kvbridge.rms_norm(x, weight, eps)
@@ -29,7 +30,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += delta (in place), then rms_norm(residual): one pass on CPU in fp32."""
+    """residual += delta (in place), then rms_norm(residual): one pass on CPU in fp32 and bf16."""
     if residual.is_contiguous() and delta.shape == residual.shape and delta.stride(-1) == 1 and _one_pass(
             residual, weight):
         return torch.ops.kvbridge.add_rms_norm_(residual, delta, weight, eps)

@@ -87,9 +87,9 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the first rope_dim (cos.shape[-1]) dims of each head of x [T, heads, head_dim] in
-        place, the rest unchanged; returns x. One pass on CPU in fp32 (cpu_kernels)."""
+        place, the rest unchanged; returns x. One pass on CPU in fp32 and bf16 (cpu_kernels)."""
         rope = cos.shape[-1]
-        if x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and cpu_kernels.applies(x, cos, sin):
+        if x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and cpu_kernels.elementwise_applies(x, cos, sin):
             torch.ops.kvbridge.rotary_(x, cos, sin)
         else:
             x[..., :rope] = RotaryEmbedding.apply(x[..., :rope], cos, sin)

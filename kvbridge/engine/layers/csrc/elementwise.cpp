@@ -1,9 +1,13 @@
-// One-pass CPU (fp32) versions of the small per-layer ops that torch runs as several passes, each
-// a parallel region: RMSNorm (with the residual add before it), rotary embedding in place, and
-// the write of a step's K/V into the paged cache, and the MLP's SiLU(gate) * up. They run on the
-// calling thread unless a tensor is large (kSerialBelow elements), so a decode step's [batch,
-// hidden] rows wake no OpenMP threads. Registered in the `kvbridge` op namespace
-// (paged_decode.cpp defines it); kvbridge/engine/layers/cpu_kernels.py builds and loads them.
+// One-pass CPU versions of the small per-layer ops that torch runs as several passes, each a
+// parallel region: RMSNorm (with the residual add before it), rotary embedding in place, the
+// write of a step's K/V into the paged cache, and the MLP's SiLU(gate) * up. fp32 or bf16: every
+// tensor of a call has one dtype; bf16 values are widened to fp32 as they are read, all arithmetic
+// is fp32, and a bf16 result is rounded (to nearest even) where torch's bf16 path rounds, so the
+// bf16 ops give torch's bf16 results (RMSNorm: the normalised row rounded, then times the weight;
+// the residual add rounded before the norm). They run on the calling thread unless a tensor is
+// large (kSerialBelow elements), so a decode step's [batch, hidden] rows wake no OpenMP threads.
+// Registered in the `kvbridge` op namespace (paged_decode.cpp defines it);
+// kvbridge/engine/layers/cpu_kernels.py builds and loads them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,9 +17,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+using kvbridge::bf16;
+using kvbridge::round_to;
+using kvbridge::store_scalar;
+using kvbridge::to_float;
 
 constexpr int64_t kSerialBelow = 1 << 16;  // elements; below this one thread does the whole op
 
@@ -23,37 +33,78 @@ int64_t grain(int64_t rows, int64_t row_elems) {
   return rows * row_elems < kSerialBelow ? rows : std::max<int64_t>(1, kSerialBelow / std::max<int64_t>(1, row_elems));
 }
 
+bool is_float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.device().is_cpu() && is_float_or_bf16(t), name, " must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
 
-void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, " must be all float32 or all bfloat16, got ",
+              a.scalar_type(), " and ", b.scalar_type());
+}
+
+// Calls body.template operator()<T>() with T = float or bf16, after x's dtype.
+template <typename Body>
+void dispatch(const at::Tensor& x, Body&& body) {
+  if (x.scalar_type() == at::kBFloat16) {
+    body(static_cast<bf16*>(nullptr));
+  } else {
+    body(static_cast<float*>(nullptr));
+  }
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+
+template <typename T>
+void norm_row(const T* __restrict x, const T* __restrict w, T* __restrict out, int64_t n, float eps) {
   float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int64_t l = 0; l < 8; ++l) lanes[l] += x[i + l] * x[i + l];
+    for (int64_t l = 0; l < 8; ++l) {
+      const float v = to_float(x[i + l]);
+      lanes[l] += v * v;
+    }
   }
-  for (int64_t l = 0; i < n; ++i, ++l) lanes[l] += x[i] * x[i];
+  for (int64_t l = 0; i < n; ++i, ++l) {
+    const float v = to_float(x[i]);
+    lanes[l] += v * v;
+  }
   float sum = 0.f;
   for (float lane : lanes) sum += lane;
   const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * scale * w[j];
+  for (int64_t j = 0; j < n; ++j) {
+    store_scalar(out + j, round_to(to_float(x[j]) * scale, out) * to_float(w[j]));
+  }
+}
+
+void check_weight(const at::Tensor& weight, const at::Tensor& x, const char* what) {
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+              weight.size(0) == x.size(1), what, ": weight must be a contiguous [hidden] of x's dtype");
 }
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm: x");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
-              weight.size(0) == x.size(1), "rms_norm: weight must be a contiguous float32 [hidden]");
+  check_weight(weight, x, "rms_norm");
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({rows, n}, x.options());
-  const float* xd = x.data_ptr<float>();
-  const float* wd = weight.data_ptr<float>();
-  float* od = out.data_ptr<float>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(xd + r * stride, wd, od + r * n, n, static_cast<float>(eps));
+  dispatch(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xd = ptr<T>(x);
+    const T* wd = ptr<T>(weight);
+    T* od = ptr<T>(out);
+    at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) norm_row(xd + r * stride, wd, od + r * n, n, static_cast<float>(eps));
+    });
   });
   return out;
 }
@@ -62,32 +113,36 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& delta, const at::Tensor& weight, double eps) {
   check_rows(residual, "add_rms_norm_: residual");
   check_rows(delta, "add_rms_norm_: delta");
+  check_same_dtype(residual, delta, "add_rms_norm_: residual and delta");
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == delta.sizes(),
               "add_rms_norm_: residual must be contiguous and shaped like delta");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
-              weight.size(0) == residual.size(1), "add_rms_norm_: weight must be a contiguous float32 [hidden]");
+  check_weight(weight, residual, "add_rms_norm_");
   const int64_t rows = residual.size(0), n = residual.size(1);
   at::Tensor out = at::empty({rows, n}, residual.options());
-  float* hd = residual.data_ptr<float>();
-  const float* dd = delta.data_ptr<float>();
-  const float* wd = weight.data_ptr<float>();
-  float* od = out.data_ptr<float>();
   const int64_t dstride = delta.stride(0);
-  at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* h = hd + r * n;
-      const float* d = dd + r * dstride;
-      for (int64_t j = 0; j < n; ++j) h[j] += d[j];
-      norm_row(h, wd, od + r * n, n, static_cast<float>(eps));
-    }
+  dispatch(residual, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* hd = ptr<T>(residual);
+    const T* dd = ptr<T>(delta);
+    const T* wd = ptr<T>(weight);
+    T* od = ptr<T>(out);
+    at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* __restrict h = hd + r * n;
+        const T* __restrict d = dd + r * dstride;
+        for (int64_t j = 0; j < n; ++j) store_scalar(h + j, to_float(h[j]) + to_float(d[j]));
+        norm_row(h, wd, od + r * n, n, static_cast<float>(eps));
+      }
+    });
   });
   return out;
 }
 
-void silu_mul_row(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
+template <typename T>
+void silu_mul_row(const T* __restrict gate, const T* __restrict up, T* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float g = gate[i];
-    out[i] = g / (1.f + kvbridge::vector_exp(-g)) * up[i];
+    const float g = to_float(gate[i]);
+    store_scalar(out + i, round_to(g / (1.f + kvbridge::vector_exp(-g)), out) * to_float(up[i]));
   }
 }
 
@@ -98,58 +153,75 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up must have an even number of columns");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, n}, gate_up.options());
-  const float* gd = gate_up.data_ptr<float>();
-  float* od = out.data_ptr<float>();
   const int64_t stride = gate_up.stride(0);
-  at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(gd + r * stride, gd + r * stride + n, od + r * n, n);
+  dispatch(gate_up, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* gd = ptr<T>(gate_up);
+    T* od = ptr<T>(out);
+    at::parallel_for(0, rows, grain(rows, n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) silu_mul_row(gd + r * stride, gd + r * stride + n, od + r * n, n);
+    });
   });
   return out;
 }
 
 // In place on x [T, heads, head_dim] (head_dim contiguous; any token and head strides): the first
 // rope_dim dims of each head become x * cos + rotate_half(x) * sin, where signed_sin carries
-// rotate_half's sign (RotaryEmbedding's tables: cos and signed_sin [T, 1, rope_dim] rows).
+// rotate_half's sign (RotaryEmbedding's tables: cos and signed_sin [T, 1, rope_dim] rows, of x's
+// dtype). In bf16 x * cos is rounded first, then the sum once, as torch's addcmul.
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
-              "rotary_: x must be a float32 CPU [T, heads, head_dim] with head_dim contiguous");
+  TORCH_CHECK(x.device().is_cpu() && is_float_or_bf16(x) && x.dim() == 3 && x.stride(2) == 1,
+              "rotary_: x must be a float32 or bfloat16 CPU [T, heads, head_dim] with head_dim contiguous");
   const int64_t tokens = x.size(0), heads = x.size(1), rope = cos.size(-1);
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && signed_sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              signed_sin.is_contiguous() && cos.numel() == tokens * rope && signed_sin.numel() == tokens * rope,
-              "rotary_: cos and signed_sin must be contiguous float32 with rope_dim values per token");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type() &&
+              cos.is_contiguous() && signed_sin.is_contiguous() && cos.numel() == tokens * rope &&
+              signed_sin.numel() == tokens * rope,
+              "rotary_: cos and signed_sin must be contiguous, of x's dtype, with rope_dim values per token");
   TORCH_CHECK(rope % 2 == 0 && rope <= x.size(2), "rotary_: rope_dim must be even and <= head_dim");
   const int64_t half = rope / 2;
-  float* xd = x.data_ptr<float>();
-  const float* cd = cos.data_ptr<float>();
-  const float* sd = signed_sin.data_ptr<float>();
   const int64_t ts = x.stride(0), hs = x.stride(1);
-  at::parallel_for(0, tokens, grain(tokens, heads * rope), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cd + t * rope;
-      const float* s = sd + t * rope;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* v = xd + t * ts + h * hs;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          v[i] = a * c[i] + b * s[i];
-          v[i + half] = b * c[i + half] + a * s[i + half];
+  dispatch(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* xd = ptr<T>(x);
+    const T* cd = ptr<T>(cos);
+    const T* sd = ptr<T>(signed_sin);
+    at::parallel_for(0, tokens, grain(tokens, heads * rope), [&](int64_t begin, int64_t end) {
+      // One token's tables and one head's values widened to fp32 once, so the rotation's loop is
+      // plain fp32 arithmetic over unaliased buffers (it vectorises; bf16 element by element did not).
+      std::vector<float> buffers(3 * rope);
+      float* __restrict c = buffers.data();
+      float* __restrict s = c + rope;
+      float* __restrict a = s + rope;
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t i = 0; i < rope; ++i) {
+          c[i] = to_float(cd[t * rope + i]);
+          s[i] = to_float(sd[t * rope + i]);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          T* __restrict v = xd + t * ts + h * hs;
+          for (int64_t i = 0; i < rope; ++i) a[i] = to_float(v[i]);
+          for (int64_t i = 0; i < half; ++i) {
+            store_scalar(v + i, round_to(a[i] * c[i], v) + a[i + half] * s[i]);
+            store_scalar(v + i + half, round_to(a[i + half] * c[i + half], v) + a[i] * s[i + half]);
+          }
         }
       }
-    }
+    });
   });
 }
 
 // kv_layer [blocks, 2, block_size, kv_heads, head_dim] (the cache's strided layer view) at
 // slot_mapping[t] (block * block_size + offset) gets k[t] (index 0) and v[t] (index 1).
 void write_kv_(at::Tensor kv_layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_layer.device().is_cpu() && kv_layer.scalar_type() == at::kFloat && kv_layer.dim() == 5 &&
+  TORCH_CHECK(kv_layer.device().is_cpu() && is_float_or_bf16(kv_layer) && kv_layer.dim() == 5 &&
               kv_layer.size(1) == 2 && kv_layer.stride(4) == 1,
-              "write_kv_: kv_layer must be a float32 CPU [blocks, 2, block_size, kv_heads, head_dim]");
+              "write_kv_: kv_layer must be a float32 or bfloat16 CPU [blocks, 2, block_size, kv_heads, head_dim]");
   const int64_t num_blocks = kv_layer.size(0), block_size = kv_layer.size(2);
   const int64_t heads = kv_layer.size(3), dim = kv_layer.size(4);
   for (const at::Tensor* t : {&k, &v}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(1) == heads && t->size(2) == dim &&
-                t->stride(2) == 1, "write_kv_: k and v must be float32 [T, kv_heads, head_dim]");
+    TORCH_CHECK(t->scalar_type() == kv_layer.scalar_type() && t->dim() == 3 && t->size(1) == heads &&
+                t->size(2) == dim && t->stride(2) == 1, "write_kv_: k and v must be [T, kv_heads, head_dim] of the "
+                "cache's dtype");
   }
   const int64_t tokens = k.size(0);
   TORCH_CHECK(v.size(0) == tokens && slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
@@ -160,20 +232,23 @@ void write_kv_(at::Tensor kv_layer, const at::Tensor& k, const at::Tensor& v, co
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block_size, "write_kv_: slot ", slots[t],
                 " outside the cache's ", num_blocks * block_size, " slots");
   }
-  float* cache = kv_layer.data_ptr<float>();
-  const float* kd = k.data_ptr<float>();
-  const float* vd = v.data_ptr<float>();
   const int64_t s_block = kv_layer.stride(0), s_value = kv_layer.stride(1), s_token = kv_layer.stride(2);
   const int64_t s_head = kv_layer.stride(3);
   const int64_t k_t = k.stride(0), k_h = k.stride(1), v_t = v.stride(0), v_h = v.stride(1);
-  at::parallel_for(0, tokens, grain(tokens, 2 * heads * dim), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* base = cache + (slots[t] / block_size) * s_block + (slots[t] % block_size) * s_token;
-      for (int64_t h = 0; h < heads; ++h) {
-        std::copy(kd + t * k_t + h * k_h, kd + t * k_t + h * k_h + dim, base + h * s_head);
-        std::copy(vd + t * v_t + h * v_h, vd + t * v_t + h * v_h + dim, base + s_value + h * s_head);
+  dispatch(kv_layer, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* cache = ptr<T>(kv_layer);
+    const T* kd = ptr<T>(k);
+    const T* vd = ptr<T>(v);
+    at::parallel_for(0, tokens, grain(tokens, 2 * heads * dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        T* base = cache + (slots[t] / block_size) * s_block + (slots[t] % block_size) * s_token;
+        for (int64_t h = 0; h < heads; ++h) {
+          std::copy(kd + t * k_t + h * k_h, kd + t * k_t + h * k_h + dim, base + h * s_head);
+          std::copy(vd + t * v_t + h * v_h, vd + t * v_t + h * v_h + dim, base + s_value + h * s_head);
+        }
       }
-    }
+    });
   });
 }
 

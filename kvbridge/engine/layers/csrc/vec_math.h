@@ -31,15 +31,21 @@ struct bf16 {
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.bits) << 16); }
 
+// x rounded to bf16's bits. Branch-free (a select, not a jump), so loops that narrow vectorise.
+inline uint16_t bf16_bits(float x) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;  // NaN stays a (quiet) NaN
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
 inline void store_scalar(float* p, float x) { *p = x; }
-inline void store_scalar(bf16* p, float x) {
-  uint32_t u = __builtin_bit_cast(uint32_t, x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    p->bits = static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays a (quiet) NaN
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  p->bits = static_cast<uint16_t>(u >> 16);
+inline void store_scalar(bf16* p, float x) { p->bits = bf16_bits(x); }
+
+// x as a value of T holds it: fp32 as is, bf16 rounded (what torch's op of that dtype leaves).
+inline float round_to(float x, const float*) { return x; }
+inline float round_to(float x, const bf16*) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(bf16_bits(x)) << 16);
 }
 
 // 16 bf16 widened to 16 floats (a zero-extend and a shift: vpmovzxwd + vpslld with AVX-512).
