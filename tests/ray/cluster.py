@@ -117,13 +117,13 @@ def assert_blocks_free(urls: list[str], timeout_s: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def colocated_instance(log_dir: Path) -> Iterator[str]:
-    """One plain `kvbridge serve` (no KV transfer) with the replicas' engine options: the
-    reference every answer through the Ray router must equal."""
+def colocated_instance(log_dir: Path, model: str = MODEL) -> Iterator[str]:
+    """One plain `kvbridge serve` of `model` (no KV transfer, TP 1) with the replicas' engine
+    options: the reference every answer through the Ray router must equal."""
     port = free_ports(1)[0]
     url = http_url("127.0.0.1", port)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    child = spawn_child("colocated", [*DEFAULT_CLI, "serve", MODEL, "--host", "127.0.0.1", "--port", str(port),
+    child = spawn_child("colocated", [*DEFAULT_CLI, "serve", model, "--host", "127.0.0.1", "--port", str(port),
                                       "--num-threads", "1", *ENGINE_ARGS], env, log_dir)
     try:
         deadline = time.monotonic() + 300
@@ -139,8 +139,9 @@ def colocated_instance(log_dir: Path) -> Iterator[str]:
         stop_children([child])
 
 
-def app_config(name: str, prefill: app.PoolSize, decode: app.PoolSize, **overrides) -> app.AppConfig:
-    return app.AppConfig(model=MODEL, prefill=prefill, decode=decode, name=name, serve_args=ENGINE_ARGS,
+def app_config(name: str, prefill: app.PoolSize, decode: app.PoolSize, model: str = MODEL,
+               **overrides) -> app.AppConfig:
+    return app.AppConfig(model=model, prefill=prefill, decode=decode, name=name, serve_args=ENGINE_ARGS,
                          prefill_resources={P_RESOURCE: 1}, decode_resources={D_RESOURCE: 1},
                          router={"port": 0, "health_interval_s": 0.5}, drain_grace_s=30.0, **overrides)
 
