@@ -58,13 +58,14 @@ def test_rotary_in_place_matches_torch(head_dim: int, rope_dim: int, tokens: int
     assert torch.equal(qkv[:, 5 * head_dim:], untouched)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 3000])
-def test_write_kv_matches_index_put(tokens: int) -> None:
+def test_write_kv_matches_index_put(tokens: int, dtype: torch.dtype) -> None:
     blocks, heads, slots, block_size, dim = 400, 3, 4, 16, 64
-    cache = randn(blocks, heads, slots, 2, block_size, dim)
+    cache = randn(blocks, heads, slots, 2, block_size, dim).to(dtype)
     expected = cache.clone()
     slot_mapping = torch.randperm(blocks * block_size, generator=GEN)[:tokens]
-    k, v = randn(tokens, heads, dim), randn(tokens, 2 * heads, dim)[:, :heads]
+    k, v = randn(tokens, heads, dim).to(dtype), randn(tokens, 2 * heads, dim)[:, :heads].to(dtype)
     layer, ref = (c[:, :, 2].permute(0, 2, 3, 1, 4) for c in (cache, expected))
     where = (slot_mapping // block_size, slot_mapping % block_size)
     ref[:, 0].index_put_(where, k)
@@ -172,21 +173,6 @@ def test_rotary_bf16_in_place_matches_torch_and_float64(head_dim: int, rope_dim:
     x64, c64, s64 = before[..., :rope_dim].double(), cos.double(), sin.double()
     reference = x64 * c64 + x64.roll(rope_dim // 2, dims=-1) * s64
     torch.testing.assert_close(qk[..., :rope_dim].double(), reference, **BF16_TOL)
-
-
-@pytest.mark.parametrize("tokens", [1, 5, 3000])
-def test_write_kv_bf16_matches_index_put(tokens: int) -> None:
-    blocks, heads, slots, block_size, dim = 400, 3, 4, 16, 64
-    cache = bf(blocks, heads, slots, 2, block_size, dim)
-    expected = cache.clone()
-    slot_mapping = torch.randperm(blocks * block_size, generator=GEN)[:tokens]
-    k, v = bf(tokens, heads, dim), bf(tokens, 2 * heads, dim)[:, :heads]
-    layer, ref = (c[:, :, 2].permute(0, 2, 3, 1, 4) for c in (cache, expected))
-    where = (slot_mapping // block_size, slot_mapping % block_size)
-    ref[:, 0].index_put_(where, k)
-    ref[:, 1].index_put_(where, v)
-    ops.write_kv_(layer, k, v, slot_mapping)
-    assert torch.equal(cache, expected)
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (64, 1536), (2048, 1536), (3, 5), (40, 1000)])
