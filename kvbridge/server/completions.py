@@ -446,7 +446,7 @@ def _request_id(raw: Request) -> str:
 async def read_json(raw: Request) -> dict[str, Any]:
     data = await wire.read_capped(raw.stream(), wire.MAX_BODY_BYTES)
     if data is None:
-        raise ApiError(413, f"the request body is larger than {wire.MAX_BODY_BYTES} bytes")
+        raise ApiError(413, f"the request body is larger than {wire.MAX_BODY_BYTES} bytes", code="request_too_large")
     try:
         return wire.parse_json_object(data)
     except ValueError as exc:

@@ -292,4 +292,5 @@ def test_a_body_one_byte_over_32_mib_is_413_on_the_instance_and_the_proxy(server
     assert len(body) == MAX_BODY_BYTES + 1
     error = assert_openai_error(post(servers.url(target), "/v1/completions", body), 413)
     assert str(MAX_BODY_BYTES) in error["message"]
+    assert error["code"] == "request_too_large"  # the same body from the instance as from the proxy
     servers.assert_healthy_and_serving()
