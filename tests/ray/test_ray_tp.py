@@ -7,15 +7,13 @@ only at TP 3). Removing the application leaves no engine or rank process behind.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from openai import OpenAI
 
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.ray import app
-from tests.e2e.processes import alive, metric, rank_pids
+from tests.e2e.processes import gone, metric, rank_pids
 from tests.ray.cluster import (D_RESOURCE, MODEL, P_RESOURCE, Pools, app_config, assert_blocks_free,
                                colocated_instance, node_of, ray_cluster, wait_router)
 
@@ -72,10 +70,7 @@ def test_a_tp2_prefill_replica_on_its_node_answers_equal_colocated(tmp_path):
             engines = [p.pid, d.pid, *ranks]
             app.remove(NAME)
             removed = True
-            deadline = time.monotonic() + 120
-            while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert [pid for pid in engines if alive(pid)] == [], "engine or rank processes outlived their replica"
+            assert gone(engines, 120) == [], "engine or rank processes outlived their replica"
         finally:
             pools.close()
             if not removed:

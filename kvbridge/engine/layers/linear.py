@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbridge.engine.layers import shape_buckets
-from kvbridge.engine.layers.shape_buckets import bucket_rows
 
 
 _LAYOUT_ROWS_HINT = 16
@@ -82,7 +81,7 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     m = x.shape[0]
-    padded = bucket_rows(m)
+    padded = shape_buckets.bucket_rows(m)
     if padded == m:
         return _onednn_linear(x, packed, bias)
     return _onednn_linear(F.pad(x, (0, 0, 0, padded - m)), packed, bias)[:m]
