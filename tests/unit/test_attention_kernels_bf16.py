@@ -2,11 +2,11 @@
 float64 attention of the same (bf16) values, over the fp32 kernel tests' grid (shuffled block
 tables, GQA groups, head sizes on and off the 16 lanes, sliding windows) and bad input.
 
-The kernel widens bf16 to fp32 as it reads it and then runs the fp32 kernel's own arithmetic in
-the same order, so its bf16 output is the fp32 kernel's output on the widened inputs rounded once
-to bf16 (give or take one bf16 step where the fp32 value sits on a rounding boundary: the compiler
-may contract a multiply-add into an FMA differently in the two instantiations), and within one
-bf16 rounding of the float64 result."""
+The kernel computes in fp32 from the bf16 values (widened as read, or, with AVX-512 BF16 at head
+sizes 64 and 128, scored by vdpbf16ps, whose products of two bf16 are exact in fp32, in another
+order of summation), so its bf16 output is the fp32 kernel's output on the widened inputs rounded
+once to bf16 (give or take one bf16 step where the fp32 value sits on a rounding boundary), and
+within one bf16 rounding of the float64 result."""
 
 from __future__ import annotations
 
@@ -84,6 +84,27 @@ def test_decode_kernel_bf16(heads_kv: tuple[int, int], head_dim: int, block_size
     tables = [t.tolist() for t in decode.block_index]
     exact = reference_decode(q, kv_layer, tables, contexts, window)
     assert out.shape == (len(contexts), heads * head_dim)
+    assert_bf16_of(out, fp32_out, exact)
+
+
+@pytest.mark.parametrize("heads_kv", [(9, 3), (8, 1), (12, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [32, 40])
+@pytest.mark.parametrize("window", [None, 37])
+def test_decode_kernel_bf16_blocks_of_several_key_chunks(heads_kv: tuple[int, int], head_dim: int, block_size: int,
+                                                         window: int | None) -> None:
+    """The AVX-512 BF16 path scores a block's keys 16 at a time, reading a whole chunk's 16 rows when
+    they lie in the block (32: two such chunks) and only the keys when they do not (40: the last
+    chunk of 8 rows); group sizes 6 and 8 take several value passes."""
+    heads, kv_heads = heads_kv
+    contexts = [1, 17, block_size - 1, block_size + 5, 2 * block_size + 16, 3 * block_size]
+    q, kv_layer, attn = bf16_case(heads, kv_heads, head_dim, block_size, contexts, window, seed=block_size)
+    layer = PagedAttention(heads, kv_heads, head_dim, fold_gqa_decode=False)
+    decode = attn.decode
+    assert decode is not None
+    out = layer._decode(q, kv_layer, decode)
+    fp32_out = layer._decode(q.float(), kv_layer.float(), decode)
+    exact = reference_decode(q, kv_layer, [t.tolist() for t in decode.block_index], contexts, window)
     assert_bf16_of(out, fp32_out, exact)
 
 

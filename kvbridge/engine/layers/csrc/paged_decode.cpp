@@ -6,7 +6,10 @@
 // head's query heads, the running softmax (max and sum per query head) is updated, and the
 // block's values are added in, weighted. Each byte of K and V is read once per step and nothing
 // is gathered into a temporary tensor; the next block's K and V are prefetched into L2 while a
-// block is scored (prefetch_block). Registered
+// block is scored (prefetch_block). In bf16 with head size 64 or 128 on a CPU with AVX-512 BF16
+// (decode_item_bf16) the keys are scored 16 at a time by vdpbf16ps straight from the bf16 cache and
+// the values added for all of a KV head's query heads per widened row: 1.7x the widening path's
+// arithmetic (16 x 200 tokens of SmolLM2's heads, cache-hot). Registered
 // as torch.ops.kvbridge.paged_decode_attention; kvbridge/engine/layers/cpu_kernels.py builds and
 // loads it.
 #include <ATen/ATen.h>
@@ -19,7 +22,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define KVBRIDGE_DP_BF16 1  // bf16 scores by vdpbf16ps (AVX-512 BF16), see score_chunk_bf16
+#endif
 
 namespace {
 
@@ -124,6 +133,158 @@ inline void prefetch_block(const T* k, int64_t kv_value, int64_t elems) {
   }
 }
 
+#ifdef KVBRIDGE_DP_BF16
+// The sums of the 16 lanes of each of a[0 .. 16), as one vector (lane t = the sum of a[t]): an
+// add tree over unpacks and 128-bit shuffles, 33 instructions where 16 separate horizontal sums
+// take over 100.
+inline __m512 lane_sums16(const __m512* a) {
+  __m512 u[4];  // u[i], 128-bit chunk c, position j: the sum of a[4i + j]'s lanes 4c .. 4c + 3
+  for (int i = 0; i < 4; ++i) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a[4 * i], a[4 * i + 1]),
+                                    _mm512_unpackhi_ps(a[4 * i], a[4 * i + 1]));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a[4 * i + 2], a[4 * i + 3]),
+                                    _mm512_unpackhi_ps(a[4 * i + 2], a[4 * i + 3]));
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+  }
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int64_t kChunkKeys = 16;  // keys scored together: one vector of scores
+
+// out[0 .. 16) = scale * (q . k[t * D ..]) for the keys of a chunk, q and k bf16, D = 32 * C: each
+// key's dot product is C vdpbf16ps (32 bf16 products a step, summed in fp32; a product of two
+// bf16 is exact in fp32), the keys in independent chains, then one add tree (lane_sums16) for all
+// 16 instead of a horizontal sum per key. kFull: all 16 rows are read (the caller knows they lie
+// in the block; lanes of rows past the keys it wants are ignored, as each lane is one row's sum);
+// else only rows t < n, the other lanes 0.
+template <int64_t C, bool kFull>
+inline void score_chunk_bf16(const __m512bh* q, const bf16* __restrict__ k, int64_t n, float scale, float* out) {
+  __m512 acc[kChunkKeys];
+  const int64_t rows = kFull ? kChunkKeys : n;
+  for (int64_t t = 0; t < kChunkKeys; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t c = 0; c < C; ++c) {
+      acc[t] = _mm512_dpbf16_ps(acc[t], q[c], (__m512bh)_mm512_loadu_si512(k + t * 32 * C + c * 32));
+    }
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(scale)));
+}
+
+// acc[r * D ..] += sum over t < n of p[r * kChunkKeys + t] * v[t * D ..] for the NH heads r of a
+// pass, D = 16 * CV: each value row is widened once for all of them, the NH x CV sums stay in
+// registers (NH * CV <= 16) across the chunk's keys.
+template <int64_t CV, int64_t NH>
+inline void add_values_bf16(float* __restrict__ acc, const float* __restrict__ p, const bf16* __restrict__ v,
+                            int64_t n) {
+  constexpr int64_t D = CV * kVec;
+  vfloat x[NH][CV];
+  for (int64_t r = 0; r < NH; ++r) {
+    for (int64_t c = 0; c < CV; ++c) x[r][c] = load(acc + r * D + c * kVec);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    vfloat row[CV];
+    for (int64_t c = 0; c < CV; ++c) row[c] = load(v + t * D + c * kVec);
+    for (int64_t r = 0; r < NH; ++r) {
+      const vfloat pr = kvbridge::splat(p[r * kChunkKeys + t]);
+      for (int64_t c = 0; c < CV; ++c) x[r][c] += pr * row[c];
+    }
+  }
+  for (int64_t r = 0; r < NH; ++r) {
+    for (int64_t c = 0; c < CV; ++c) store(acc + r * D + c * kVec, x[r][c]);
+  }
+}
+
+// The group's heads in passes of up to 16 / CV (one value-row widening per key and pass).
+template <int64_t CV>
+inline void add_values_group(float* acc, const float* p, const bf16* v, int64_t n, int64_t group) {
+  constexpr int64_t kMaxHeads = 16 / CV;
+  constexpr int64_t D = CV * kVec;
+  int64_t g = 0;
+  for (; g + kMaxHeads <= group; g += kMaxHeads) add_values_bf16<CV, kMaxHeads>(acc + g * D, p + g * kChunkKeys, v, n);
+  switch (group - g) {  // the rest, fewer than kMaxHeads
+    case 3: if constexpr (kMaxHeads > 3) add_values_bf16<CV, 3>(acc + g * D, p + g * kChunkKeys, v, n); break;
+    case 2: if constexpr (kMaxHeads > 2) add_values_bf16<CV, 2>(acc + g * D, p + g * kChunkKeys, v, n); break;
+    case 1: if constexpr (kMaxHeads > 1) add_values_bf16<CV, 1>(acc + g * D, p + g * kChunkKeys, v, n); break;
+    default: break;
+  }
+}
+
+constexpr int64_t kMaxGroupDp = 32;  // query heads per KV head that decode_item_bf16 takes
+
+// One (sequence, KV head) item at bf16, D = 32 * C (64 or 128): the same walk, running softmax and
+// value sums as decode_into's, the block's keys taken 16 at a time: every query head of the group
+// is scored (score_chunk_bf16) and its softmax updated, then the values are added for all heads
+// at once (add_values_group).
+template <int64_t C>
+void decode_item_bf16(const bf16* q_item, int64_t q_head, const bf16* kv_data, const int64_t* row,
+                      int64_t kv_block, int64_t kv_value, int64_t kv_head, int64_t h, int64_t group,
+                      int64_t block_size, int64_t ctx, int64_t first, float scale, const bf16* next_first,
+                      float* acc, bf16* out) {
+  constexpr int64_t D = 32 * C;
+  __m512bh q[kMaxGroupDp * C];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t c = 0; c < C; ++c) q[g * C + c] = (__m512bh)_mm512_loadu_si512(q_item + g * q_head + c * 32);
+  }
+  float m[kMaxGroupDp], l[kMaxGroupDp];
+  alignas(64) float p[kMaxGroupDp * kChunkKeys];
+  std::fill(acc, acc + group * D, 0.f);
+  std::fill(m, m + group, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + group, 0.f);
+  auto block_start = [&](int64_t j) { return kv_data + row[j] * kv_block + h * kv_head; };
+  const int64_t j_first = first / block_size, j_end = (ctx + block_size - 1) / block_size;
+  for (int64_t j = j_first; j < j_end; ++j) {
+    const bf16* k = block_start(j);
+    const bf16* v = k + kv_value;
+    if (j + 1 < j_end) {
+      prefetch_block(block_start(j + 1), kv_value, block_size * D);
+    } else if (next_first != nullptr) {
+      prefetch_block(next_first, kv_value, block_size * D);
+    }
+    const int64_t t_begin = std::max<int64_t>(first - j * block_size, 0);
+    const int64_t t_end = std::min<int64_t>(ctx - j * block_size, block_size);
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += kChunkKeys) {
+      const int64_t n = std::min(kChunkKeys, t_end - t0);
+      const bool full = t0 + kChunkKeys <= block_size;  // 16 rows inside the block: read them all
+      for (int64_t g = 0; g < group; ++g) {
+        float* pg = p + g * kChunkKeys;
+        if (full) {
+          score_chunk_bf16<C, true>(q + g * C, k + t0 * D, n, scale, pg);
+        } else {
+          score_chunk_bf16<C, false>(q + g * C, k + t0 * D, n, scale, pg);
+        }
+        float chunk_max = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) chunk_max = std::max(chunk_max, pg[t]);
+        const float m_new = std::max(m[g], chunk_max);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          pg[t] = kvbridge::vector_exp(pg[t] - m_new);
+          sum += pg[t];
+        }
+        if (m_new > m[g]) {  // e^(m_old - m_new) < 1: the earlier keys' share shrinks
+          const float rescale = kvbridge::vector_exp(m[g] - m_new);
+          l[g] *= rescale;
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= rescale;
+          m[g] = m_new;
+        }
+        l[g] += sum;
+      }
+      add_values_group<2 * C>(acc, p, v + t0 * D, n, group);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    bf16* o = out + (h * group + g) * D;
+    const float inv = 1.f / l[g];
+    for (int64_t d = 0; d < D; ++d) kvbridge::store_scalar(o + d, acc[g * D + d] * inv);
+  }
+}
+#endif
+
 // The attention itself, once the inputs are checked: T is float or bf16 (q, kv and the result).
 template <typename T>
 void decode_into(const at::Tensor& q, const at::Tensor& kv, const int64_t* table, const int64_t* ctxs,
@@ -155,6 +316,22 @@ void decode_into(const at::Tensor& q, const at::Tensor& kv, const int64_t* table
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
       const int64_t* row = table + b * max_blocks;
       const T* q_item = q_data + b * q_seq + h * group * q_head;
+#ifdef KVBRIDGE_DP_BF16
+      if constexpr (std::is_same_v<T, bf16>) {
+        if ((D == 64 || D == 128) && group <= kMaxGroupDp) {
+          const bf16* next = item + 1 < end ? first_block(item + 1) : nullptr;
+          bf16* o = out_data + b * H * D;
+          if (D == 64) {
+            decode_item_bf16<2>(q_item, q_head, kv_data, row, kv_block, kv_value, kv_head, h, group, block_size,
+                                ctx, first, softmax_scale, next, acc.data(), o);
+          } else {
+            decode_item_bf16<4>(q_item, q_head, kv_data, row, kv_block, kv_value, kv_head, h, group, block_size,
+                                ctx, first, softmax_scale, next, acc.data(), o);
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t d = 0; d < D; ++d) q_scaled[g * D + d] = to_float(q_item[g * q_head + d]) * softmax_scale;
       }
