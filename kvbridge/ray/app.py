@@ -349,6 +349,15 @@ def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def wait_for_interrupt(poll_s: float = 1.0) -> None:
+    """Block until KeyboardInterrupt (Ctrl-C, or SIGTERM through _interrupt) is raised in this, the
+    main, thread. The kernel may hand the signal to any of the process's threads (Ray's driver runs
+    many); CPython then only flags it, and the handler runs when the main thread next executes
+    Python code: an untimed wait would never return to do so, so this one wakes every poll_s."""
+    while True:
+        time.sleep(poll_s)
+
+
 def run_up(config: AppConfig, ray_address: str | None = None, host: str = "127.0.0.1",
            ready_timeout_s: float = 600.0) -> int:
     """`kvbridge up --ray`: deploy the application on an embedded Ray instance bound to `host`
@@ -377,7 +386,7 @@ def run_up(config: AppConfig, ray_address: str | None = None, host: str = "127.0
               "--decode-replicas MIN:MAX\n"
               "Ctrl-C removes the application" + (" and stops Ray." if started else " (the cluster keeps running)."),
               flush=True)
-        threading.Event().wait()  # until KeyboardInterrupt
+        wait_for_interrupt()
         return 0
     except DeployError as exc:
         print(f"kvbridge up --ray: {exc}", file=sys.stderr, flush=True)
