@@ -133,6 +133,27 @@ inline void prefetch_block(const T* k, int64_t kv_value, int64_t elems) {
   }
 }
 
+// One query head's running softmax over n new scores p (in place: p becomes e^(score - m_new)):
+// m and l are its running maximum and sum of e^(score - m), acc its D output sums; a run with a
+// higher maximum rescales l and acc by e^(m_old - m_new) (< 1: the earlier keys' share shrinks).
+inline void softmax_update(float* p, int64_t n, float& m, float& l, float* acc, int64_t D) {
+  float run_max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) run_max = std::max(run_max, p[t]);
+  const float m_new = std::max(m, run_max);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    p[t] = kvbridge::vector_exp(p[t] - m_new);
+    sum += p[t];
+  }
+  if (m_new > m) {
+    const float rescale = kvbridge::vector_exp(m - m_new);
+    l *= rescale;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+    m = m_new;
+  }
+  l += sum;
+}
+
 #ifdef KVBRIDGE_DP_BF16
 // The sums of the 16 lanes of each of a[0 .. 16), as one vector (lane t = the sum of a[t]): an
 // add tree over unpacks and 128-bit shuffles, 33 instructions where 16 separate horizontal sums
@@ -258,21 +279,7 @@ void decode_item_bf16(const bf16* q_item, int64_t q_head, const bf16* kv_data, c
         } else {
           score_chunk_bf16<C, false>(q + g * C, k + t0 * D, n, scale, pg);
         }
-        float chunk_max = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) chunk_max = std::max(chunk_max, pg[t]);
-        const float m_new = std::max(m[g], chunk_max);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          pg[t] = kvbridge::vector_exp(pg[t] - m_new);
-          sum += pg[t];
-        }
-        if (m_new > m[g]) {  // e^(m_old - m_new) < 1: the earlier keys' share shrinks
-          const float rescale = kvbridge::vector_exp(m[g] - m_new);
-          l[g] *= rescale;
-          for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= rescale;
-          m[g] = m_new;
-        }
-        l[g] += sum;
+        softmax_update(pg, n, m[g], l[g], acc + g * D, D);
       }
       add_values_group<2 * C>(acc, p, v + t0 * D, n, group);
     }
@@ -354,26 +361,12 @@ void decode_into(const at::Tensor& q, const at::Tensor& kv, const int64_t* table
         for (int64_t g = 0; g < group; ++g) {
           float* p = probs.data() + g * block_size;
           const float* qg = q_scaled.data() + g * D;
-          float block_max = -std::numeric_limits<float>::infinity();
           int64_t t = 0;
           if (D % kVec == 0) {
             for (; t + kTile <= n; t += kTile) dot_tile(qg, k + (t0 + t) * D, D, p + t);
           }
           for (; t < n; ++t) p[t] = dot(qg, k + (t0 + t) * D, D);
-          for (t = 0; t < n; ++t) block_max = std::max(block_max, p[t]);
-          const float m_new = std::max(m[g], block_max);
-          float sum = 0.f;
-          for (int64_t t = 0; t < n; ++t) {
-            p[t] = kvbridge::vector_exp(p[t] - m_new);
-            sum += p[t];
-          }
-          if (m_new > m[g]) {  // e^(m_old - m_new) < 1: the earlier blocks' share shrinks
-            const float rescale = kvbridge::vector_exp(m[g] - m_new);
-            l[g] *= rescale;
-            for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= rescale;
-            m[g] = m_new;
-          }
-          l[g] += sum;
+          softmax_update(p, n, m[g], l[g], acc.data() + g * D, D);
         }
         for (int64_t g = 0; g < group; ++g) {
           const float* pg = probs.data() + g * block_size;
