@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import httpx
 
 from kvbridge.config import KVRole
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
+from kvbridge.launcher.stop_signals import handle_stop_signals, ignore_stop_signals, restore_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -349,10 +349,6 @@ class LocalCluster:
         self.stop()
 
 
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def curl_example(proxy_url: str, model: str, with_api_key: bool = False) -> str:
     auth = " -H \"Authorization: Bearer $KVBRIDGE_API_KEY\"" if with_api_key else ""
     return (f"curl {proxy_url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d "
@@ -373,10 +369,7 @@ def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int
     cluster = LocalCluster(model, num_prefill, num_decode, port, kv_backend, host, extra_serve_args,
                            ready_timeout_s, cli=cli, num_threads=num_threads, api_key=api_key,
                            prefill_tp=prefill_tp, decode_tp=decode_tp, proxy_args=proxy_args)
-    in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal needs it
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
-    if in_main_thread:
-        signal.signal(signal.SIGTERM, _interrupt)
+    previous = handle_stop_signals()  # SIGINT and SIGTERM stop it, even if started with SIGINT ignored
     try:
         urls = cluster.start()
         print(f"kvbridge cluster ready: proxy {urls.proxy}\n  prefill: {' '.join(urls.prefill)}\n"
@@ -395,8 +388,6 @@ def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int
         print("kvbridge up: stopping the cluster", flush=True)
         return 0
     finally:
-        for sig in previous:  # a second Ctrl-C must not leave children half-stopped
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals(previous)  # a second Ctrl-C must not leave children half-stopped
         cluster.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_stop_signals(previous)

@@ -19,14 +19,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvbridge.launcher.stop_signals import (handle_stop_signals, ignore_stop_signals, restore_stop_signals,
+                                            wait_for_interrupt)
 from kvbridge.ray import policy
 from kvbridge.ray.engine_replica import EngineOptions
 
@@ -345,19 +345,6 @@ def loopback_ray_env(env: dict[str, str] | os._Environ) -> None:
         raise RuntimeError(f"ray was imported before {RAY_LOOPBACK_ENV}=0 was set: it would not bind loopback")
 
 
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def wait_for_interrupt(poll_s: float = 1.0) -> None:
-    """Block until KeyboardInterrupt (Ctrl-C, or SIGTERM through _interrupt) is raised in this, the
-    main, thread. The kernel may hand the signal to any of the process's threads (Ray's driver runs
-    many); CPython then only flags it, and the handler runs when the main thread next executes
-    Python code: an untimed wait would never return to do so, so this one wakes every poll_s."""
-    while True:
-        time.sleep(poll_s)
-
-
 def run_up(config: AppConfig, ray_address: str | None = None, host: str = "127.0.0.1",
            ready_timeout_s: float = 600.0) -> int:
     """`kvbridge up --ray`: deploy the application on an embedded Ray instance bound to `host`
@@ -369,9 +356,7 @@ def run_up(config: AppConfig, ray_address: str | None = None, host: str = "127.0
     import ray
     from ray import serve
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
-        signal.signal(signal.SIGTERM, _interrupt)
+    previous = handle_stop_signals()
     try:
         if started:
             # Logical CPUs: as `kvbridge up`, the engines share this host's cores.
@@ -395,9 +380,7 @@ def run_up(config: AppConfig, ray_address: str | None = None, host: str = "127.0
         print("kvbridge up --ray: removing the application", flush=True)
         return 0
     finally:
-        if in_main:
-            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the cleanup
-                signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals(previous)  # a second Ctrl-C must not cut the cleanup
         try:
             if ray.is_initialized():
                 try:
@@ -408,6 +391,7 @@ def run_up(config: AppConfig, ray_address: str | None = None, host: str = "127.0
         finally:
             if ray.is_initialized():
                 ray.shutdown()
+            restore_stop_signals(previous)
 
 
 def _size_text(size: PoolSize) -> str:

@@ -81,7 +81,7 @@ def test_up_ray_serves_and_ctrl_c_leaves_no_process():
         engines = [pid for pid in started if b"kvbridge.cli\x00serve" in _cmdline(pid)]
         assert len(engines) == 3, "a prefill and two decode engines run under `up --ray`"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(300) == 0  # 37-41 s here (hung when a thread of Ray took the SIGINT: wait_for_interrupt)
+        assert proc.wait(300) == 0  # 37-41 s here (it hung when started with SIGINT ignored: stop_signals.py)
         out.wait_for(r"removing the application", 5)
         assert gone(started, 60) == [], "processes left behind"
     finally:
