@@ -154,6 +154,44 @@ inline void softmax_update(float* p, int64_t n, float& m, float& l, float* acc, 
   l += sum;
 }
 
+// One (sequence, KV head) item's keys in the paged cache: `walk` calls on_block(k, v, t_begin,
+// t_end) for each block from the one holding key `first` to the one holding key ctx - 1 (K at k,
+// V at v, the block's rows t_begin .. t_end - 1 in range), prefetching the next block first (after
+// the last, next_first: the next item's first block, if any).
+template <typename T>
+struct ItemBlocks {
+  const T* kv_data;
+  const int64_t* row;  // the sequence's block table
+  int64_t kv_block, kv_value, head_offset, block_size, first, ctx;
+  const T* next_first;
+
+  const T* block_start(int64_t j) const { return kv_data + row[j] * kv_block + head_offset; }
+
+  template <typename OnBlock>
+  void walk(int64_t D, OnBlock&& on_block) const {
+    const int64_t j_first = first / block_size, j_end = (ctx + block_size - 1) / block_size;
+    for (int64_t j = j_first; j < j_end; ++j) {
+      const T* k = block_start(j);
+      if (j + 1 < j_end) {
+        prefetch_block(block_start(j + 1), kv_value, block_size * D);
+      } else if (next_first != nullptr) {
+        prefetch_block(next_first, kv_value, block_size * D);
+      }
+      on_block(k, k + kv_value, std::max<int64_t>(first - j * block_size, 0),
+               std::min<int64_t>(ctx - j * block_size, block_size));
+    }
+  }
+};
+
+// out[g * D + d] = acc[g * D + d] / l[g] for the group's heads, in out's type.
+template <typename T>
+inline void store_normalized(T* out, const float* acc, const float* l, int64_t group, int64_t D) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / l[g];
+    for (int64_t d = 0; d < D; ++d) kvbridge::store_scalar(out + g * D + d, acc[g * D + d] * inv);
+  }
+}
+
 #ifdef KVBRIDGE_DP_BF16
 // The sums of the 16 lanes of each of a[0 .. 16), as one vector (lane t = the sum of a[t]): an
 // add tree over unpacks and 128-bit shuffles, 33 instructions where 16 separate horizontal sums
@@ -241,12 +279,10 @@ constexpr int64_t kMaxGroupDp = 32;  // query heads per KV head that decode_item
 // One (sequence, KV head) item at bf16, D = 32 * C (64 or 128): the same walk, running softmax and
 // value sums as decode_into's, the block's keys taken 16 at a time: every query head of the group
 // is scored (score_chunk_bf16) and its softmax updated, then the values are added for all heads
-// at once (add_values_group).
+// at once (add_values_group). out: the item's first query head's output row.
 template <int64_t C>
-void decode_item_bf16(const bf16* q_item, int64_t q_head, const bf16* kv_data, const int64_t* row,
-                      int64_t kv_block, int64_t kv_value, int64_t kv_head, int64_t h, int64_t group,
-                      int64_t block_size, int64_t ctx, int64_t first, float scale, const bf16* next_first,
-                      float* acc, bf16* out) {
+void decode_item_bf16(const bf16* q_item, int64_t q_head, const ItemBlocks<bf16>& blocks, int64_t group,
+                      float scale, float* acc, bf16* out) {
   constexpr int64_t D = 32 * C;
   __m512bh q[kMaxGroupDp * C];
   for (int64_t g = 0; g < group; ++g) {
@@ -257,18 +293,8 @@ void decode_item_bf16(const bf16* q_item, int64_t q_head, const bf16* kv_data, c
   std::fill(acc, acc + group * D, 0.f);
   std::fill(m, m + group, -std::numeric_limits<float>::infinity());
   std::fill(l, l + group, 0.f);
-  auto block_start = [&](int64_t j) { return kv_data + row[j] * kv_block + h * kv_head; };
-  const int64_t j_first = first / block_size, j_end = (ctx + block_size - 1) / block_size;
-  for (int64_t j = j_first; j < j_end; ++j) {
-    const bf16* k = block_start(j);
-    const bf16* v = k + kv_value;
-    if (j + 1 < j_end) {
-      prefetch_block(block_start(j + 1), kv_value, block_size * D);
-    } else if (next_first != nullptr) {
-      prefetch_block(next_first, kv_value, block_size * D);
-    }
-    const int64_t t_begin = std::max<int64_t>(first - j * block_size, 0);
-    const int64_t t_end = std::min<int64_t>(ctx - j * block_size, block_size);
+  const int64_t block_size = blocks.block_size;
+  blocks.walk(D, [&](const bf16* k, const bf16* v, int64_t t_begin, int64_t t_end) {
     for (int64_t t0 = t_begin; t0 < t_end; t0 += kChunkKeys) {
       const int64_t n = std::min(kChunkKeys, t_end - t0);
       const bool full = t0 + kChunkKeys <= block_size;  // 16 rows inside the block: read them all
@@ -283,12 +309,8 @@ void decode_item_bf16(const bf16* q_item, int64_t q_head, const bf16* kv_data, c
       }
       add_values_group<2 * C>(acc, p, v + t0 * D, n, group);
     }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    bf16* o = out + (h * group + g) * D;
-    const float inv = 1.f / l[g];
-    for (int64_t d = 0; d < D; ++d) kvbridge::store_scalar(o + d, acc[g * D + d] * inv);
-  }
+  });
+  store_normalized(out, acc, l, group, D);
 }
 #endif
 
@@ -323,17 +345,16 @@ void decode_into(const at::Tensor& q, const at::Tensor& kv, const int64_t* table
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
       const int64_t* row = table + b * max_blocks;
       const T* q_item = q_data + b * q_seq + h * group * q_head;
+      const ItemBlocks<T> blocks{kv_data, row, kv_block, kv_value, h * kv_head, block_size, first, ctx,
+                                 item + 1 < end ? first_block(item + 1) : nullptr};
 #ifdef KVBRIDGE_DP_BF16
       if constexpr (std::is_same_v<T, bf16>) {
         if ((D == 64 || D == 128) && group <= kMaxGroupDp) {
-          const bf16* next = item + 1 < end ? first_block(item + 1) : nullptr;
-          bf16* o = out_data + b * H * D;
+          bf16* o = out_data + (b * H + h * group) * D;
           if (D == 64) {
-            decode_item_bf16<2>(q_item, q_head, kv_data, row, kv_block, kv_value, kv_head, h, group, block_size,
-                                ctx, first, softmax_scale, next, acc.data(), o);
+            decode_item_bf16<2>(q_item, q_head, blocks, group, softmax_scale, acc.data(), o);
           } else {
-            decode_item_bf16<4>(q_item, q_head, kv_data, row, kv_block, kv_value, kv_head, h, group, block_size,
-                                ctx, first, softmax_scale, next, acc.data(), o);
+            decode_item_bf16<4>(q_item, q_head, blocks, group, softmax_scale, acc.data(), o);
           }
           continue;
         }
@@ -345,18 +366,7 @@ void decode_into(const at::Tensor& q, const at::Tensor& kv, const int64_t* table
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      auto block_start = [&](int64_t j) { return kv_data + row[j] * kv_block + h * kv_head; };
-      const int64_t j_first = first / block_size, j_end = (ctx + block_size - 1) / block_size;
-      for (int64_t j = j_first; j < j_end; ++j) {
-        const T* k = block_start(j);
-        const T* v = k + kv_value;
-        if (j + 1 < j_end) {
-          prefetch_block(block_start(j + 1), kv_value, block_size * D);
-        } else if (item + 1 < end) {  // the next item's first block
-          prefetch_block(first_block(item + 1), kv_value, block_size * D);
-        }
-        const int64_t t0 = std::max<int64_t>(first - j * block_size, 0);
-        const int64_t t1 = std::min<int64_t>(ctx - j * block_size, block_size);
+      blocks.walk(D, [&](const T* k, const T* v, int64_t t0, int64_t t1) {
         const int64_t n = t1 - t0;
         for (int64_t g = 0; g < group; ++g) {
           float* p = probs.data() + g * block_size;
@@ -377,12 +387,8 @@ void decode_into(const at::Tensor& q, const at::Tensor& kv, const int64_t* table
           for (; c + 8 <= D; c += 8) add_weighted_rows<8>(a + c, pg, v + t0 * D + c, n, D);
           for (; c < D; ++c) add_weighted_rows<1>(a + c, pg, v + t0 * D + c, n, D);
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = out_data + (b * H + h * group + g) * D;
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) store_scalar(o + d, acc[g * D + d] * inv);
-      }
+      });
+      store_normalized(out_data + (b * H + h * group) * D, acc.data(), l.data(), group, D);
     }
   });
 }
