@@ -4,11 +4,14 @@ of SmolLM2-135M's heads (9 query, 3 KV, of 64), in one process, rotated order, m
 - decode (`batch` sequences of --context tokens, blocks interleaved, block size 16): the kernel
   reading the bf16 cache in place vs gather + SDPA (PagedAttention with `in_place_decode` off),
   and the fp32 kernel on the fp32 cache;
-- causal prefill of one prompt: `F.scaled_dot_product_attention` in bf16 (torch's CPU flash
-  attention, what the engine uses for bf16 prompts) vs the fp32 kernel. (A bf16 build of the
-  prefill kernel, commit 0c85364, was 2.4-5x slower than bf16 SDPA: benchmarks/README.md "bf16".)
+- causal prefill of a step's N fresh prompts of L tokens (one layer's attention over them, into
+  the step's [N L, heads * D] output): the AMX kernel (`prefill_attention_amx_`, one call for all
+  N, where the CPU has AMX-BF16) vs `F.scaled_dot_product_attention` in bf16 per prompt (torch's
+  CPU flash attention, what the engine used for bf16 prompts before, and still uses without AMX)
+  copied into the output as the layer did, and the fp32 kernel per prompt. (A bf16 build of the
+  fp32 prefill kernel, commit 0c85364, was 2.4-5x slower than bf16 SDPA: benchmarks/README.md "bf16".)
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/attention_bf16.py --batches 1 16 64 --lengths 128 512 1024
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/attention_bf16.py --batches 1 16 64 --prefills 1x128 16x128 1x1024
 """
 
 from __future__ import annotations
@@ -47,20 +50,36 @@ def decode_calls(batch: int, context: int, gen: torch.Generator) -> dict:
             "bf16 kernel": lambda: kernel._decode(q16, kv16, decode)}
 
 
-def prefill_calls(length: int, gen: torch.Generator) -> dict:
-    fused = torch.randn(length, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen)
+def prefill_calls(prompts: int, length: int, gen: torch.Generator) -> dict:
+    tokens = prompts * length
+    fused = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen)
     q32, k32, v32 = fused[:, :HEADS], fused[:, HEADS:HEADS + KV_HEADS], fused[:, HEADS + KV_HEADS:]
     q16, k16, v16 = (t.bfloat16() for t in (q32, k32, v32))
     scale = HEAD_DIM ** -0.5
+    out16, out32 = torch.empty(tokens, HEADS * HEAD_DIM).bfloat16(), torch.empty(tokens, HEADS * HEAD_DIM)
+    starts, lens = torch.arange(prompts) * length, torch.full((prompts,), length)
 
-    def sdpa() -> torch.Tensor:
-        q, k, v = (t.transpose(0, 1)[None] for t in (q16, k16, v16))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return {"fp32 kernel": lambda: cpu_kernels.prefill_attention(q32, k32, v32, scale), "bf16 torch": sdpa}
+    def each_prompt(attend, out: torch.Tensor) -> None:
+        for s in range(0, tokens, length):
+            out[s:s + length] = attend(slice(s, s + length))
+
+    def sdpa(rows: slice) -> torch.Tensor:
+        q, k, v = (t[rows].transpose(0, 1)[None] for t in (q16, k16, v16))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(length, HEADS * HEAD_DIM)
+
+    def fp32(rows: slice) -> torch.Tensor:
+        return cpu_kernels.prefill_attention(q32[rows], k32[rows], v32[rows], scale).view(length, -1)
+
+    calls = {"fp32 kernel": lambda: each_prompt(fp32, out32), "bf16 torch": lambda: each_prompt(sdpa, out16)}
+    if cpu_kernels.amx_available():
+        calls["bf16 kernel"] = lambda: cpu_kernels.prefill_attention_amx_(out16, q16, k16, v16, starts, lens, scale)
+    return calls
 
 
 def report(label: str, t: dict[str, float]) -> None:
-    """Times, then (decode) bf16 torch / bf16 kernel, fp32 kernel / bf16 kernel, or (prefill) fp32 kernel / bf16 torch."""
+    """Times, then bf16 torch / bf16 kernel and fp32 kernel / bf16 kernel (without a bf16 kernel:
+    fp32 kernel / bf16 torch)."""
     names = ("fp32 kernel", "bf16 torch", "bf16 kernel")
     cells = "".join(f"{t[n]:>13.0f}" if n in t else f"{'-':>13}" for n in names)
     if "bf16 kernel" in t:
@@ -75,7 +94,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=256)
-    p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
+    p.add_argument("--prefills", nargs="+", default=["1x128", "16x128", "1x512", "1x1024"], metavar="NxL",
+                   help="steps of N fresh prompts of L tokens (default: 1x128 16x128 1x512 1x1024)")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args()
@@ -87,8 +107,9 @@ def main() -> None:
     print(f"{'':<20}{'fp32 kernel':>13}{'bf16 torch':>13}{'bf16 kernel':>13}{'vs torch':>11}{'vs fp32':>11}")
     for batch in args.batches:
         report(f"decode {batch}x{args.context}", interleaved_medians(decode_calls(batch, args.context, gen), args.reps, 5))
-    for length in args.lengths:
-        report(f"prefill {length}", interleaved_medians(prefill_calls(length, gen), args.reps, 1))
+    for case in args.prefills:
+        prompts, length = (int(x) for x in case.lower().split("x"))
+        report(f"prefill {prompts}x{length}", interleaved_medians(prefill_calls(prompts, length, gen), args.reps, 1))
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@ does no Python work beyond a loop over prefill sequences:
   (cpu_kernels.paged_decode_attention: each byte of K/V read once, nothing copied); elsewhere
   (CUDA, fp16, or without the kernels) by ONE padded SDPA call over K/V gathered block by
   block from the cache, with a boolean padding mask;
-- sequences with several new tokens (prefill, or a prefill chunk) are attended one by one:
-  causally over the new K/V when they start at position 0 (on CPU in fp32 by kvbridge's tiled
-  kernel, cpu_kernels.prefill_attention; elsewhere SDPA), otherwise over their whole context
-  read back from the cache with a causal mask shifted by the tokens computed before.
+- sequences with several new tokens (prefill, or a prefill chunk) are attended causally over
+  the new K/V when they start at position 0: in bf16 on a CPU with AMX all of a step's such
+  prompts in one call per layer (cpu_kernels.prefill_attention_amx_, written straight into the
+  step's output rows), in fp32 on CPU one by one by kvbridge's tiled kernel
+  (cpu_kernels.prefill_attention), elsewhere one SDPA call each; a chunk after tokens computed
+  before attends one by one over its whole context read back from the cache with a causal mask
+  shifted by those tokens.
 
 KV cache layout (fixed by the transfer code, which copies whole blocks or head slices of
 them): one tensor [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim],
@@ -94,6 +97,9 @@ class AttentionMetadata:
     sliding_window: int | None = None
     decode: DecodeGroup | None = field(init=False)
     prefills: list[PrefillSeq] = field(init=False)
+    # The prefills over their own new K/V only (plain causal) as [n] int64 starts and lengths:
+    # what the AMX kernel attends in one call per layer. None when there is none.
+    fresh_prefills: tuple[torch.Tensor, torch.Tensor] | None = field(init=False)
     slot_blocks: torch.Tensor = field(init=False)  # [T] block of each new token's slot
     slot_offsets: torch.Tensor = field(init=False)  # [T] offset of each new token within its block
 
@@ -135,6 +141,9 @@ class AttentionMetadata:
             else:
                 prefills.append(self._prefill_seq(start, end, ctx, self.block_tables[i], device))
         self.prefills = prefills
+        fresh = [(p.start, p.end - p.start) for p in prefills if p.block_index is None and p.mask is None]
+        self.fresh_prefills = (torch.tensor([f[0] for f in fresh], dtype=torch.int64),
+                               torch.tensor([f[1] for f in fresh], dtype=torch.int64)) if fresh else None
         self.decode = self._decode_group(decode_seqs, device) if decode_seqs else None
         self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
         self.slot_offsets = self.slot_mapping - self.slot_blocks * self.block_size
@@ -242,14 +251,19 @@ class PagedAttention(nn.Module):
         decode = attn.decode
         if decode is not None and decode.token_index is None:
             return self._decode(q, kv_layer, decode)
-        if decode is None and len(attn.prefills) == 1:
+        amx = attn.fresh_prefills is not None and cpu_kernels.amx_prefill_applies(q)
+        if decode is None and len(attn.prefills) == 1 and not amx:
             return self._prefill(q, k, v, kv_layer, attn.prefills[0])
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if decode is not None:
             out.index_copy_(0, decode.token_index, self._decode(q.index_select(0, decode.token_index),
                                                                 kv_layer, decode))
+        if amx:  # every fresh prompt in one call, straight into its rows of out
+            starts, lens = attn.fresh_prefills
+            cpu_kernels.prefill_attention_amx_(out, q, k, v, starts, lens, self.head_dim ** -0.5)
         for seq in attn.prefills:
-            out[seq.start:seq.end] = self._prefill(q, k, v, kv_layer, seq)
+            if not (amx and seq.block_index is None and seq.mask is None):
+                out[seq.start:seq.end] = self._prefill(q, k, v, kv_layer, seq)
         return out
 
     def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, group: DecodeGroup) -> torch.Tensor:

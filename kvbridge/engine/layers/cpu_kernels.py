@@ -6,8 +6,9 @@ builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
 - `prefill_attention`: causal attention of a prompt over its own new K/V, in 16 x 32 tiles
   (csrc/prefill_attention.cpp);
   decode also reads a bf16 cache (widened to fp32 as read, every sum fp32; `decode_applies`);
-  bf16 prompts go to torch's SDPA, whose AMX path is 2.4-5x this kernel's speed in bf16
-  (benchmarks/README.md, "bf16");
+- `prefill_attention_amx_`: the same for bf16 prompts on AMX, every fresh prompt of a step in one
+  call, written into the step's output (csrc/prefill_attention_amx.cpp; `amx_prefill_applies`);
+  bf16 prompts elsewhere go to torch's SDPA;
 - `rms_norm`, `add_rms_norm_`, `rotary_`, `write_kv_`, `silu_and_mul`: one-pass versions of small
   per-layer ops (csrc/elementwise.cpp), fp32 or bf16 (fp32 arithmetic, rounded where torch's bf16
   ops round). Call sites ask `applies(...)` / `elementwise_applies(...)` and keep their torch path.
@@ -37,7 +38,8 @@ from kvbridge.engine.cache_dir import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "prefill_attention.cpp", "elementwise.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("paged_decode.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp", "elementwise.cpp")]
 _lock = threading.Lock()
 _available: bool | None = None  # decided once per process, by the first available()
 
@@ -161,6 +163,35 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """Causal attention over the prompt's own keys: q [L, heads, D], k and v [L, kv_heads, D] fp32
     CPU, D contiguous (any row strides), D in PREFILL_HEAD_DIMS -> [L, heads, D]."""
     return torch.ops.kvbridge.prefill_attention(q, k, v, scale)
+
+
+AMX_HEAD_DIMS = (64, 128, 192, 256)  # head sizes prefill_attention_amx_ takes
+# KVBRIDGE_AMX_PREFILL=0: bf16 prompts on torch's SDPA even where the AMX kernel runs (A/B runs).
+AMX_PREFILL = os.environ.get("KVBRIDGE_AMX_PREFILL") != "0"
+_amx: bool | None = None  # the built kernel runs here (AMX-BF16 compiled in, the OS granted it)
+
+
+def amx_available() -> bool:
+    """The kernels are loaded and their AMX prefill kernel runs on this CPU (asked once)."""
+    global _amx
+    if _amx is None:
+        _amx = available() and bool(torch.ops.kvbridge.prefill_attention_amx_available())
+    return _amx
+
+
+def amx_prefill_applies(q: torch.Tensor) -> bool:
+    """prefill_attention_amx_ takes a step of these queries [T, heads, D]: bf16 on the CPU, D in
+    AMX_HEAD_DIMS, the kernel runs here and KVBRIDGE_AMX_PREFILL is not 0."""
+    return (AMX_PREFILL and q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in AMX_HEAD_DIMS
+            and amx_available())
+
+
+def prefill_attention_amx_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           starts: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
+    """Causal attention of every prompt j (tokens starts[j] .. starts[j] + lens[j] - 1) over its own
+    K/V, into those rows of out [T, heads * D]: q [T, heads, D], k and v [T, kv_heads, D] bf16 CPU
+    (D contiguous, any row strides), starts and lens int64 [n]. Other rows of out are untouched."""
+    torch.ops.kvbridge.prefill_attention_amx_(out, q, k, v, starts, lens, scale)
 
 
 if __name__ == "__main__":  # scripts/install.sh: build once, loudly

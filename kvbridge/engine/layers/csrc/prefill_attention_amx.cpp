@@ -1,0 +1,406 @@
+// Causal prefill attention in bf16 on AMX (Intel's tile matrix units), for every fresh prompt of a
+// step in one call: each prompt attends over its own new K/V, written straight into the step's
+// output rows.
+//
+// Work item: (prompt, query head, tile of 16 query positions), scheduled dynamically, longest
+// first. Per item, two passes: (1) the scores of the tile's 16 queries against every key up to its
+// last position, 16 keys at a time, as AMX bf16 dot products into fp32 (Q tile x K tile, over head
+// dims 32 at a time); then an exact softmax per row (max, exp, sum in fp32; the probabilities
+// rounded to bf16 for the second product, as torch's bf16 flash attention rounds them);
+// (2) probabilities x V on AMX, 32 keys at a time, the 16 x 64 fp32 result held in four tiles
+// across all keys, then divided by the row sums and rounded to bf16 once. K and V are first
+// repacked per (prompt, KV head) into AMX's pair-interleaved layout (a B tile: 16 rows of 16
+// columns x 2 bf16 along the reduction). The score row of a tile (16 x L fp32) stays in this
+// thread's buffer: for prompts of L tokens, 64 L bytes.
+//
+// Built only where the compiler targets AMX-BF16 (the build uses -march=native); elsewhere the op
+// is registered but raises, and `prefill_attention_amx_available()` says false, so callers keep
+// torch's SDPA. Registered as torch.ops.kvbridge.prefill_attention_amx_;
+// kvbridge/engine/layers/cpu_kernels.py builds and loads it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVBRIDGE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define KVBRIDGE_AMX 0
+#endif
+
+namespace {
+
+using bf16 = uint16_t;  // bfloat16's bits (kvbridge::bf16_bits rounds into them)
+
+constexpr int64_t kRows = 16;     // queries per tile (an A tile's rows)
+constexpr int64_t kScoreKeys = 16;  // keys per score tile (a C tile's columns)
+constexpr int64_t kValueKeys = 32;  // keys per value step (an A tile's 32 bf16 columns)
+constexpr int64_t kBlock = 512;   // bf16 in one packed B tile (16 rows x 64 bytes)
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+#if KVBRIDGE_AMX
+// Linux gives a process AMX's tile state only on request (once; it holds for every thread).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kXtileData = 18;         // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes; per thread (the configuration is thread state).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+#endif
+
+struct Seq {
+  int64_t start, len;
+  int64_t k_off, v_off;  // where its packed K and V begin in the packed buffers
+};
+
+// K of one (prompt, KV head) as score B tiles: block (kc, dc) holds keys kc*16 .. +15 over head
+// dims dc*32 .. +31, element [r][c][i] = K[key kc*16 + c][dim dc*32 + 2r + i] (0 past the prompt):
+// a key's dims stay in pairs, so each pair moves as one 32-bit word.
+void pack_keys(bf16* dst, const bf16* k, int64_t k_tok, int64_t len, int64_t D) {
+  const int64_t chunks = round_up(len, kScoreKeys) / kScoreKeys, dcs = D / 32;
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);  // [chunk][dc][r 16][c 16]
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const int64_t n = std::min(kScoreKeys, len - kc * kScoreKeys);
+    for (int64_t dc = 0; dc < dcs; ++dc) {
+      uint32_t* block = out + (kc * dcs + dc) * (kBlock / 2);
+      if (n < kScoreKeys) std::memset(block, 0, kBlock * sizeof(bf16));
+      for (int64_t c = 0; c < n; ++c) {
+        uint32_t pairs[16];
+        std::memcpy(pairs, k + (kc * kScoreKeys + c) * k_tok + dc * 32, sizeof pairs);
+        for (int64_t r = 0; r < 16; ++r) block[r * 16 + c] = pairs[r];
+      }
+    }
+  }
+}
+
+// V of one (prompt, KV head) as value B tiles: block (vc, dc) holds keys vc*32 .. +31 for head dims
+// dc*16 .. +15, element [r][c][i] = V[key vc*32 + 2r + i][dim dc*16 + c] (0 past the prompt): two
+// keys' rows interleaved element by element, 16 dims at a time (each pair one 32-bit lane).
+void pack_values(bf16* dst, const bf16* v, int64_t v_tok, int64_t len, int64_t D) {
+  const int64_t chunks = round_up(len, kValueKeys) / kValueKeys, dcs = D / 16;
+  for (int64_t vc = 0; vc < chunks; ++vc) {
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t t0 = vc * kValueKeys + 2 * r;
+      for (int64_t dc = 0; dc < dcs; ++dc) {
+        bf16* row = dst + (vc * dcs + dc) * kBlock + r * 32;
+#if KVBRIDGE_AMX
+        const __m512i a = t0 < len ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(v + t0 * v_tok + dc * 16)))
+                                   : _mm512_setzero_si512();
+        const __m512i b = t0 + 1 < len ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(v + (t0 + 1) * v_tok + dc * 16)))
+                                       : _mm512_setzero_si512();
+        _mm512_storeu_si512(row, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+#else
+        for (int64_t c = 0; c < 16; ++c) {
+          row[2 * c] = t0 < len ? v[t0 * v_tok + dc * 16 + c] : 0;
+          row[2 * c + 1] = t0 + 1 < len ? v[(t0 + 1) * v_tok + dc * 16 + c] : 0;
+        }
+#endif
+      }
+    }
+  }
+}
+
+#if KVBRIDGE_AMX
+// Scores of the 16 query rows in `qbuf` ([16][D] bf16) against keys 0 .. 16*chunks-1 into
+// s[16][s_ld] fp32. Tiles: 0 and 3 = Q (its first 64 dims, kept for every chunk; further dims
+// reloaded), 1 = K block, 2 and 5 = scores of alternate chunks (a store overlaps the next product).
+void score_tile(const bf16* qbuf, const bf16* kp, int64_t chunks, int64_t D, float* s, int64_t s_ld) {
+  const int64_t dcs = D / 32;
+  const int64_t q_stride = D * sizeof(bf16), s_stride = s_ld * sizeof(float);
+  _tile_loadd(0, qbuf, q_stride);
+  _tile_loadd(3, qbuf + 32, q_stride);
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    const bf16* blocks = kp + kc * dcs * kBlock;
+    const bool odd = kc & 1;
+    if (odd) {
+      _tile_zero(5);
+    } else {
+      _tile_zero(2);
+    }
+    _tile_loadd(1, blocks, 64);
+    if (odd) {
+      _tile_dpbf16ps(5, 0, 1);
+    } else {
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_loadd(1, blocks + kBlock, 64);
+    if (odd) {
+      _tile_dpbf16ps(5, 3, 1);
+    } else {
+      _tile_dpbf16ps(2, 3, 1);
+    }
+    for (int64_t dc = 2; dc < dcs; ++dc) {  // head dims past 64: Q's further tiles reloaded
+      _tile_loadd(6, qbuf + dc * 32, q_stride);
+      _tile_loadd(1, blocks + dc * kBlock, 64);
+      if (odd) {
+        _tile_dpbf16ps(5, 6, 1);
+      } else {
+        _tile_dpbf16ps(2, 6, 1);
+      }
+    }
+    if (odd) {
+      _tile_stored(5, s + kc * kScoreKeys, s_stride);
+    } else {
+      _tile_stored(2, s + kc * kScoreKeys, s_stride);
+    }
+  }
+}
+
+// o[16][D] fp32 = p[16][p_ld] (bf16, keys 0 .. 32*chunks-1) x V. Tiles: 0 = P (32 keys),
+// 1 = V block, 4-7 = the output's 64 columns of the current dim group.
+void value_tile(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int64_t D, float* o) {
+  const int64_t dcs = D / 16;
+  for (int64_t g = 0; g < D / 64; ++g) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t vc = 0; vc < chunks; ++vc) {
+      _tile_loadd(0, p + vc * kValueKeys, p_ld * sizeof(bf16));
+      const bf16* blocks = vp + (vc * dcs + g * 4) * kBlock;
+      _tile_loadd(1, blocks, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(1, blocks + kBlock, 64);
+      _tile_dpbf16ps(5, 0, 1);
+      _tile_loadd(1, blocks + 2 * kBlock, 64);
+      _tile_dpbf16ps(6, 0, 1);
+      _tile_loadd(1, blocks + 3 * kBlock, 64);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+    float* og = o + g * 64;
+    _tile_stored(4, og, D * sizeof(float));
+    _tile_stored(5, og + 16, D * sizeof(float));
+    _tile_stored(6, og + 32, D * sizeof(float));
+    _tile_stored(7, og + 48, D * sizeof(float));
+  }
+}
+#endif
+
+#if KVBRIDGE_AMX
+// kvbridge::vector_exp (vec_math.h) on 16 lanes in AVX-512 intrinsics: the same reduction,
+// polynomial and clamps. Written out because the compiler's own vectorisation of the scalar form
+// inside this kernel's row loop ran at scalar speed.
+inline __m512 exp16(__m512 x) {
+  const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), shift), shift);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ), e,
+                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), e);
+}
+
+// One query row's softmax over `cols` scores (a multiple of 16; masked keys already -inf):
+// row[t] becomes e^(scale * row[t] - max), p[t] that rounded to bf16; returns the sum of the exps.
+inline float softmax_row(float* row, bf16* p, int64_t cols, float scale) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < cols; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < cols; t += 16) {
+    const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), vs, vm));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#endif
+
+}  // namespace
+
+// True when this build runs the op (AMX-BF16 compiled in and granted by the kernel).
+bool prefill_attention_amx_available() {
+#if KVBRIDGE_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// out [T, H*D] bf16 (rows written: the listed prompts' tokens), q [T, H, D], k and v [T, kv_heads,
+// D] bf16 (D contiguous; any token and head strides); prompt j is tokens starts[j] .. starts[j] +
+// lens[j] - 1, attending causally over its own keys. Query head h attends with KV head
+// h / (H / kv_heads). D a multiple of 64, at most 256.
+void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& starts, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(prefill_attention_amx_available(), "prefill_attention_amx_: this build or CPU has no AMX-BF16");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && out.device().is_cpu(),
+              "prefill_attention_amx_: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prefill_attention_amx_: q, k, v and out must be bfloat16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
+                  v.stride(2) == 1,
+              "prefill_attention_amx_: q, k and v must be [tokens, heads, head_dim] with head_dim contiguous");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), kv_heads = k.size(1);
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == kv_heads && k.size(2) == D && v.size(2) == D,
+              "prefill_attention_amx_: q, k and v disagree on tokens, KV heads or head_dim");
+  TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0, "prefill_attention_amx_: query heads must be a multiple of KV heads");
+  TORCH_CHECK(D % 64 == 0 && D <= 256, "prefill_attention_amx_: head_dim must be a multiple of 64, at most 256");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D && out.stride(1) == 1,
+              "prefill_attention_amx_: out must be [tokens, heads * head_dim] with rows contiguous");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && starts.dim() == 1 &&
+                  lens.sizes() == starts.sizes() && starts.is_contiguous() && lens.is_contiguous(),
+              "prefill_attention_amx_: starts and lens must be 1-d int64 tensors of one length");
+  const int64_t n = starts.numel();
+  const int64_t* sd = starts.data_ptr<int64_t>();
+  const int64_t* ld = lens.data_ptr<int64_t>();
+  std::vector<Seq> seqs;
+  seqs.reserve(n);
+  int64_t k_total = 0, v_total = 0, max_len = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(ld[j] >= 0 && sd[j] >= 0 && sd[j] + ld[j] <= T,
+                "prefill_attention_amx_: a prompt's tokens lie outside q");
+    if (ld[j] == 0) continue;
+    seqs.push_back({sd[j], ld[j], k_total, v_total});
+    k_total += kv_heads * round_up(ld[j], kScoreKeys) / kScoreKeys * (D / 32) * kBlock;
+    v_total += kv_heads * round_up(ld[j], kValueKeys) / kValueKeys * (D / 16) * kBlock;
+    max_len = std::max(max_len, ld[j]);
+  }
+#if KVBRIDGE_AMX
+  if (seqs.empty()) return;
+  const int64_t group = H / kv_heads;
+  const bf16* q_data = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
+  const bf16* k_data = reinterpret_cast<const bf16*>(k.data_ptr<at::BFloat16>());
+  const bf16* v_data = reinterpret_cast<const bf16*>(v.data_ptr<at::BFloat16>());
+  bf16* out_data = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1), k_tok = k.stride(0), k_head = k.stride(1);
+  const int64_t v_tok = v.stride(0), v_head = v.stride(1), o_tok = out.stride(0);
+  // Every element is written by the packing (zeros past each prompt): no initialisation needed.
+  std::unique_ptr<bf16[]> k_packed(new bf16[k_total]), v_packed(new bf16[v_total]);
+  // Items: (prompt, query head, query tile), the tiles with the most keys first.
+  struct Item {
+    int32_t seq, head, tile;
+    int64_t keys;
+  };
+  std::vector<Item> items;
+  for (int32_t j = 0; j < static_cast<int32_t>(seqs.size()); ++j) {
+    const int64_t tiles = round_up(seqs[j].len, kRows) / kRows;
+    for (int32_t t = 0; t < tiles; ++t) {
+      for (int32_t h = 0; h < H; ++h) items.push_back({j, h, t, std::min(seqs[j].len, (t + 1) * kRows)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
+  const int64_t packs = static_cast<int64_t>(seqs.size()) * kv_heads;
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(n_items)));
+  const int64_t s_ld = round_up(max_len, kValueKeys);  // score and probability rows
+  const float softmax_scale = static_cast<float>(scale);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < packs; ++i) {
+      const Seq& s = seqs[i / kv_heads];
+      const int64_t h = i % kv_heads;
+      pack_keys(k_packed.get() + s.k_off + h * (round_up(s.len, kScoreKeys) / kScoreKeys) * (D / 32) * kBlock,
+                k_data + s.start * k_tok + h * k_head, k_tok, s.len, D);
+      pack_values(v_packed.get() + s.v_off + h * (round_up(s.len, kValueKeys) / kValueKeys) * (D / 16) * kBlock,
+                  v_data + s.start * v_tok + h * v_head, v_tok, s.len, D);
+    }  // the implicit barrier: every prompt packed before any item reads
+    configure_tiles();
+    std::vector<bf16> qbuf(kRows * D), pbuf(kRows * s_ld);
+    std::vector<float> sbuf(kRows * s_ld), obuf(kRows * D), row_sum(kRows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& item = items[it];
+      const Seq& s = seqs[item.seq];
+      const int64_t kvh = item.head / group, r0 = static_cast<int64_t>(item.tile) * kRows;
+      const int64_t rows = std::min(kRows, s.len - r0), keys = item.keys;
+      for (int64_t r = 0; r < kRows; ++r) {  // the tile's queries, zero rows past the prompt
+        bf16* dst = qbuf.data() + r * D;
+        if (r < rows) {
+          std::memcpy(dst, q_data + (s.start + r0 + r) * q_tok + item.head * q_head, D * sizeof(bf16));
+        } else {
+          std::memset(dst, 0, D * sizeof(bf16));
+        }
+      }
+      const bf16* kp = k_packed.get() + s.k_off + kvh * (round_up(s.len, kScoreKeys) / kScoreKeys) * (D / 32) * kBlock;
+      const bf16* vp = v_packed.get() + s.v_off + kvh * (round_up(s.len, kValueKeys) / kValueKeys) * (D / 16) * kBlock;
+      const int64_t score_chunks = round_up(keys, kScoreKeys) / kScoreKeys;
+      const int64_t value_chunks = round_up(keys, kValueKeys) / kValueKeys;
+      const int64_t p_cols = value_chunks * kValueKeys;
+      score_tile(qbuf.data(), kp, score_chunks, D, sbuf.data(), s_ld);
+      for (int64_t r = 0; r < kRows; ++r) {  // exact softmax per row; P in bf16, 0 where masked
+        bf16* p = pbuf.data() + r * s_ld;
+        if (r >= rows) {
+          std::memset(p, 0, p_cols * sizeof(bf16));
+          row_sum[r] = 1.f;
+          continue;
+        }
+        float* row = sbuf.data() + r * s_ld;  // scores, then their exps in place
+        const int64_t visible = r0 + r + 1;   // keys 0 .. r0 + r
+        const int64_t cols = round_up(visible, kvbridge::kVec);
+        for (int64_t t = visible; t < cols; ++t) row[t] = kNegInf;  // later keys of its last chunk
+        row_sum[r] = softmax_row(row, p, cols, softmax_scale);
+        for (int64_t t = cols; t < p_cols; ++t) p[t] = 0;
+      }
+      value_tile(pbuf.data(), s_ld, vp, value_chunks, D, obuf.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        bf16* o = out_data + (s.start + r0 + r) * o_tok + item.head * D;
+        const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+        const float* src = obuf.data() + r * D;
+        for (int64_t d = 0; d < D; d += 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + d), inv))));
+        }
+      }
+    }
+    _tile_release();
+  }
+#else
+  TORCH_CHECK(false, "prefill_attention_amx_: built without AMX-BF16");
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
+  m.def("prefill_attention_amx_available() -> bool", &prefill_attention_amx_available);
+  m.def("prefill_attention_amx_(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lens, "
+        "float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvbridge, CPU, m) { m.impl("prefill_attention_amx_", &prefill_attention_amx_); }
