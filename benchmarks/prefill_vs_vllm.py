@@ -22,6 +22,7 @@ python of vLLM's virtualenv (vllm_peer installs it on first use); its threads ar
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -57,7 +58,7 @@ def kvbridge_worker(args: argparse.Namespace) -> None:
         cache=CacheConfig(kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    counter = iter(range(1 << 62))
+    counter = itertools.count()
 
     def burst(batch: list[list[int]]) -> float:
         start = time.perf_counter()

@@ -27,6 +27,7 @@ block_size, kv_heads, head_dim], index 0 = K, 1 = V.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +78,11 @@ class PrefillSeq:
     # The mask grown to bucketed lengths (shape_buckets.prefill_sdpa), made by the first layer.
     padded_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def own_kv_only(self) -> bool:
+        """Plain causal attention over its own new K/V (a fresh prompt, no window mask)."""
+        return self.block_index is None and self.mask is None
+
 
 @dataclass
 class AttentionMetadata:
@@ -97,9 +103,6 @@ class AttentionMetadata:
     sliding_window: int | None = None
     decode: DecodeGroup | None = field(init=False)
     prefills: list[PrefillSeq] = field(init=False)
-    # The prefills over their own new K/V only (plain causal) as [n] int64 starts and lengths:
-    # what the AMX kernel attends in one call per layer. None when there is none.
-    fresh_prefills: tuple[torch.Tensor, torch.Tensor] | None = field(init=False)
     slot_blocks: torch.Tensor = field(init=False)  # [T] block of each new token's slot
     slot_offsets: torch.Tensor = field(init=False)  # [T] offset of each new token within its block
 
@@ -121,6 +124,16 @@ class AttentionMetadata:
         return cls(starts, list(context_lens), [list(t) for t in block_tables], slot_mapping, block_size,
                    sliding_window)
 
+    @functools.cached_property
+    def fresh_prefills(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The prefills over their own new K/V only, as [n] int64 CPU starts and lengths: what the
+        AMX kernel attends in one call per layer (made by the first layer that asks). None: none."""
+        fresh = [p for p in self.prefills if p.own_kv_only]
+        if not fresh:
+            return None
+        return (torch.tensor([p.start for p in fresh], dtype=torch.int64),
+                torch.tensor([p.end - p.start for p in fresh], dtype=torch.int64))
+
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
@@ -141,9 +154,6 @@ class AttentionMetadata:
             else:
                 prefills.append(self._prefill_seq(start, end, ctx, self.block_tables[i], device))
         self.prefills = prefills
-        fresh = [(p.start, p.end - p.start) for p in prefills if p.block_index is None and p.mask is None]
-        self.fresh_prefills = (torch.tensor([f[0] for f in fresh], dtype=torch.int64),
-                               torch.tensor([f[1] for f in fresh], dtype=torch.int64)) if fresh else None
         self.decode = self._decode_group(decode_seqs, device) if decode_seqs else None
         self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
         self.slot_offsets = self.slot_mapping - self.slot_blocks * self.block_size
@@ -251,7 +261,7 @@ class PagedAttention(nn.Module):
         decode = attn.decode
         if decode is not None and decode.token_index is None:
             return self._decode(q, kv_layer, decode)
-        amx = attn.fresh_prefills is not None and cpu_kernels.amx_prefill_applies(q)
+        amx = bool(attn.prefills) and cpu_kernels.amx_prefill_applies(q) and attn.fresh_prefills is not None
         if decode is None and len(attn.prefills) == 1 and not amx:
             return self._prefill(q, k, v, kv_layer, attn.prefills[0])
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
@@ -262,7 +272,7 @@ class PagedAttention(nn.Module):
             starts, lens = attn.fresh_prefills
             cpu_kernels.prefill_attention_amx_(out, q, k, v, starts, lens, self.head_dim ** -0.5)
         for seq in attn.prefills:
-            if not (amx and seq.block_index is None and seq.mask is None):
+            if not (amx and seq.own_kv_only):
                 out[seq.start:seq.end] = self._prefill(q, k, v, kv_layer, seq)
         return out
 
@@ -293,7 +303,7 @@ class PagedAttention(nn.Module):
                  seq: PrefillSeq) -> torch.Tensor:
         qs = q[seq.start:seq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
         gqa = self.num_kv_heads != self.num_heads
-        if (seq.block_index is None and seq.mask is None and self.head_dim in cpu_kernels.PREFILL_HEAD_DIMS
+        if (seq.own_kv_only and self.head_dim in cpu_kernels.PREFILL_HEAD_DIMS
                 and cpu_kernels.applies(q, k, v)):
             out = cpu_kernels.prefill_attention(q[seq.start:seq.end], k[seq.start:seq.end], v[seq.start:seq.end],
                                                 self.head_dim ** -0.5)

@@ -50,6 +50,15 @@ constexpr int64_t kBlock = 512;   // bf16 in one packed B tile (16 rows x 64 byt
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// bf16 elements of one (prompt, KV head)'s packed K and V (pack_keys, pack_values) for len keys.
+inline int64_t packed_keys(int64_t len, int64_t D) { return round_up(len, kScoreKeys) / kScoreKeys * (D / 32) * kBlock; }
+inline int64_t packed_values(int64_t len, int64_t D) { return round_up(len, kValueKeys) / kValueKeys * (D / 16) * kBlock; }
+
+struct Seq {
+  int64_t start, len;
+  int64_t k_off, v_off;  // where its packed K and V begin in the packed buffers (KV head 0's)
+};
+
 #if KVBRIDGE_AMX
 // Linux gives a process AMX's tile state only on request (once; it holds for every thread).
 bool amx_permitted() {
@@ -78,12 +87,6 @@ void configure_tiles() {
   }
   _tile_loadconfig(&cfg);
 }
-#endif
-
-struct Seq {
-  int64_t start, len;
-  int64_t k_off, v_off;  // where its packed K and V begin in the packed buffers
-};
 
 // K of one (prompt, KV head) as score B tiles: block (kc, dc) holds keys kc*16 .. +15 over head
 // dims dc*32 .. +31, element [r][c][i] = K[key kc*16 + c][dim dc*32 + 2r + i] (0 past the prompt):
@@ -115,7 +118,6 @@ void pack_values(bf16* dst, const bf16* v, int64_t v_tok, int64_t len, int64_t D
       const int64_t t0 = vc * kValueKeys + 2 * r;
       for (int64_t dc = 0; dc < dcs; ++dc) {
         bf16* row = dst + (vc * dcs + dc) * kBlock + r * 32;
-#if KVBRIDGE_AMX
         const __m512i a = t0 < len ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
                                          reinterpret_cast<const __m256i*>(v + t0 * v_tok + dc * 16)))
                                    : _mm512_setzero_si512();
@@ -123,18 +125,11 @@ void pack_values(bf16* dst, const bf16* v, int64_t v_tok, int64_t len, int64_t D
                                              reinterpret_cast<const __m256i*>(v + (t0 + 1) * v_tok + dc * 16)))
                                        : _mm512_setzero_si512();
         _mm512_storeu_si512(row, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-#else
-        for (int64_t c = 0; c < 16; ++c) {
-          row[2 * c] = t0 < len ? v[t0 * v_tok + dc * 16 + c] : 0;
-          row[2 * c + 1] = t0 + 1 < len ? v[(t0 + 1) * v_tok + dc * 16 + c] : 0;
-        }
-#endif
       }
     }
   }
 }
 
-#if KVBRIDGE_AMX
 // Scores of the 16 query rows in `qbuf` ([16][D] bf16) against keys 0 .. 16*chunks-1 into
 // s[16][s_ld] fp32. Tiles: 0 and 3 = Q (its first 64 dims, kept for every chunk; further dims
 // reloaded), 1 = K block, 2 and 5 = scores of alternate chunks (a store overlaps the next product).
@@ -208,9 +203,7 @@ void value_tile(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int
     _tile_stored(7, og + 48, D * sizeof(float));
   }
 }
-#endif
 
-#if KVBRIDGE_AMX
 // kvbridge::vector_exp (vec_math.h) on 16 lanes in AVX-512 intrinsics: the same reduction,
 // polynomial and clamps. Written out because the compiler's own vectorisation of the scalar form
 // inside this kernel's row loop ran at scalar speed.
@@ -296,8 +289,8 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
                 "prefill_attention_amx_: a prompt's tokens lie outside q");
     if (ld[j] == 0) continue;
     seqs.push_back({sd[j], ld[j], k_total, v_total});
-    k_total += kv_heads * round_up(ld[j], kScoreKeys) / kScoreKeys * (D / 32) * kBlock;
-    v_total += kv_heads * round_up(ld[j], kValueKeys) / kValueKeys * (D / 16) * kBlock;
+    k_total += kv_heads * packed_keys(ld[j], D);
+    v_total += kv_heads * packed_values(ld[j], D);
     max_len = std::max(max_len, ld[j]);
   }
 #if KVBRIDGE_AMX
@@ -337,10 +330,10 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
     for (int64_t i = 0; i < packs; ++i) {
       const Seq& s = seqs[i / kv_heads];
       const int64_t h = i % kv_heads;
-      pack_keys(k_packed.get() + s.k_off + h * (round_up(s.len, kScoreKeys) / kScoreKeys) * (D / 32) * kBlock,
-                k_data + s.start * k_tok + h * k_head, k_tok, s.len, D);
-      pack_values(v_packed.get() + s.v_off + h * (round_up(s.len, kValueKeys) / kValueKeys) * (D / 16) * kBlock,
-                  v_data + s.start * v_tok + h * v_head, v_tok, s.len, D);
+      pack_keys(k_packed.get() + s.k_off + h * packed_keys(s.len, D), k_data + s.start * k_tok + h * k_head, k_tok,
+                s.len, D);
+      pack_values(v_packed.get() + s.v_off + h * packed_values(s.len, D), v_data + s.start * v_tok + h * v_head,
+                  v_tok, s.len, D);
     }  // the implicit barrier: every prompt packed before any item reads
     configure_tiles();
     std::vector<bf16> qbuf(kRows * D), pbuf(kRows * s_ld);
@@ -359,8 +352,8 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
           std::memset(dst, 0, D * sizeof(bf16));
         }
       }
-      const bf16* kp = k_packed.get() + s.k_off + kvh * (round_up(s.len, kScoreKeys) / kScoreKeys) * (D / 32) * kBlock;
-      const bf16* vp = v_packed.get() + s.v_off + kvh * (round_up(s.len, kValueKeys) / kValueKeys) * (D / 16) * kBlock;
+      const bf16* kp = k_packed.get() + s.k_off + kvh * packed_keys(s.len, D);
+      const bf16* vp = v_packed.get() + s.v_off + kvh * packed_values(s.len, D);
       const int64_t score_chunks = round_up(keys, kScoreKeys) / kScoreKeys;
       const int64_t value_chunks = round_up(keys, kValueKeys) / kValueKeys;
       const int64_t p_cols = value_chunks * kValueKeys;
