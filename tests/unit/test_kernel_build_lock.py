@@ -35,3 +35,14 @@ def test_other_kernel_sources_build_in_their_own_folder(tmp_path, monkeypatch) -
     changed.write_bytes(cpu_kernels.SOURCES[0].read_bytes() + b"\n// another version\n")
     monkeypatch.setattr(cpu_kernels, "SOURCES", [changed, *cpu_kernels.SOURCES[1:]])
     assert cpu_kernels.build_dir() != here and cpu_kernels.build_dir().parent == here.parent
+
+
+def test_a_changed_header_builds_in_its_own_folder(tmp_path, monkeypatch) -> None:
+    """The sources include csrc/*.h: another version of a header is another build, not the old one's."""
+    here = cpu_kernels.build_dir()
+    headers = sorted(p.name for p in (cpu_kernels.SOURCES[0].parent).glob("*.h"))
+    assert sorted(h.name for h in cpu_kernels.HEADERS) == headers  # every header is in the identity
+    changed = tmp_path / "vec_math.h"
+    changed.write_bytes(cpu_kernels.HEADERS[0].read_bytes() + b"\n// another version\n")
+    monkeypatch.setattr(cpu_kernels, "HEADERS", [changed, *cpu_kernels.HEADERS[1:]])
+    assert cpu_kernels.build_dir() != here and cpu_kernels.build_dir().parent == here.parent

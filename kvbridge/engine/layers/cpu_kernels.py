@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_decode.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp", "elementwise.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "vec_avx512.h")]  # in the build's identity
 _lock = threading.Lock()
 _available: bool | None = None  # decided once per process, by the first available()
 
@@ -62,7 +63,7 @@ def _source_identity() -> str:
     sources (ninja's build file names the sources' paths, so two checkouts sharing one folder
     rebuilt it in turn, each time the other had built it)."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(str(source.resolve()).encode())
         digest.update(source.read_bytes())
     return digest.hexdigest()[:12]

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_avx512.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -130,14 +131,14 @@ void pack_values(bf16* dst, const bf16* v, int64_t v_tok, int64_t len, int64_t D
   }
 }
 
-// Scores of the 16 query rows in `qbuf` ([16][D] bf16) against keys 0 .. 16*chunks-1 into
+// Scores of the 16 query rows at `qrows` (D bf16 each, q_ld apart) against keys 0 .. 16*chunks-1 into
 // s[16][s_ld] fp32. Tiles: 0 and 3 = Q (its first 64 dims, kept for every chunk; further dims
 // reloaded), 1 = K block, 2 and 5 = scores of alternate chunks (a store overlaps the next product).
-void score_tile(const bf16* qbuf, const bf16* kp, int64_t chunks, int64_t D, float* s, int64_t s_ld) {
+void score_tile(const bf16* qrows, int64_t q_ld, const bf16* kp, int64_t chunks, int64_t D, float* s, int64_t s_ld) {
   const int64_t dcs = D / 32;
-  const int64_t q_stride = D * sizeof(bf16), s_stride = s_ld * sizeof(float);
-  _tile_loadd(0, qbuf, q_stride);
-  _tile_loadd(3, qbuf + 32, q_stride);
+  const int64_t q_stride = q_ld * sizeof(bf16), s_stride = s_ld * sizeof(float);
+  _tile_loadd(0, qrows, q_stride);
+  _tile_loadd(3, qrows + 32, q_stride);
   for (int64_t kc = 0; kc < chunks; ++kc) {
     const bf16* blocks = kp + kc * dcs * kBlock;
     const bool odd = kc & 1;
@@ -159,7 +160,7 @@ void score_tile(const bf16* qbuf, const bf16* kp, int64_t chunks, int64_t D, flo
       _tile_dpbf16ps(2, 3, 1);
     }
     for (int64_t dc = 2; dc < dcs; ++dc) {  // head dims past 64: Q's further tiles reloaded
-      _tile_loadd(6, qbuf + dc * 32, q_stride);
+      _tile_loadd(6, qrows + dc * 32, q_stride);
       _tile_loadd(1, blocks + dc * kBlock, 64);
       if (odd) {
         _tile_dpbf16ps(5, 6, 1);
@@ -204,40 +205,32 @@ void value_tile(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int
   }
 }
 
-// kvbridge::vector_exp (vec_math.h) on 16 lanes in AVX-512 intrinsics: the same reduction,
-// polynomial and clamps. Written out because the compiler's own vectorisation of the scalar form
-// inside this kernel's row loop ran at scalar speed.
-inline __m512 exp16(__m512 x) {
-  const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 shift = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), shift), shift);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ), e,
-                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), e);
-}
-
 // One query row's softmax over `cols` scores (a multiple of 16; masked keys already -inf):
 // row[t] becomes e^(scale * row[t] - max), p[t] that rounded to bf16; returns the sum of the exps.
-inline float softmax_row(float* row, bf16* p, int64_t cols, float scale) {
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < cols; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+inline float softmax_row(const float* row, bf16* p, int64_t visible, int64_t p_cols, float scale) {
+  // Keys past `visible` masked in registers: written into the row as scalars they made each
+  // row's vector loads wait on the stores (about 300 cycles a row, more than its exps at 128 keys).
+  const int64_t full = visible / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (visible - full)) - 1u);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx = neg_inf;
+  for (int64_t t = 0; t < full; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+  if (tail) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, tail, row + full));
   const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale);
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < cols; t += 16) {
-    const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), vs, vm));
+  for (int64_t t = 0; t < full; t += 16) {
+    const __m512 e = kvbridge::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), vs, vm));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
+  int64_t t = full;
+  if (tail) {  // masked lanes: e^-inf = 0
+    const __m512 e = _mm512_maskz_mov_ps(tail, kvbridge::exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, row + t), vs, vm)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    t += 16;
+  }
+  for (; t < p_cols; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), _mm256_setzero_si256());
   return _mm512_reduce_add_ps(sum);
 }
 #endif
@@ -322,7 +315,6 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
   const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(n_items)));
   const int64_t s_ld = round_up(max_len, kValueKeys);  // score and probability rows
   const float softmax_scale = static_cast<float>(scale);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #pragma omp parallel num_threads(threads)
   {
@@ -344,20 +336,28 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
       const Seq& s = seqs[item.seq];
       const int64_t kvh = item.head / group, r0 = static_cast<int64_t>(item.tile) * kRows;
       const int64_t rows = std::min(kRows, s.len - r0), keys = item.keys;
-      for (int64_t r = 0; r < kRows; ++r) {  // the tile's queries, zero rows past the prompt
-        bf16* dst = qbuf.data() + r * D;
-        if (r < rows) {
-          std::memcpy(dst, q_data + (s.start + r0 + r) * q_tok + item.head * q_head, D * sizeof(bf16));
-        } else {
-          std::memset(dst, 0, D * sizeof(bf16));
+      // The tile's queries: read in place (a tile load takes any row stride), or for a prompt's
+      // last, partial tile copied with zero rows past the prompt (its rows past T are not q's).
+      const bf16* qrows = q_data + (s.start + r0) * q_tok + item.head * q_head;
+      int64_t q_ld = q_tok;
+      if (rows < kRows) {
+        for (int64_t r = 0; r < kRows; ++r) {
+          bf16* dst = qbuf.data() + r * D;
+          if (r < rows) {
+            std::memcpy(dst, qrows + r * q_tok, D * sizeof(bf16));
+          } else {
+            std::memset(dst, 0, D * sizeof(bf16));
+          }
         }
+        qrows = qbuf.data();
+        q_ld = D;
       }
       const bf16* kp = k_packed.get() + s.k_off + kvh * packed_keys(s.len, D);
       const bf16* vp = v_packed.get() + s.v_off + kvh * packed_values(s.len, D);
       const int64_t score_chunks = round_up(keys, kScoreKeys) / kScoreKeys;
       const int64_t value_chunks = round_up(keys, kValueKeys) / kValueKeys;
       const int64_t p_cols = value_chunks * kValueKeys;
-      score_tile(qbuf.data(), kp, score_chunks, D, sbuf.data(), s_ld);
+      score_tile(qrows, q_ld, kp, score_chunks, D, sbuf.data(), s_ld);
       for (int64_t r = 0; r < kRows; ++r) {  // exact softmax per row; P in bf16, 0 where masked
         bf16* p = pbuf.data() + r * s_ld;
         if (r >= rows) {
@@ -365,12 +365,8 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
           row_sum[r] = 1.f;
           continue;
         }
-        float* row = sbuf.data() + r * s_ld;  // scores, then their exps in place
-        const int64_t visible = r0 + r + 1;   // keys 0 .. r0 + r
-        const int64_t cols = round_up(visible, kvbridge::kVec);
-        for (int64_t t = visible; t < cols; ++t) row[t] = kNegInf;  // later keys of its last chunk
-        row_sum[r] = softmax_row(row, p, cols, softmax_scale);
-        for (int64_t t = cols; t < p_cols; ++t) p[t] = 0;
+        // Keys 0 .. r0 + r; p's columns past them (to p_cols, a multiple of 16) zero.
+        row_sum[r] = softmax_row(sbuf.data() + r * s_ld, p, r0 + r + 1, p_cols, softmax_scale);
       }
       value_tile(pbuf.data(), s_ld, vp, value_chunks, D, obuf.data());
       for (int64_t r = 0; r < rows; ++r) {
