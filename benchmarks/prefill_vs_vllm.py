@@ -167,6 +167,17 @@ def worker_command(python: str, name: str, args: argparse.Namespace, folder: Pat
             "--max-model-len", str(args.max_model_len)]
 
 
+def worker_envs(args: argparse.Namespace, environ: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The two workers' environments. Both keep OpenMP's default wait policy, as `kvbridge serve` and
+    `vllm serve` do (an OMP_WAIT_POLICY of the caller's is dropped: PASSIVE made kvbridge's 128-token
+    steps 11% slower, benchmarks/README.md); vLLM's engine core in process, its threads bound."""
+    base = {k: v for k, v in environ.items() if k != "OMP_WAIT_POLICY"}
+    vllm_env = {**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gb:g}",
+                "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                "OMP_NUM_THREADS": str(args.threads)}
+    return dict(base), vllm_env
+
+
 def main() -> None:
     args = parse_args()
     if args.worker == "kvbridge":
@@ -181,10 +192,8 @@ def main() -> None:
     ensure_vllm_venv(DEFAULT_VENV, args.vllm_version)
     folder = export_hf_folder(args.model, DEFAULT_VENV.parent / "smollm2-135m-instruct-fp32")
     log_dir = Path(tempfile.mkdtemp(prefix="prefill_vs_vllm-"))
-    vllm_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gb:g}",
-                "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                "OMP_NUM_THREADS": str(args.threads)}
-    specs = [("kvbridge", sys.executable, dict(os.environ)), ("vllm", str(DEFAULT_VENV / "bin" / "python"), vllm_env)]
+    kvbridge_env, vllm_env = worker_envs(args, os.environ)
+    specs = [("kvbridge", sys.executable, kvbridge_env), ("vllm", str(DEFAULT_VENV / "bin" / "python"), vllm_env)]
     workers: list[Worker] = []
     try:
         for name, python, env in specs:  # one after the other: start-up is CPU-bound

@@ -23,6 +23,15 @@ def test_cases_parse_and_bad_ones_are_refused():
             bench.parse_case(bad)
 
 
+def test_both_workers_run_openmps_default_wait_policy_as_the_servers_do():
+    args = bench.parse_args(["--threads", "2", "--kv-cache-gb", "0.5"])
+    kvb, vllm = bench.worker_envs(args, {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/bin"})
+    assert "OMP_WAIT_POLICY" not in kvb and "OMP_WAIT_POLICY" not in vllm
+    assert kvb["PATH"] == vllm["PATH"] == "/bin"
+    assert vllm["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and vllm["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert vllm["VLLM_CPU_KVCACHE_SPACE"] == "0.5" and vllm["OMP_NUM_THREADS"] == "2"
+
+
 def test_both_engines_get_the_same_fresh_prompts():
     a, b = bench.prompts(7, 3, 5), bench.prompts(7, 3, 5)
     assert a == b and len(a) == 3 and all(len(p) == 5 for p in a)

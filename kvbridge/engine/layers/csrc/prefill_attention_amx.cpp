@@ -139,6 +139,38 @@ void score_tile(const bf16* qrows, int64_t q_ld, const bf16* kp, int64_t chunks,
   const int64_t q_stride = q_ld * sizeof(bf16), s_stride = s_ld * sizeof(float);
   _tile_loadd(0, qrows, q_stride);
   _tile_loadd(3, qrows + 32, q_stride);
+  if (dcs == 2) {
+    // Head dims 64: two chunks at a time, each with K tiles of its own (1 and 4; 6 and 7) and its
+    // own scores (2; 5), so no tile load waits on the product still reading that tile (tiles are
+    // not renamed: reusing one K tile serialised every load behind the product before it).
+    int64_t kc = 0;
+    for (; kc + 2 <= chunks; kc += 2) {
+      const bf16* b0 = kp + kc * 2 * kBlock;
+      const bf16* b1 = b0 + 2 * kBlock;
+      _tile_zero(2);
+      _tile_zero(5);
+      _tile_loadd(1, b0, 64);
+      _tile_loadd(4, b0 + kBlock, 64);
+      _tile_loadd(6, b1, 64);
+      _tile_loadd(7, b1 + kBlock, 64);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_dpbf16ps(5, 0, 6);
+      _tile_dpbf16ps(2, 3, 4);
+      _tile_dpbf16ps(5, 3, 7);
+      _tile_stored(2, s + kc * kScoreKeys, s_stride);
+      _tile_stored(5, s + (kc + 1) * kScoreKeys, s_stride);
+    }
+    if (kc < chunks) {
+      const bf16* b0 = kp + kc * 2 * kBlock;
+      _tile_zero(2);
+      _tile_loadd(1, b0, 64);
+      _tile_loadd(4, b0 + kBlock, 64);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_dpbf16ps(2, 3, 4);
+      _tile_stored(2, s + kc * kScoreKeys, s_stride);
+    }
+    return;
+  }
   for (int64_t kc = 0; kc < chunks; ++kc) {
     const bf16* blocks = kp + kc * dcs * kBlock;
     const bool odd = kc & 1;
@@ -188,12 +220,13 @@ void value_tile(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int
     for (int64_t vc = 0; vc < chunks; ++vc) {
       _tile_loadd(0, p + vc * kValueKeys, p_ld * sizeof(bf16));
       const bf16* blocks = vp + (vc * dcs + g * 4) * kBlock;
+      // Three V tiles (1-3), so only the fourth block's load waits on a product still reading its tile.
       _tile_loadd(1, blocks, 64);
+      _tile_loadd(2, blocks + kBlock, 64);
+      _tile_loadd(3, blocks + 2 * kBlock, 64);
       _tile_dpbf16ps(4, 0, 1);
-      _tile_loadd(1, blocks + kBlock, 64);
-      _tile_dpbf16ps(5, 0, 1);
-      _tile_loadd(1, blocks + 2 * kBlock, 64);
-      _tile_dpbf16ps(6, 0, 1);
+      _tile_dpbf16ps(5, 0, 2);
+      _tile_dpbf16ps(6, 0, 3);
       _tile_loadd(1, blocks + 3 * kBlock, 64);
       _tile_dpbf16ps(7, 0, 1);
     }
@@ -205,8 +238,8 @@ void value_tile(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int
   }
 }
 
-// One query row's softmax over `cols` scores (a multiple of 16; masked keys already -inf):
-// row[t] becomes e^(scale * row[t] - max), p[t] that rounded to bf16; returns the sum of the exps.
+// One query row's softmax over its first `visible` scores: p[t] = e^(scale (row[t] - max)) rounded
+// to bf16, 0 from `visible` to p_cols (a multiple of 16); returns the sum of the exps (fp32).
 inline float softmax_row(const float* row, bf16* p, int64_t visible, int64_t p_cols, float scale) {
   // Keys past `visible` masked in registers: written into the row as scalars they made each
   // row's vector loads wait on the stores (about 300 cycles a row, more than its exps at 128 keys).
@@ -216,16 +249,18 @@ inline float softmax_row(const float* row, bf16* p, int64_t visible, int64_t p_c
   __m512 mx = neg_inf;
   for (int64_t t = 0; t < full; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
   if (tail) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, tail, row + full));
-  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale);
+  // e^(scale * (s - max)) as 2^(s * scale log2 e - max * scale log2 e): one fused multiply-subtract.
+  constexpr float kLog2e = 1.44269504088896341f;
+  const __m512 vs = _mm512_set1_ps(scale * kLog2e), vm = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale * kLog2e);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < full; t += 16) {
-    const __m512 e = kvbridge::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), vs, vm));
+    const __m512 e = kvbridge::exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), vs, vm));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
   int64_t t = full;
   if (tail) {  // masked lanes: e^-inf = 0
-    const __m512 e = _mm512_maskz_mov_ps(tail, kvbridge::exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, row + t), vs, vm)));
+    const __m512 e = _mm512_maskz_mov_ps(tail, kvbridge::exp2_16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, row + t), vs, vm)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
     t += 16;
@@ -313,7 +348,9 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
   const int64_t packs = static_cast<int64_t>(seqs.size()) * kv_heads;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(n_items)));
-  const int64_t s_ld = round_up(max_len, kValueKeys);  // score and probability rows
+  // Score and probability rows, 16 columns longer than the longest prompt's keys: at a multiple of
+  // 1024 keys the 16 rows of a tile were 4 KB apart, all in one L1 set (more rows than its ways).
+  const int64_t s_ld = round_up(max_len, kValueKeys) + 16;
   const float softmax_scale = static_cast<float>(scale);
 
 #pragma omp parallel num_threads(threads)
