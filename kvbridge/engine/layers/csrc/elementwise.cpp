@@ -4,8 +4,8 @@
 // tensor of a call has one dtype; bf16 values are widened to fp32 as they are read, all arithmetic
 // is fp32, and a bf16 result is rounded (to nearest even) where torch's bf16 path rounds, so the
 // bf16 ops give torch's bf16 results (RMSNorm: the normalised row rounded, then times the weight;
-// the residual add rounded before the norm; SiLU * up on AVX-512 within 1 bf16 ulp of torch's,
-// subnormal results flushed). They run on the calling thread unless a tensor is
+// the residual add rounded before the norm). With AVX-512 the bf16 loops are intrinsics rounding by
+// vcvtneps2bf16: within 1 bf16 ulp of torch's, subnormal results flushed. They run on the calling thread unless a tensor is
 // large (kSerialBelow elements), so a decode step's [batch, hidden] rows wake no OpenMP threads.
 // Registered in the `kvbridge` op namespace (paged_decode.cpp defines it);
 // kvbridge/engine/layers/cpu_kernels.py builds and loads them.
@@ -199,11 +199,11 @@ void silu_mul_row(const T* __restrict gate, const T* __restrict up, T* __restric
     // exp's range by vscalefps. At 2048 x 1536 (SmolLM2's MLP at a full step) 1.2x faster than the
     // loops below, which the compiler vectorises but which stay arithmetic-bound (2.4x the time of
     // a torch add over the same bytes, now 2.05x: the same pairs of calls, medians of 300).
-    const uint16_t* g16 = reinterpret_cast<const uint16_t*>(gate);
-    const uint16_t* u16 = reinterpret_cast<const uint16_t*>(up);
-    uint16_t* o16 = reinterpret_cast<uint16_t*>(out);
+    const uint16_t* g16 = bits(gate);
+    const uint16_t* u16 = bits(up);
+    uint16_t* o16 = bits(out);
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
+    for (; i + kLanes <= n; i += kLanes) {
       const __m512 g = kvbridge::widen16(g16 + i);
       const __m512 e = kvbridge::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
       const __m512 silu = kvbridge::round_bf16_16(_mm512_mul_ps(g, kvbridge::reciprocal16(_mm512_add_ps(_mm512_set1_ps(1.f), e))));
