@@ -169,8 +169,8 @@ def worker_command(python: str, name: str, args: argparse.Namespace, folder: Pat
 
 def worker_envs(args: argparse.Namespace, environ: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """The two workers' environments. Both keep OpenMP's default wait policy, as `kvbridge serve` and
-    `vllm serve` do (an OMP_WAIT_POLICY of the caller's is dropped: PASSIVE made kvbridge's 128-token
-    steps 11% slower, benchmarks/README.md); vLLM's engine core in process, its threads bound."""
+    `vllm serve` do (an OMP_WAIT_POLICY of the caller's is dropped: under PASSIVE kvbridge's 128-token
+    bursts took 1.12x as long, benchmarks/README.md); vLLM's engine core in process, its threads bound."""
     base = {k: v for k, v in environ.items() if k != "OMP_WAIT_POLICY"}
     vllm_env = {**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gb:g}",
                 "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",

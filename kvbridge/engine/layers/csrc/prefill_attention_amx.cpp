@@ -133,7 +133,8 @@ void pack_values(bf16* dst, const bf16* v, int64_t v_tok, int64_t len, int64_t D
 
 // Scores of the 16 query rows at `qrows` (D bf16 each, q_ld apart) against keys 0 .. 16*chunks-1 into
 // s[16][s_ld] fp32. Tiles: 0 and 3 = Q (its first 64 dims, kept for every chunk; further dims
-// reloaded), 1 = K block, 2 and 5 = scores of alternate chunks (a store overlaps the next product).
+// reloaded), 1 = K block, 2 and 5 = scores of alternate chunks (a store overlaps the next product);
+// head size 64 has its own loop below, with a K tile per block.
 void score_tile(const bf16* qrows, int64_t q_ld, const bf16* kp, int64_t chunks, int64_t D, float* s, int64_t s_ld) {
   const int64_t dcs = D / 32;
   const int64_t q_stride = q_ld * sizeof(bf16), s_stride = s_ld * sizeof(float);
@@ -209,7 +210,7 @@ void score_tile(const bf16* qrows, int64_t q_ld, const bf16* kp, int64_t chunks,
 }
 
 // o[16][D] fp32 = p[16][p_ld] (bf16, keys 0 .. 32*chunks-1) x V. Tiles: 0 = P (32 keys),
-// 1 = V block, 4-7 = the output's 64 columns of the current dim group.
+// 1-3 = V blocks, 4-7 = the output's 64 columns of the current dim group.
 void value_tile(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int64_t D, float* o) {
   const int64_t dcs = D / 16;
   for (int64_t g = 0; g < D / 64; ++g) {

@@ -1,6 +1,7 @@
-// AVX-512 forms of vec_math.h's helpers, for kernels whose hot loops the compiler does not
-// vectorise well from the scalar forms (a reduction or a select in the loop). Each gives exactly
-// the scalar form's result, lane by lane. Only where the build targets AVX-512 (-march=native).
+// 16-lane AVX-512 helpers for kernels whose hot loops the compiler does not vectorise well from
+// vec_math.h's scalar forms (a reduction or a select in the loop). They are not all bit-exact
+// copies of those forms: each says where it differs (range handling, subnormals, ulps). Only where
+// the build targets AVX-512 (-march=native).
 #pragma once
 
 #if defined(__AVX512F__)
