@@ -5,10 +5,11 @@ of SmolLM2-135M's heads (9 query, 3 KV, of 64), in one process, rotated order, m
   reading the bf16 cache in place vs gather + SDPA (PagedAttention with `in_place_decode` off),
   and the fp32 kernel on the fp32 cache;
 - causal prefill of a step's N fresh prompts of L tokens (one layer's attention over them, into
-  the step's [N L, heads * D] output): the AMX kernel (`prefill_attention_amx_`, one call for all
-  N, where the CPU has AMX-BF16) vs `F.scaled_dot_product_attention` in bf16 per prompt (torch's
-  CPU flash attention, what the engine used for bf16 prompts before, and still uses without AMX)
-  copied into the output as the layer did, and the fp32 kernel per prompt. (A bf16 build of the
+  the step's [N L, heads * D] output): the bf16 kernel (`prefill_attention_bf16_`, one call for all
+  N) on each product the CPU runs (AVX-512 BF16 dot products; AMX tiles where it has AMX-BF16) vs
+  `F.scaled_dot_product_attention` in bf16 per prompt (torch's CPU flash attention, what the engine
+  used for bf16 prompts before, and still uses on CPUs with neither) copied into the output as the
+  layer did, and the fp32 kernel per prompt. (A bf16 build of the
   fp32 prefill kernel, commit 0c85364, was 2.4-5x slower than bf16 SDPA: benchmarks/README.md "bf16".)
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/attention_bf16.py --batches 1 16 64 --prefills 1x128 16x128 1x1024
@@ -47,7 +48,7 @@ def decode_calls(batch: int, context: int, gen: torch.Generator) -> dict:
     gather.in_place_decode = False
     return {"fp32 kernel": lambda: kernel._decode(q32, kv32, decode),
             "bf16 torch": lambda: gather._decode(q16, kv16, decode),
-            "bf16 kernel": lambda: kernel._decode(q16, kv16, decode)}
+            KERNELS["avx512_bf16"]: lambda: kernel._decode(q16, kv16, decode)}
 
 
 def prefill_calls(prompts: int, length: int, gen: torch.Generator) -> dict:
@@ -72,21 +73,23 @@ def prefill_calls(prompts: int, length: int, gen: torch.Generator) -> dict:
         return cpu_kernels.prefill_attention(q32[rows], k32[rows], v32[rows], scale).view(length, -1)
 
     calls = {"fp32 kernel": lambda: each_prompt(fp32, out32), "bf16 torch": lambda: each_prompt(sdpa, out16)}
-    if cpu_kernels.amx_available():
-        calls["bf16 kernel"] = lambda: cpu_kernels.prefill_attention_amx_(out16, q16, k16, v16, starts, lens, scale)
+    for isa in cpu_kernels.bf16_prefill_isas():
+        calls[KERNELS[isa]] = (lambda isa=isa: cpu_kernels.prefill_attention_bf16_(out16, q16, k16, v16, starts, lens,
+                                                                                   scale, isa=isa))
     return calls
 
 
+KERNELS = {"avx512_bf16": "bf16 avx512", "amx": "bf16 amx"}  # the prefill kernel's products, as columns
+NAMES = ("fp32 kernel", "bf16 torch", *KERNELS.values())
+
+
 def report(label: str, t: dict[str, float]) -> None:
-    """Times, then bf16 torch / bf16 kernel and fp32 kernel / bf16 kernel (without a bf16 kernel:
-    fp32 kernel / bf16 torch)."""
-    names = ("fp32 kernel", "bf16 torch", "bf16 kernel")
-    cells = "".join(f"{t[n]:>13.0f}" if n in t else f"{'-':>13}" for n in names)
-    if "bf16 kernel" in t:
-        ratios = f"{t['bf16 torch'] / t['bf16 kernel']:>10.2f}x{t['fp32 kernel'] / t['bf16 kernel']:>10.2f}x"
-    else:
-        ratios = f"{'-':>11}{t['fp32 kernel'] / t['bf16 torch']:>10.2f}x"
-    print(f"{label:<20}{cells}{ratios}", flush=True)
+    """Times, then bf16 torch / each bf16 kernel and fp32 kernel / the fastest bf16 path (decode:
+    the paged kernel, in the avx512 column)."""
+    cells = "".join(f"{t[n]:>13.0f}" if n in t else f"{'-':>13}" for n in NAMES)
+    ratios = "".join(f"{t['bf16 torch'] / t[n]:>12.2f}x" if n in t else f"{'-':>13}" for n in KERNELS.values())
+    best = min(t[n] for n in NAMES[1:] if n in t)
+    print(f"{label:<20}{cells}{ratios}{t['fp32 kernel'] / best:>10.2f}x", flush=True)
 
 
 @torch.inference_mode()
@@ -103,8 +106,9 @@ def main() -> None:
     assert cpu_kernels.available(), "the CPU kernels did not build"
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} threads; microseconds per layer call, medians of {args.reps} "
-          "rotated rounds; ratios: bf16 torch / bf16 kernel, fp32 kernel / the bf16 path")
-    print(f"{'':<20}{'fp32 kernel':>13}{'bf16 torch':>13}{'bf16 kernel':>13}{'vs torch':>11}{'vs fp32':>11}")
+          "rotated rounds; ratios: bf16 torch / each bf16 kernel, fp32 kernel / the fastest bf16 path")
+    print(f"{'':<20}" + "".join(f"{n:>13}" for n in NAMES) + "".join(f"{'vs ' + n[5:]:>13}" for n in KERNELS.values())
+          + f"{'vs fp32':>10}")
     for batch in args.batches:
         report(f"decode {batch}x{args.context}", interleaved_medians(decode_calls(batch, args.context, gen), args.reps, 5))
     for case in args.prefills:

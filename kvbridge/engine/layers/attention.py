@@ -10,9 +10,9 @@ does no Python work beyond a loop over prefill sequences:
   (CUDA, fp16, or without the kernels) by ONE padded SDPA call over K/V gathered block by
   block from the cache, with a boolean padding mask;
 - sequences with several new tokens (prefill, or a prefill chunk) are attended causally over
-  the new K/V when they start at position 0: in bf16 on a CPU with AMX all of a step's such
-  prompts in one call per layer (cpu_kernels.prefill_attention_amx_, written straight into the
-  step's output rows), in fp32 on CPU one by one by kvbridge's tiled kernel
+  the new K/V when they start at position 0: in bf16 on a CPU with AMX or AVX-512 BF16 all of a
+  step's such prompts in one call per layer (cpu_kernels.prefill_attention_bf16_, written straight
+  into the step's output rows), in fp32 on CPU one by one by kvbridge's tiled kernel
   (cpu_kernels.prefill_attention), elsewhere one SDPA call each; a chunk after tokens computed
   before attends one by one over its whole context read back from the cache with a causal mask
   shifted by those tokens.
@@ -127,7 +127,7 @@ class AttentionMetadata:
     @functools.cached_property
     def fresh_prefills(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The prefills over their own new K/V only, as [n] int64 CPU starts and lengths: what the
-        AMX kernel attends in one call per layer (made by the first layer that asks). None: none."""
+        bf16 prefill kernel attends in one call per layer (made by the first layer that asks). None: none."""
         fresh = [p for p in self.prefills if p.own_kv_only]
         if not fresh:
             return None
@@ -261,18 +261,18 @@ class PagedAttention(nn.Module):
         decode = attn.decode
         if decode is not None and decode.token_index is None:
             return self._decode(q, kv_layer, decode)
-        amx = bool(attn.prefills) and cpu_kernels.amx_prefill_applies(q) and attn.fresh_prefills is not None
-        if decode is None and len(attn.prefills) == 1 and not amx:
+        fused = bool(attn.prefills) and cpu_kernels.bf16_prefill_applies(q) and attn.fresh_prefills is not None
+        if decode is None and len(attn.prefills) == 1 and not fused:
             return self._prefill(q, k, v, kv_layer, attn.prefills[0])
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if decode is not None:
             out.index_copy_(0, decode.token_index, self._decode(q.index_select(0, decode.token_index),
                                                                 kv_layer, decode))
-        if amx:  # every fresh prompt in one call, straight into its rows of out
+        if fused:  # every fresh prompt in one call, straight into its rows of out
             starts, lens = attn.fresh_prefills
-            cpu_kernels.prefill_attention_amx_(out, q, k, v, starts, lens, self.head_dim ** -0.5)
+            cpu_kernels.prefill_attention_bf16_(out, q, k, v, starts, lens, self.head_dim ** -0.5)
         for seq in attn.prefills:
-            if not (amx and seq.own_kv_only):
+            if not (fused and seq.own_kv_only):
                 out[seq.start:seq.end] = self._prefill(q, k, v, kv_layer, seq)
         return out
 

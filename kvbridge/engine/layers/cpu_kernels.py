@@ -6,9 +6,10 @@ builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
 - `prefill_attention`: causal attention of a prompt over its own new K/V, in 16 x 32 tiles
   (csrc/prefill_attention.cpp);
   decode also reads a bf16 cache (widened to fp32 as read, every sum fp32; `decode_applies`);
-- `prefill_attention_amx_`: the same for bf16 prompts on AMX, every fresh prompt of a step in one
-  call, written into the step's output (csrc/prefill_attention_amx.cpp; `amx_prefill_applies`);
-  bf16 prompts elsewhere go to torch's SDPA;
+- `prefill_attention_bf16_`: the same for bf16 prompts, every fresh prompt of a step in one call,
+  written into the step's output, on AMX where the CPU has it and AVX-512 BF16 dot products where it
+  has only those (csrc/prefill_attention_bf16.cpp; `bf16_prefill_applies`); bf16 prompts on other
+  CPUs go to torch's SDPA;
 - `rms_norm`, `add_rms_norm_`, `rotary_`, `write_kv_`, `silu_and_mul`: one-pass versions of small
   per-layer ops (csrc/elementwise.cpp), fp32 or bf16 (fp32 arithmetic, rounded where torch's bf16
   ops round). Call sites ask `applies(...)` / `elementwise_applies(...)` and keep their torch path.
@@ -39,7 +40,7 @@ from kvbridge.engine.cache_dir import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp", "elementwise.cpp")]
+           for name in ("paged_decode.cpp", "prefill_attention.cpp", "prefill_attention_bf16.cpp", "elementwise.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "vec_avx512.h")]  # in the build's identity
 _lock = threading.Lock()
 _available: bool | None = None  # decided once per process, by the first available()
@@ -166,33 +167,49 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return torch.ops.kvbridge.prefill_attention(q, k, v, scale)
 
 
-AMX_HEAD_DIMS = (64, 128, 192, 256)  # head sizes prefill_attention_amx_ takes
-# KVBRIDGE_AMX_PREFILL=0: bf16 prompts on torch's SDPA even where the AMX kernel runs (A/B runs).
-AMX_PREFILL = os.environ.get("KVBRIDGE_AMX_PREFILL") != "0"
-_amx: bool | None = None  # the built kernel runs here (AMX-BF16 compiled in, the OS granted it)
+BF16_PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # head sizes prefill_attention_bf16_ takes
+BF16_PREFILL_ISAS = {"avx512_bf16": 1, "amx": 2}  # the kernel's two products, by the op's isa number
+# KVBRIDGE_BF16_PREFILL: "auto" (default) the best product this CPU runs, "amx" or "avx512_bf16" that
+# one (where it runs), "sdpa" bf16 prompts on torch's SDPA (A/B runs).
+BF16_PREFILL = os.environ.get("KVBRIDGE_BF16_PREFILL", "auto")
+_bf16_isa: int | None = None  # what the built kernel runs here: 2 AMX, 1 AVX-512 BF16, 0 neither
 
 
-def amx_available() -> bool:
-    """The kernels are loaded and their AMX prefill kernel runs on this CPU (asked once)."""
-    global _amx
-    if _amx is None:
-        _amx = available() and bool(torch.ops.kvbridge.prefill_attention_amx_available())
-    return _amx
+def bf16_prefill_isas() -> list[str]:
+    """The products prefill_attention_bf16_ runs on this CPU (the kernels loaded; asked once):
+    [] (no AVX-512 BF16), ["avx512_bf16"], or ["avx512_bf16", "amx"]."""
+    global _bf16_isa
+    if _bf16_isa is None:
+        _bf16_isa = int(torch.ops.kvbridge.prefill_attention_bf16_isa()) if available() else 0
+    return [name for name, number in BF16_PREFILL_ISAS.items() if number <= _bf16_isa]
 
 
-def amx_prefill_applies(q: torch.Tensor) -> bool:
-    """prefill_attention_amx_ takes a step of these queries [T, heads, D]: bf16 on the CPU, D in
-    AMX_HEAD_DIMS, the kernel runs here and KVBRIDGE_AMX_PREFILL is not 0."""
-    return (AMX_PREFILL and q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in AMX_HEAD_DIMS
-            and amx_available())
+def bf16_prefill_isa() -> str | None:
+    """The product bf16 prompts attend with here: KVBRIDGE_BF16_PREFILL's choice where this CPU runs
+    it, else the best it runs ("amx" over "avx512_bf16"); None: torch's SDPA ("sdpa", or neither runs)."""
+    here = bf16_prefill_isas()
+    if BF16_PREFILL == "sdpa" or not here:
+        return None
+    return BF16_PREFILL if BF16_PREFILL in here else here[-1]
 
 
-def prefill_attention_amx_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           starts: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
+def bf16_prefill_applies(q: torch.Tensor) -> bool:
+    """prefill_attention_bf16_ takes a step of these queries [T, heads, D]: bf16 on the CPU, D in
+    BF16_PREFILL_HEAD_DIMS, and bf16_prefill_isa() is not None."""
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in BF16_PREFILL_HEAD_DIMS
+            and bf16_prefill_isa() is not None)
+
+
+def prefill_attention_bf16_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            starts: torch.Tensor, lens: torch.Tensor, scale: float, isa: str | None = None) -> None:
     """Causal attention of every prompt j (tokens starts[j] .. starts[j] + lens[j] - 1) over its own
     K/V, into those rows of out [T, heads * D]: q [T, heads, D], k and v [T, kv_heads, D] bf16 CPU
-    (D contiguous, any row strides), starts and lens int64 [n]. Other rows of out are untouched."""
-    torch.ops.kvbridge.prefill_attention_amx_(out, q, k, v, starts, lens, scale)
+    (D contiguous, any row strides), starts and lens int64 [n]. Other rows of out are untouched.
+    isa: "amx" or "avx512_bf16" (one of bf16_prefill_isas()); None: bf16_prefill_isa()'s."""
+    name = isa or bf16_prefill_isa() or "avx512_bf16"
+    if name not in BF16_PREFILL_ISAS:
+        raise ValueError(f"isa must be one of {sorted(BF16_PREFILL_ISAS)}, got {name!r}")
+    torch.ops.kvbridge.prefill_attention_bf16_(out, q, k, v, starts, lens, scale, BF16_PREFILL_ISAS[name])
 
 
 if __name__ == "__main__":  # scripts/install.sh: build once, loudly

@@ -1,22 +1,26 @@
-// Causal prefill attention in bf16 on AMX (Intel's tile matrix units), for every fresh prompt of a
-// step in one call: each prompt attends over its own new K/V, written straight into the step's
-// output rows.
+// Causal prefill attention in bf16, for every fresh prompt of a step in one call: each prompt
+// attends over its own new K/V, written straight into the step's output rows. Two instruction sets
+// share everything but the two products: AMX (Intel's tile matrix units) where the CPU has them,
+// AVX-512 BF16 dot products (vdpbf16ps) on CPUs that have only those.
 //
 // Work item: (prompt, query head, tile of 16 query positions), scheduled dynamically, longest
 // first. Per item, two passes: (1) the scores of the tile's 16 queries against every key up to its
-// last position, 16 keys at a time, as AMX bf16 dot products into fp32 (Q tile x K tile, over head
-// dims 32 at a time); then an exact softmax per row (max, exp, sum in fp32; the probabilities
-// rounded to bf16 for the second product, as torch's bf16 flash attention rounds them);
-// (2) probabilities x V on AMX, 32 keys at a time, the 16 x 64 fp32 result held in four tiles
-// across all keys, then divided by the row sums and rounded to bf16 once. K and V are first
-// repacked per (prompt, KV head) into AMX's pair-interleaved layout (a B tile: 16 rows of 16
-// columns x 2 bf16 along the reduction). The score row of a tile (16 x L fp32) stays in this
+// last position as bf16 dot products into fp32 (AMX: Q tile x K tile, over head dims 32 at a time;
+// AVX-512: 8 queries x 32 keys of fp32 accumulators, one dim pair at a time); then an exact softmax
+// per row (max, exp, sum in fp32; the probabilities rounded to bf16 for the second product, as
+// torch's bf16 flash attention rounds them); (2) probabilities x V, 32 keys at a time on AMX (the
+// 16 x 64 fp32 result held in four tiles across all keys), a key pair at a time in AVX-512 (4 rows
+// x 64 dims of accumulators), then divided by the row sums and rounded to bf16 once. K and V are
+// first repacked per (prompt, KV head) into AMX's pair-interleaved layout (a B tile: 16 rows of 16
+// columns x 2 bf16 along the reduction), which is also the layout vdpbf16ps reads: one 512-bit row
+// of a block is 16 keys' (or dims') pairs. The score row of a tile (16 x L fp32) stays in this
 // thread's buffer: for prompts of L tokens, 64 L bytes.
 //
-// Built only where the compiler targets AMX-BF16 (the build uses -march=native); elsewhere the op
-// is registered but raises, and `prefill_attention_amx_available()` says false, so callers keep
-// torch's SDPA. Registered as torch.ops.kvbridge.prefill_attention_amx_;
-// kvbridge/engine/layers/cpu_kernels.py builds and loads it.
+// Built where the compiler targets AVX-512 BF16 (the build uses -march=native), the AMX path where
+// it also targets AMX-BF16; `prefill_attention_bf16_isa()` says which runs here (2 AMX, 1 AVX-512
+// BF16, 0 neither: the op raises and callers keep torch's SDPA). Registered as
+// torch.ops.kvbridge.prefill_attention_bf16_; kvbridge/engine/layers/cpu_kernels.py builds and
+// loads it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,9 +35,14 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KVBRIDGE_AMX 1
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define KVBRIDGE_BF16_VEC 1
 #include <immintrin.h>
+#else
+#define KVBRIDGE_BF16_VEC 0
+#endif
+#if KVBRIDGE_BF16_VEC && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVBRIDGE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #else
@@ -88,6 +97,9 @@ void configure_tiles() {
   }
   _tile_loadconfig(&cfg);
 }
+#endif  // KVBRIDGE_AMX
+
+#if KVBRIDGE_BF16_VEC
 
 // K of one (prompt, KV head) as score B tiles: block (kc, dc) holds keys kc*16 .. +15 over head
 // dims dc*32 .. +31, element [r][c][i] = K[key kc*16 + c][dim dc*32 + 2r + i] (0 past the prompt):
@@ -131,11 +143,12 @@ void pack_values(bf16* dst, const bf16* v, int64_t v_tok, int64_t len, int64_t D
   }
 }
 
+#if KVBRIDGE_AMX
 // Scores of the 16 query rows at `qrows` (D bf16 each, q_ld apart) against keys 0 .. 16*chunks-1 into
 // s[16][s_ld] fp32. Tiles: 0 and 3 = Q (its first 64 dims, kept for every chunk; further dims
 // reloaded), 1 = K block, 2 and 5 = scores of alternate chunks (a store overlaps the next product);
 // head size 64 has its own loop below, with a K tile per block.
-void score_tile(const bf16* qrows, int64_t q_ld, const bf16* kp, int64_t chunks, int64_t D, float* s, int64_t s_ld) {
+void score_tile_amx(const bf16* qrows, int64_t q_ld, const bf16* kp, int64_t chunks, int64_t D, float* s, int64_t s_ld) {
   const int64_t dcs = D / 32;
   const int64_t q_stride = q_ld * sizeof(bf16), s_stride = s_ld * sizeof(float);
   _tile_loadd(0, qrows, q_stride);
@@ -211,7 +224,7 @@ void score_tile(const bf16* qrows, int64_t q_ld, const bf16* kp, int64_t chunks,
 
 // o[16][D] fp32 = p[16][p_ld] (bf16, keys 0 .. 32*chunks-1) x V. Tiles: 0 = P (32 keys),
 // 1-3 = V blocks, 4-7 = the output's 64 columns of the current dim group.
-void value_tile(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int64_t D, float* o) {
+void value_tile_amx(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int64_t D, float* o) {
   const int64_t dcs = D / 16;
   for (int64_t g = 0; g < D / 64; ++g) {
     _tile_zero(4);
@@ -236,6 +249,90 @@ void value_tile(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int
     _tile_stored(5, og + 16, D * sizeof(float));
     _tile_stored(6, og + 32, D * sizeof(float));
     _tile_stored(7, og + 48, D * sizeof(float));
+  }
+}
+
+#endif  // KVBRIDGE_AMX
+
+// A bf16 pair (two adjacent elements) as one 32-bit lane on all 16 lanes: vdpbf16ps's broadcast operand.
+inline __m512bh pair16(const bf16* at) {
+  uint32_t word;
+  std::memcpy(&word, at, sizeof word);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(word)));
+}
+
+inline __m512bh load_bh(const bf16* at) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(at)); }
+
+// score_tile_amx's scores for kRowsVec query rows x C chunks of 16 keys (C 1 or 2) starting at chunk
+// kc, with AVX-512 BF16: per dim pair, the rows' pairs broadcast against the chunks' packed K rows
+// (a packed block's row rr is 16 keys' dims (32 dc + 2 rr, +1)).
+constexpr int64_t kRowsVec = 8;
+template <int C>
+inline void score_rows_vec(const bf16* q0, int64_t q_ld, const bf16* kp, int64_t kc, int64_t D, float* s,
+                           int64_t s_ld) {
+  const int64_t dcs = D / 32;
+  __m512 acc[kRowsVec][C];
+  for (int i = 0; i < kRowsVec; ++i) {
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  }
+  const bf16* chunk = kp + kc * dcs * kBlock;
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const int64_t off = (p >> 4) * kBlock + (p & 15) * 32;
+    __m512bh keys[C];
+    for (int c = 0; c < C; ++c) keys[c] = load_bh(chunk + c * dcs * kBlock + off);
+    for (int i = 0; i < kRowsVec; ++i) {
+      const __m512bh qp = pair16(q0 + i * q_ld + 2 * p);
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], qp, keys[c]);
+    }
+  }
+  for (int i = 0; i < kRowsVec; ++i) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(s + i * s_ld + (kc + c) * kScoreKeys, acc[i][c]);
+  }
+}
+
+// score_tile_amx's result for the tile's first `rows` query rows (rounded up to 8; the rows past
+// the prompt are zeros in the caller's copy), 32 keys at a time.
+void score_tile_vec(const bf16* qrows, int64_t q_ld, int64_t rows, const bf16* kp, int64_t chunks, int64_t D,
+                    float* s, int64_t s_ld) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsVec) {
+    const bf16* q0 = qrows + r0 * q_ld;
+    float* s0 = s + r0 * s_ld;
+    int64_t kc = 0;
+    for (; kc + 2 <= chunks; kc += 2) score_rows_vec<2>(q0, q_ld, kp, kc, D, s0, s_ld);
+    if (kc < chunks) score_rows_vec<1>(q0, q_ld, kp, kc, D, s0, s_ld);
+  }
+}
+
+// value_tile_amx's o for 4 rows and the 64 head dims of group g, with AVX-512 BF16: per key pair,
+// the rows' probability pairs broadcast against the pair's packed V rows (a packed block's row rr
+// is 16 dims of keys 2 rr and 2 rr + 1).
+constexpr int64_t kValueRowsVec = 4;
+inline void value_rows_vec(const bf16* p, int64_t p_ld, const bf16* vp, int64_t chunks, int64_t D, int64_t g,
+                           float* o) {
+  const int64_t dcs = D / 16;
+  __m512 acc[kValueRowsVec][4];
+  for (int i = 0; i < kValueRowsVec; ++i) {
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  for (int64_t m = 0; m < chunks * (kValueKeys / 2); ++m) {
+    const bf16* block = vp + ((m >> 4) * dcs + g * 4) * kBlock + (m & 15) * 32;
+    __m512bh values[4];
+    for (int j = 0; j < 4; ++j) values[j] = load_bh(block + j * kBlock);
+    for (int i = 0; i < kValueRowsVec; ++i) {
+      const __m512bh pp = pair16(p + i * p_ld + 2 * m);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pp, values[j]);
+    }
+  }
+  for (int i = 0; i < kValueRowsVec; ++i) {
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + i * D + g * 64 + j * 16, acc[i][j]);
+  }
+}
+
+// value_tile_amx's o[16][D] for the tile's first `rows` rows (rounded up to 4; those rows of p are
+// zeros past the prompt).
+void value_tile_vec(const bf16* p, int64_t p_ld, int64_t rows, const bf16* vp, int64_t chunks, int64_t D, float* o) {
+  for (int64_t g = 0; g < D / 64; ++g) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kValueRowsVec) value_rows_vec(p + r0 * p_ld, p_ld, vp, chunks, D, g, o + r0 * D);
   }
 }
 
@@ -273,40 +370,43 @@ inline float softmax_row(const float* row, bf16* p, int64_t visible, int64_t p_c
 
 }  // namespace
 
-// True when this build runs the op (AMX-BF16 compiled in and granted by the kernel).
-bool prefill_attention_amx_available() {
+// Which product this build runs here: 2 AMX (AMX-BF16 compiled in and granted by the kernel), 1
+// AVX-512 BF16, 0 neither (the op raises).
+int64_t prefill_attention_bf16_isa() {
 #if KVBRIDGE_AMX
-  return amx_permitted();
-#else
-  return false;
+  if (amx_permitted()) return 2;
 #endif
+  return KVBRIDGE_BF16_VEC ? 1 : 0;
 }
 
 // out [T, H*D] bf16 (rows written: the listed prompts' tokens), q [T, H, D], k and v [T, kv_heads,
 // D] bf16 (D contiguous; any token and head strides); prompt j is tokens starts[j] .. starts[j] +
 // lens[j] - 1, attending causally over its own keys. Query head h attends with KV head
-// h / (H / kv_heads). D a multiple of 64, at most 256.
-void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& starts, const at::Tensor& lens, double scale) {
-  TORCH_CHECK(prefill_attention_amx_available(), "prefill_attention_amx_: this build or CPU has no AMX-BF16");
+// h / (H / kv_heads). D a multiple of 64, at most 256. isa: 2 AMX, 1 AVX-512 BF16 (at most
+// prefill_attention_bf16_isa(): an AMX machine runs either, for tests and A/B runs).
+void prefill_attention_bf16_(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& starts, const at::Tensor& lens, double scale, int64_t isa) {
+  TORCH_CHECK(isa == 1 || isa == 2, "prefill_attention_bf16_: isa must be 1 (AVX-512 BF16) or 2 (AMX), got ", isa);
+  TORCH_CHECK(isa <= prefill_attention_bf16_isa(), "prefill_attention_bf16_: this build or CPU has no ",
+              isa == 2 ? "AMX-BF16" : "AVX-512 BF16");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && out.device().is_cpu(),
-              "prefill_attention_amx_: CPU tensors only");
+              "prefill_attention_bf16_: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "prefill_attention_amx_: q, k, v and out must be bfloat16");
+              "prefill_attention_bf16_: q, k, v and out must be bfloat16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
                   v.stride(2) == 1,
-              "prefill_attention_amx_: q, k and v must be [tokens, heads, head_dim] with head_dim contiguous");
+              "prefill_attention_bf16_: q, k and v must be [tokens, heads, head_dim] with head_dim contiguous");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), kv_heads = k.size(1);
   TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == kv_heads && k.size(2) == D && v.size(2) == D,
-              "prefill_attention_amx_: q, k and v disagree on tokens, KV heads or head_dim");
-  TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0, "prefill_attention_amx_: query heads must be a multiple of KV heads");
-  TORCH_CHECK(D % 64 == 0 && D <= 256, "prefill_attention_amx_: head_dim must be a multiple of 64, at most 256");
+              "prefill_attention_bf16_: q, k and v disagree on tokens, KV heads or head_dim");
+  TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0, "prefill_attention_bf16_: query heads must be a multiple of KV heads");
+  TORCH_CHECK(D % 64 == 0 && D <= 256, "prefill_attention_bf16_: head_dim must be a multiple of 64, at most 256");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D && out.stride(1) == 1,
-              "prefill_attention_amx_: out must be [tokens, heads * head_dim] with rows contiguous");
+              "prefill_attention_bf16_: out must be [tokens, heads * head_dim] with rows contiguous");
   TORCH_CHECK(starts.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && starts.dim() == 1 &&
                   lens.sizes() == starts.sizes() && starts.is_contiguous() && lens.is_contiguous(),
-              "prefill_attention_amx_: starts and lens must be 1-d int64 tensors of one length");
+              "prefill_attention_bf16_: starts and lens must be 1-d int64 tensors of one length");
   const int64_t n = starts.numel();
   const int64_t* sd = starts.data_ptr<int64_t>();
   const int64_t* ld = lens.data_ptr<int64_t>();
@@ -315,15 +415,16 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
   int64_t k_total = 0, v_total = 0, max_len = 0;
   for (int64_t j = 0; j < n; ++j) {
     TORCH_CHECK(ld[j] >= 0 && sd[j] >= 0 && sd[j] + ld[j] <= T,
-                "prefill_attention_amx_: a prompt's tokens lie outside q");
+                "prefill_attention_bf16_: a prompt's tokens lie outside q");
     if (ld[j] == 0) continue;
     seqs.push_back({sd[j], ld[j], k_total, v_total});
     k_total += kv_heads * packed_keys(ld[j], D);
     v_total += kv_heads * packed_values(ld[j], D);
     max_len = std::max(max_len, ld[j]);
   }
-#if KVBRIDGE_AMX
+#if KVBRIDGE_BF16_VEC
   if (seqs.empty()) return;
+  const bool amx = isa == 2;
   const int64_t group = H / kv_heads;
   const bf16* q_data = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   const bf16* k_data = reinterpret_cast<const bf16*>(k.data_ptr<at::BFloat16>());
@@ -365,7 +466,9 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
       pack_values(v_packed.get() + s.v_off + h * packed_values(s.len, D), v_data + s.start * v_tok + h * v_head,
                   v_tok, s.len, D);
     }  // the implicit barrier: every prompt packed before any item reads
-    configure_tiles();
+#if KVBRIDGE_AMX
+    if (amx) configure_tiles();
+#endif
     std::vector<bf16> qbuf(kRows * D), pbuf(kRows * s_ld);
     std::vector<float> sbuf(kRows * s_ld), obuf(kRows * D), row_sum(kRows);
 #pragma omp for schedule(dynamic, 1)
@@ -395,7 +498,15 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
       const int64_t score_chunks = round_up(keys, kScoreKeys) / kScoreKeys;
       const int64_t value_chunks = round_up(keys, kValueKeys) / kValueKeys;
       const int64_t p_cols = value_chunks * kValueKeys;
-      score_tile(qrows, q_ld, kp, score_chunks, D, sbuf.data(), s_ld);
+#if KVBRIDGE_AMX
+      if (amx) {
+        score_tile_amx(qrows, q_ld, kp, score_chunks, D, sbuf.data(), s_ld);
+      } else {
+        score_tile_vec(qrows, q_ld, rows, kp, score_chunks, D, sbuf.data(), s_ld);
+      }
+#else
+      score_tile_vec(qrows, q_ld, rows, kp, score_chunks, D, sbuf.data(), s_ld);
+#endif
       for (int64_t r = 0; r < kRows; ++r) {  // exact softmax per row; P in bf16, 0 where masked
         bf16* p = pbuf.data() + r * s_ld;
         if (r >= rows) {
@@ -406,7 +517,15 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
         // Keys 0 .. r0 + r; p's columns past them (to p_cols, a multiple of 16) zero.
         row_sum[r] = softmax_row(sbuf.data() + r * s_ld, p, r0 + r + 1, p_cols, softmax_scale);
       }
-      value_tile(pbuf.data(), s_ld, vp, value_chunks, D, obuf.data());
+#if KVBRIDGE_AMX
+      if (amx) {
+        value_tile_amx(pbuf.data(), s_ld, vp, value_chunks, D, obuf.data());
+      } else {
+        value_tile_vec(pbuf.data(), s_ld, rows, vp, value_chunks, D, obuf.data());
+      }
+#else
+      value_tile_vec(pbuf.data(), s_ld, rows, vp, value_chunks, D, obuf.data());
+#endif
       for (int64_t r = 0; r < rows; ++r) {
         bf16* o = out_data + (s.start + r0 + r) * o_tok + item.head * D;
         const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
@@ -417,17 +536,19 @@ void prefill_attention_amx_(at::Tensor out, const at::Tensor& q, const at::Tenso
         }
       }
     }
-    _tile_release();
+#if KVBRIDGE_AMX
+    if (amx) _tile_release();
+#endif
   }
 #else
-  TORCH_CHECK(false, "prefill_attention_amx_: built without AMX-BF16");
+  TORCH_CHECK(false, "prefill_attention_bf16_: built without AVX-512 BF16");
 #endif
 }
 
 TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
-  m.def("prefill_attention_amx_available() -> bool", &prefill_attention_amx_available);
-  m.def("prefill_attention_amx_(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lens, "
-        "float scale) -> ()");
+  m.def("prefill_attention_bf16_isa() -> int", &prefill_attention_bf16_isa);
+  m.def("prefill_attention_bf16_(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lens, "
+        "float scale, int isa) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvbridge, CPU, m) { m.impl("prefill_attention_amx_", &prefill_attention_amx_); }
+TORCH_LIBRARY_IMPL(kvbridge, CPU, m) { m.impl("prefill_attention_bf16_", &prefill_attention_bf16_); }
