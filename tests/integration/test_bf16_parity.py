@@ -33,6 +33,7 @@ import transformers
 
 from kvbridge.config import CacheConfig, EngineConfig
 from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.layers import linear
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.safetensors import arch_from_config
 from kvbridge.engine.sampling_params import SamplingParams
@@ -164,8 +165,14 @@ def assert_bf16_parity(name: str, got: dict[str, torch.Tensor], folder: Path) ->
 FAMILIES = [f.value for f in HF_CONFIGS] + [f"deepseek_{v}" for v in DEEPSEEK_VARIANTS] + ["bamba"]
 
 
+@pytest.mark.parametrize("matmuls", ["as_this_cpu_runs_them", "all_widened"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_bf16_logits_match_transformers_bf16(folders: dict[str, Path], name: str) -> None:
+def test_bf16_logits_match_transformers_bf16(folders: dict[str, Path], name: str, matmuls: str, monkeypatch) -> None:
+    """all_widened: every bf16 matmul in fp32 on widened values, as a long prefill's run on a CPU
+    without AMX (linear.widens_bf16), whatever this CPU is."""
+    if matmuls == "all_widened":
+        monkeypatch.setattr(linear, "widens_bf16", lambda: True)
+        monkeypatch.setattr(linear, "WIDEN_MIN_ROWS", 1)
     assert_bf16_parity(name, run_scenario(name, folders[name]), folders[name])
 
 

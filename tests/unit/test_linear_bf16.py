@@ -1,13 +1,15 @@
 """bf16 linear layers prepacked for oneDNN (issue 31): the same product as an fp64 reference within
 bf16's rounding, for SmolLM2-135M's layer shapes at decode and prefill row counts, with and
-without bias, and for the shards tensor parallelism cuts those weights into."""
+without bias, and for the shards tensor parallelism cuts those weights into; long matmuls widened
+to fp32 on CPUs without AMX (linear.widens_bf16), on either kind of CPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvbridge.engine.layers.linear import Linear, prepack_weight
+from kvbridge.engine.layers import linear
+from kvbridge.engine.layers.linear import WIDEN_MIN_ROWS, Linear, prepack_weight
 from kvbridge.spec.tp_split import even_split, rank_shard
 
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 49152, 9, 3, 64
@@ -97,3 +99,42 @@ def test_tp_shards(tp_size):
         ref = xx.double() @ w.double().T
         bound = BF16_EPS * (xx.double().abs() @ w.double().abs().T)  # each shard rounded once
         assert ((total - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("widen", [False, True])
+@pytest.mark.parametrize("rows", [WIDEN_MIN_ROWS - 1, WIDEN_MIN_ROWS, 300])
+def test_long_bf16_matmuls_run_widened_where_the_cpu_has_no_amx(monkeypatch, widen, rows):
+    """From WIDEN_MIN_ROWS rows on (and only there, and only where widens_bf16()) the product runs
+    in fp32 on the widened weight: the same result within bf16's one rounding, bias included."""
+    monkeypatch.setattr(linear, "widens_bf16", lambda: widen)
+    in_f, out_f = SHAPES["qkv"]
+    x, w, b = inputs(rows, in_f, out_f, bias=True, seed=rows)
+    layer = bf16_linear(w, b)
+    calls = []
+    real = linear.widened_linear
+    monkeypatch.setattr(linear, "widened_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        y = layer(x)
+        y3 = layer(x.view(1, rows, in_f))  # leading dims count as rows
+    assert len(calls) == 2 * (widen and rows >= WIDEN_MIN_ROWS)
+    assert_bf16_close(y, x, w, b)
+    assert torch.equal(y3.view_as(y), y)
+
+
+@pytest.mark.parametrize("flags,env,expected", [
+    ({"avx512f", "avx512_bf16"}, None, True),  # AVX-512 BF16 only: bf16 matmuls at the fp32 FMA rate
+    ({"avx2"}, None, True),
+    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, None, False),  # AMX: bf16 tiles far ahead
+    ({"avx512f", "avx512_bf16"}, "0", False),
+])
+def test_widening_applies_exactly_on_cpus_without_amx(monkeypatch, flags, env, expected):
+    monkeypatch.setattr(linear, "read_cpu_flags", lambda: frozenset(flags))
+    if env is None:
+        monkeypatch.delenv("KVBRIDGE_BF16_WIDEN", raising=False)
+    else:
+        monkeypatch.setenv("KVBRIDGE_BF16_WIDEN", env)
+    linear.widens_bf16.cache_clear()
+    try:
+        assert linear.widens_bf16() is expected
+    finally:
+        linear.widens_bf16.cache_clear()

@@ -22,21 +22,41 @@ each is created once, at warm-up, and stays cached. The result is
 the first rows of the padded product (a view: nothing copied). fp32 keeps exact row counts (a
 creation costs about 0.5 ms there, and padded rows are real work). KVBRIDGE_ROW_BUCKETS=0 turns
 it off.
+
+Widened bf16 (CPUs without AMX): there oneDNN's bf16 matmul runs on AVX-512 BF16's vdpbf16ps,
+which issues at half the rate of fp32 FMAs for twice their products, so its peak is the fp32 FMA
+peak: 168 GFLOP/s on 2 cores here, where fp32 GEMM reaches 305 (benchmarks/README.md, "bf16
+without AMX"). A bf16 matmul of at least `WIDEN_MIN_ROWS` rows on such a CPU (a prefill step)
+therefore widens the input and the plain weight to fp32 (exact), multiplies in fp32 and rounds
+the result to bf16 once: the sums are fp32 in both, and 0.61-0.81x the time from 128 rows up,
+weight conversion included (no fp32 copy is kept). Decode batches (fewer rows) stay on the
+packed bf16 weight, where reading half the bytes is what counts. KVBRIDGE_BF16_WIDEN=0 turns it
+off.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbridge.engine.dtype_choice import read_cpu_flags
 from kvbridge.engine.layers import shape_buckets
 
 
 _LAYOUT_ROWS_HINT = 16
 PREPACKED_DTYPES = (torch.float32, torch.bfloat16)
+WIDEN_MIN_ROWS = 128  # bf16 matmuls of this many rows run widened to fp32 where widens_bf16()
+
+
+@functools.cache
+def widens_bf16() -> bool:
+    """bf16 matmuls of WIDEN_MIN_ROWS rows or more run in fp32 here: a CPU without AMX-BF16 (its
+    bf16 matmul is no faster than fp32 FMAs), unless KVBRIDGE_BF16_WIDEN=0."""
+    return os.environ.get("KVBRIDGE_BF16_WIDEN") != "0" and "amx_bf16" not in read_cpu_flags()
 
 
 class Linear(nn.Module):
@@ -50,15 +70,24 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self._packed: torch.Tensor | None = None
+        self._widen = False  # bf16 on a CPU where long matmuls run widened (widens_bf16)
 
     def prepack(self) -> None:
         """Call after the weight is loaded (again after any later change to it)."""
         self._packed = prepack_weight(self.weight)
+        self._widen = self._packed is not None and self.weight.dtype == torch.bfloat16 and widens_bf16()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._widen and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1]:
+            return widened_linear(x, self.weight, self.bias)
         if self._packed is not None:
             return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bf16 x @ weight.T (+ bias) computed in fp32 from the exact widened values, rounded to bf16 once."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
