@@ -1,11 +1,14 @@
 """bf16 linear layers on the CPU's matrix units: torch's bf16 `F.linear` (oneDNN matmul with the
 plain weight, reordered on every call), oneDNN's inner product with the weight reordered once
 into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`, what
-kvbridge's `Linear.prepack` does), and today's fp32 path (the same, fp32), on SmolLM2-135M's
+kvbridge's `Linear.prepack` does), the bf16 product widened to fp32 (`linear.widened_linear`:
+input and plain weight widened on every call, fp32 matmul, one rounding to bf16; what kvbridge
+runs from 128 rows on CPUs without AMX), and today's fp32 path (blocked, fp32), on SmolLM2-135M's
 layer shapes. One process; every repetition runs each candidate once in a rotated order, so
-background load hits all alike; medians of the repetitions, and ratios to fp32 blocked.
+background load hits all alike; medians of the repetitions; ratios fp32 blocked / the bf16
+candidates, and bf16 blocked / bf16 widened (> 1: widening is faster).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/linear_bf16.py --rows 1 16 64 512
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/linear_bf16.py --rows 1 16 64 128 512 2048
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from kvbridge.engine.layers.linear import widened_linear  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -52,6 +57,7 @@ def candidates(w32: torch.Tensor, x32: torch.Tensor) -> dict[str, Callable[[], o
         "fp32 blocked": lambda: torch.ops.mkldnn._linear_pointwise(x32, blocked32, None, "none", [], ""),
         "bf16 F.linear": lambda: F.linear(x16, w16),
         "bf16 blocked": lambda: torch.ops.mkldnn._linear_pointwise(x16, blocked16, None, "none", [], ""),
+        "bf16 widened": lambda: widened_linear(x16, w16, None),
     }
 
 
@@ -65,8 +71,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.threads} threads; microseconds per call, medians of {args.reps} "
           "interleaved rounds; ratio = fp32 blocked / candidate")
-    names = ("fp32 blocked", "bf16 F.linear", "bf16 blocked")
-    print(f"{'M':>4} {'layer':<8} " + " ".join(f"{n:>14}" for n in names) + "  F.linear x  blocked x")
+    names = ("fp32 blocked", "bf16 F.linear", "bf16 blocked", "bf16 widened")
+    print(f"{'M':>4} {'layer':<8} " + " ".join(f"{n:>14}" for n in names) + "  F.linear x  blocked x  widened x"
+          + "  blocked/widened")
+
+    def ratios(t: dict[str, float]) -> str:
+        return ("".join(f" {t['fp32 blocked'] / t[n]:>9.2f}" for n in names[1:])
+                + f"  {t['bf16 blocked'] / t['bf16 widened']:>15.2f}")
     for m in args.rows:
         layer_total = dict.fromkeys(names, 0.0)
         for shape_name, (out_f, in_f) in SHAPES.items():
@@ -77,11 +88,8 @@ def main() -> None:
             if shape_name in LAYER:
                 for n in names:
                     layer_total[n] += t[n]
-            print(f"{m:>4} {shape_name:<8} " + " ".join(f"{t[n]:>14.1f}" for n in names)
-                  + f"  {t['fp32 blocked'] / t['bf16 F.linear']:>9.2f} {t['fp32 blocked'] / t['bf16 blocked']:>9.2f}")
-        print(f"{m:>4} {'layer':<8} " + " ".join(f"{layer_total[n]:>14.1f}" for n in names)
-              + f"  {layer_total['fp32 blocked'] / layer_total['bf16 F.linear']:>9.2f}"
-              f" {layer_total['fp32 blocked'] / layer_total['bf16 blocked']:>9.2f}")
+            print(f"{m:>4} {shape_name:<8} " + " ".join(f"{t[n]:>14.1f}" for n in names) + " " + ratios(t))
+        print(f"{m:>4} {'layer':<8} " + " ".join(f"{layer_total[n]:>14.1f}" for n in names) + " " + ratios(layer_total))
 
 
 if __name__ == "__main__":
