@@ -54,7 +54,7 @@ REMOTE_PREFILL = {"do_remote_prefill": True, "remote_block_ids": [3, 4], "remote
                   "remote_request_id": "p-req-7", "remote_host": "127.0.0.1", "remote_port": 5600}
 # Long enough (seconds on 2 cores) that a request is still running when the test acts on it.
 LONG = {"max_tokens": 400, "ignore_eos": True}
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": "Name the capital of France."}]  # README's question: a clear greedy answer in bf16 and fp32
 
 pytestmark = pytest.mark.timeout(120)
 

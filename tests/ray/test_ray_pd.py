@@ -26,7 +26,7 @@ MAX_TOKENS = 12
 PROMPTS = ["Hello there", "The capital of France is", "def fibonacci(n):",
            ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
             "Constantinople. Summarise its three most important turning points, with a date for each:")]
-CHATS = ["What is the capital of France?", "Name three primary colours."]
+CHATS = ["Name the capital of France.", "Name three primary colours."]
 
 
 @pytest.fixture(scope="module")

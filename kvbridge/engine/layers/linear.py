@@ -24,14 +24,15 @@ creation costs about 0.5 ms there, and padded rows are real work). KVBRIDGE_ROW_
 it off.
 
 Widened bf16 (CPUs without AMX): there oneDNN's bf16 matmul runs on AVX-512 BF16's vdpbf16ps,
-which issues at half the rate of fp32 FMAs for twice their products, so its peak is the fp32 FMA
-peak: 168 GFLOP/s on 2 cores here, where fp32 GEMM reaches 305 (benchmarks/README.md, "bf16
-without AMX"). A bf16 matmul of at least `WIDEN_MIN_ROWS` rows on such a CPU (a prefill step)
-therefore widens the input and the plain weight to fp32 (exact), multiplies in fp32 and rounds
-the result to bf16 once: the sums are fp32 in both, and 0.61-0.81x the time from 128 rows up,
-weight conversion included (no fp32 copy is kept). Decode batches (fewer rows) stay on the
-packed bf16 weight, where reading half the bytes is what counts. KVBRIDGE_BF16_WIDEN=0 turns it
-off.
+which issues at a quarter of the rate of fp32 FMAs for twice their products, so bf16's peak is
+half of fp32's: 168 GFLOP/s on 2 cores where fp32 GEMM reaches 305 (benchmarks/README.md,
+"Fourteenth session: a CPU without AMX"). A bf16 matmul of at least `WIDEN_MIN_ROWS` rows on such
+a CPU (a prefill step) therefore widens the input and the plain weight to fp32 (exact),
+multiplies in fp32 and rounds the result to bf16 once: the sums are fp32 in both, and the time
+0.61-0.81x from 128 rows up with OpenMP's default wait policy (as `kvbridge serve` runs; under
+PASSIVE break-even at 128 rows, 0.67-0.71x from 512), weight conversion included (no fp32 copy is
+kept). Decode batches (fewer rows) stay on the packed bf16 weight, where reading half the bytes
+is what counts. KVBRIDGE_BF16_WIDEN=0 turns it off.
 """
 
 from __future__ import annotations
