@@ -336,6 +336,23 @@ void value_tile_vec(const bf16* p, int64_t p_ld, int64_t rows, const bf16* vp, i
   }
 }
 
+// The two products by instruction set: AMX tiles where built and asked for, AVX-512 BF16 otherwise.
+inline void score_tile(bool amx, const bf16* qrows, int64_t q_ld, int64_t rows, const bf16* kp, int64_t chunks,
+                       int64_t D, float* s, int64_t s_ld) {
+#if KVBRIDGE_AMX
+  if (amx) return score_tile_amx(qrows, q_ld, kp, chunks, D, s, s_ld);
+#endif
+  score_tile_vec(qrows, q_ld, rows, kp, chunks, D, s, s_ld);
+}
+
+inline void value_tile(bool amx, const bf16* p, int64_t p_ld, int64_t rows, const bf16* vp, int64_t chunks, int64_t D,
+                       float* o) {
+#if KVBRIDGE_AMX
+  if (amx) return value_tile_amx(p, p_ld, vp, chunks, D, o);
+#endif
+  value_tile_vec(p, p_ld, rows, vp, chunks, D, o);
+}
+
 // One query row's softmax over its first `visible` scores: p[t] = e^(scale (row[t] - max)) rounded
 // to bf16, 0 from `visible` to p_cols (a multiple of 16); returns the sum of the exps (fp32).
 inline float softmax_row(const float* row, bf16* p, int64_t visible, int64_t p_cols, float scale) {
@@ -498,15 +515,7 @@ void prefill_attention_bf16_(at::Tensor out, const at::Tensor& q, const at::Tens
       const int64_t score_chunks = round_up(keys, kScoreKeys) / kScoreKeys;
       const int64_t value_chunks = round_up(keys, kValueKeys) / kValueKeys;
       const int64_t p_cols = value_chunks * kValueKeys;
-#if KVBRIDGE_AMX
-      if (amx) {
-        score_tile_amx(qrows, q_ld, kp, score_chunks, D, sbuf.data(), s_ld);
-      } else {
-        score_tile_vec(qrows, q_ld, rows, kp, score_chunks, D, sbuf.data(), s_ld);
-      }
-#else
-      score_tile_vec(qrows, q_ld, rows, kp, score_chunks, D, sbuf.data(), s_ld);
-#endif
+      score_tile(amx, qrows, q_ld, rows, kp, score_chunks, D, sbuf.data(), s_ld);
       for (int64_t r = 0; r < kRows; ++r) {  // exact softmax per row; P in bf16, 0 where masked
         bf16* p = pbuf.data() + r * s_ld;
         if (r >= rows) {
@@ -517,15 +526,7 @@ void prefill_attention_bf16_(at::Tensor out, const at::Tensor& q, const at::Tens
         // Keys 0 .. r0 + r; p's columns past them (to p_cols, a multiple of 16) zero.
         row_sum[r] = softmax_row(sbuf.data() + r * s_ld, p, r0 + r + 1, p_cols, softmax_scale);
       }
-#if KVBRIDGE_AMX
-      if (amx) {
-        value_tile_amx(pbuf.data(), s_ld, vp, value_chunks, D, obuf.data());
-      } else {
-        value_tile_vec(pbuf.data(), s_ld, rows, vp, value_chunks, D, obuf.data());
-      }
-#else
-      value_tile_vec(pbuf.data(), s_ld, rows, vp, value_chunks, D, obuf.data());
-#endif
+      value_tile(amx, pbuf.data(), s_ld, rows, vp, value_chunks, D, obuf.data());
       for (int64_t r = 0; r < rows; ++r) {
         bf16* o = out_data + (s.start + r0 + r) * o_tok + item.head * D;
         const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
