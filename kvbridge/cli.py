@@ -204,16 +204,16 @@ def engine_config_from_args(a: argparse.Namespace):
         generation_config=a.generation_config)
 
 
-def _checked_engine_config(a: argparse.Namespace) -> EngineConfig | None:
-    """engine_config_from_args, or None after printing (as argparse would) why the options are invalid
-    (a --generation-config whose file cannot be used included)."""
+def _checked_engine_config(a: argparse.Namespace, program: str) -> EngineConfig | None:
+    """engine_config_from_args, or None after printing (as argparse would, as `kvbridge program`) why
+    the options are invalid (a --generation-config whose file cannot be used included)."""
     from kvbridge.engine.generation_config import sampling_defaults
     try:
         config = engine_config_from_args(a)
         sampling_defaults(config.generation_config, config.model)
         return config
     except ValueError as exc:
-        print(f"kvbridge serve: error: {exc}", file=sys.stderr)
+        print(f"kvbridge {program}: error: {exc}", file=sys.stderr)
         return None
 
 
@@ -229,7 +229,7 @@ def _checked_tracing_config(a: argparse.Namespace, program: str, default_name: s
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvbridge.server.api_server import run_server
-    config = _checked_engine_config(a)
+    config = _checked_engine_config(a, "serve")
     tracing = _checked_tracing_config(a, "serve", serve_service_name(a))
     if config is None or tracing is False:
         return 2
@@ -311,7 +311,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             print(f"kvbridge up: error: --{dest.replace('_', '-')} is set by `up` for each instance; "
                   "it cannot be passed after --", file=sys.stderr)
             return 2
-    config = _checked_engine_config(child)
+    config = _checked_engine_config(child, "up")
     if config is None:
         return 2
     if child.dtype == "auto":  # resolved once here: P and D must agree on the KV dtype

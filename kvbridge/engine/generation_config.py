@@ -27,6 +27,7 @@ from kvbridge.engine.default_model import PUBLISHED_SAMPLING, PUBLISHED_SAMPLING
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODES = ("auto", "vllm")
+_SHOWN_CHARS = 60  # of a bad value, in its error message
 
 
 class GenerationConfigError(ValueError):
@@ -83,7 +84,7 @@ def parse_generation_config(values: Any, source: str) -> SamplingDefaults:
         if value is None:
             continue
         if not check(value):
-            raise GenerationConfigError(f"{source}: {key} must be {wanted}, got {json.dumps(value)}")
+            raise GenerationConfigError(f"{source}: {key} must be {wanted}, got {_shown(value)}")
         picked[name] = value if name in ("top_k", "max_tokens") else float(value)
     return SamplingDefaults(**picked, source=source) if picked else NO_DEFAULTS
 
@@ -96,9 +97,22 @@ def read_generation_config(folder: Path) -> SamplingDefaults:
         raise GenerationConfigError(f"cannot read {path}: {exc}") from None
     try:
         values = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:  # the parser recurses once per level
+        raise GenerationConfigError(f"{path} is not valid JSON: it nests too deeply") from None
     except ValueError as exc:
         raise GenerationConfigError(f"{path} is not valid JSON: {exc}") from None
     return parse_generation_config(values, str(path))
+
+
+def _shown(value: Any) -> str:
+    """A bad value for its error message: a scalar as JSON (shortened), a list or object by its kind
+    (it may be huge or nested deeper than json.dumps recurses)."""
+    if isinstance(value, list):
+        return "a JSON array"
+    if isinstance(value, dict):
+        return "a JSON object"
+    text = json.dumps(value)
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 3] + "..."
 
 
 def _no_constant(name: str) -> Any:

@@ -14,6 +14,8 @@ from kvbridge.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_FLOAT64_MAX = torch.finfo(torch.float64).max
+
 
 @dataclass
 class SamplerOutput:
@@ -131,9 +133,13 @@ class Sampler:
 
     @staticmethod
     def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
-        # sp.temperature >= GREEDY_TEMPERATURE here: finite logits stay finite (a huge
-        # temperature rounds to inf in float32 and flattens them to 0, a uniform draw).
+        # sp.temperature >= GREEDY_TEMPERATURE here: a huge temperature rounds to inf in float32
+        # and flattens the logits to 0, a uniform draw. A cold one can take a huge finite logit
+        # (3e38 / 1e-3) past float32's range: then the row is shifted to a top of 0 first (what
+        # softmax gives does not change), so that every scaled logit is at most 0.
         scaled = row / sp.temperature
+        if not bool(torch.isfinite(scaled).all()) and bool(torch.isfinite(row).all()):
+            scaled = (row - row.max()) / sp.temperature
         if sp.min_p > 0.0:  # as vLLM: on the tempered distribution, before top-k and top-p
             probs = torch.softmax(scaled, dim=-1)
             scaled = scaled.masked_fill(probs < sp.min_p * probs.max(), float("-inf"))
@@ -152,13 +158,28 @@ class Sampler:
 
 def apply_repetition_penalty(row: torch.Tensor, token_ids: Sequence[int], penalty: float) -> None:
     """vLLM's (and transformers') repetition penalty, in place on one row of logits: each distinct
-    token of `token_ids` has a positive logit divided by `penalty`, a negative one multiplied by it."""
+    token of `token_ids` has a positive logit divided by `penalty`, a negative one multiplied by it.
+
+    Any penalty > 0 is accepted, as vLLM does. One far from 1 takes finite logits past float32's
+    range (1e-300: a logit of 2 becomes 2e300, inf in float32; 1e39 is inf itself, and 0 x inf is
+    NaN), where vLLM's softmax is NaN. Then the row is computed in float64 and shifted so that its top
+    logit is 0, which changes nothing sampling does with it (softmax, argmax, top-k, min-p), and
+    what is below float32's range becomes -inf: a token infinitely less likely than the top one, the
+    limit the penalty tends to. A row whose logits were not finite to begin with is left to fail."""
     vocab = row.numel()
     seen = torch.tensor(sorted({t for t in token_ids if 0 <= t < vocab}), dtype=torch.long)
     if not seen.numel():
         return
     values = row[seen]
-    row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    penalised = torch.where(values > 0, values / penalty, values * penalty)
+    if bool(torch.isfinite(penalised).all()) or not bool(torch.isfinite(values).all()):
+        row[seen] = penalised  # float32, as vLLM computes it
+        return
+    wide = row.double()
+    values = wide[seen]
+    # A subnormal penalty overflows even float64: the largest float64 instead (ties at the top).
+    wide[seen] = torch.where(values > 0, values / penalty, values * penalty).clamp(-_FLOAT64_MAX, _FLOAT64_MAX)
+    row.copy_(wide - wide.max())
 
 
 INVERSE_CDF_CHUNK = 1024  # vocabulary entries summed per chunk (49,152 = 48 chunks)

@@ -11,6 +11,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbridge.openai_wire import MAX_BODY_BYTES, bind_socket
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
@@ -82,6 +83,17 @@ def proxy_app(proxy: PDProxy, tracing: Tracing | None = None) -> FastAPI:
         return openai_error(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     app.add_exception_handler(Exception, on_unexpected)
+
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        """Routing's 404 and 405 in OpenAI's error body, as an instance answers them (a 405 keeps
+        its Allow header), never FastAPI's {"detail": ...}."""
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        response = openai_error(exc.status_code, str(exc.detail), code)
+        response.headers.update(exc.headers or {})
+        return response
+
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
 
     async def route(request: Request) -> Response:
         response = await proxy.handle(request, request.url.path)

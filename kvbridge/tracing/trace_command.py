@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -30,15 +31,31 @@ def add_trace_command(sub, positive_int) -> None:
     trace.add_argument("--service", default="kvbridge-proxy",
                        help="--endpoint --request-id: the service whose span carries the request id "
                             "(default: %(default)s)")
-    trace.add_argument("--lookback", type=float, default=3600.0, metavar="SECONDS",
+    trace.add_argument("--lookback", type=_non_negative, default=3600.0, metavar="SECONDS",
                        help="--endpoint --request-id: how far back the request started (default: %(default)s)")
-    trace.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+    trace.add_argument("--timeout", type=_positive, default=10.0, metavar="SECONDS",
                        help="--endpoint: seconds for each HTTP request to the trace store (default: %(default)s)")
-    trace.add_argument("--min-gap-ms", type=float, default=0.1, metavar="MS",
+    trace.add_argument("--min-gap-ms", type=_non_negative, default=0.1, metavar="MS",
                        help="gaps shorter than this are counted, not printed (default: %(default)s)")
     trace.add_argument("--width", type=positive_int, default=40, help="bar width in characters "
                        "(default: %(default)s)")
     trace.set_defaults(func=cmd_trace)
+
+
+def _non_negative(text: str) -> float:
+    """argparse's type for a finite number >= 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    """argparse's type for a finite number > 0."""
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
@@ -102,7 +119,8 @@ def _trace_store_spans(a: argparse.Namespace):
                 return _store_answer(client.get(f"{base}/api/v3/traces/{a.trace_id.strip().lower()}"), base,
                                      f"no trace {a.trace_id}")
             now = time.time_ns()
-            query = wf.jaeger_find_query(a.service, a.request_id, now - int(a.lookback * 1e9), now + 60 * 10**9)
+            query = wf.jaeger_find_query(a.service, a.request_id, max(0, now - int(a.lookback * 1e9)),
+                                         now + 60 * 10**9)
             found = _store_answer(client.get(f"{base}/api/v3/traces", params=query), base,
                                   f"no trace of service {a.service} with {wf.REQUEST_ID_ATTRIBUTE}={a.request_id} "
                                   f"in the last {a.lookback:g} s")

@@ -30,6 +30,13 @@ KEY_ATTRIBUTES = ("http.route", "http.response.status_code", "server.address", "
 _KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
 _STATUS_ERROR = 2
 _MAX_VALUE_CHARS = 48
+# The deepest JSON nesting read: OTLP's own is 13 levels, and each array or kvlist value in an
+# attribute adds 3 more. Deeper input is refused (a parser or a walk over it would recurse).
+MAX_JSON_DEPTH = 100
+MAX_NANOS = 2 ** 64 - 1  # OTLP's times are fixed64 nanoseconds since the epoch
+# A row deeper than this is indented this far and shows its depth: a parent chain thousands of
+# spans deep (a valid trace) still prints rows of a readable width.
+MAX_INDENT_DEPTH = 24
 
 
 @dataclass(frozen=True)
@@ -74,14 +81,16 @@ def parse_otlp_json(text: str) -> list[SpanRecord] | TraceError:
     """Every span in `text` (one JSON document, or one per line), each span once."""
     documents: list[tuple[int | None, Any]] = []
     try:
-        documents.append((None, json.loads(text)))
-    except ValueError:
+        documents.append((None, _strict_json(text)))
+    except ValueError as whole:
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                documents.append((number, json.loads(line)))
+                documents.append((number, _strict_json(line)))
             except ValueError as exc:
+                if not documents:  # not even its first line: one document, e.g. pretty-printed
+                    return TraceError(f"not JSON ({whole})")
                 return TraceError(f"line {number}: not JSON ({exc})")
     spans: list[SpanRecord] = []
     seen: set[tuple[str, str]] = set()
@@ -98,6 +107,48 @@ def parse_otlp_json(text: str) -> list[SpanRecord] | TraceError:
     if not spans:
         return TraceError("no spans in the input")
     return spans
+
+
+def _strict_json(text: str) -> Any:
+    """JSON as RFC 8259 has it (no NaN or Infinity, no number that overflows a float), nested at
+    most MAX_JSON_DEPTH deep; ValueError saying why not."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels") from None
+    if (text.count("[") + text.count("{") > MAX_JSON_DEPTH) and _depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {_show(text)} is out of range")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in `value` (1: a flat one), walked without recursion;
+    stops once past MAX_JSON_DEPTH."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack and deepest <= MAX_JSON_DEPTH:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _show(value: Any) -> str:
+    """`value` for an error message: its repr, shortened."""
+    text = repr(value)
+    return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS - 3] + "..."
 
 
 def spans_from_document(document: Any) -> list[SpanRecord]:
@@ -121,7 +172,7 @@ def spans_from_document(document: Any) -> list[SpanRecord]:
 def _span(raw: dict, service: str) -> SpanRecord:
     name = raw.get("name", "")
     if not isinstance(name, str):
-        raise _Bad(f"span name {name!r} is not a string")
+        raise _Bad(f"span name {_show(name)} is not a string")
     trace_id = _id(raw.get("traceId"), 16, "traceId", name)
     span_id = _id(raw.get("spanId"), 8, "spanId", name)
     parent = raw.get("parentSpanId")
@@ -131,15 +182,24 @@ def _span(raw: dict, service: str) -> SpanRecord:
     status = raw.get("status") or {}
     code = _dict(status, "status").get("code", 0)
     is_error = code == _STATUS_ERROR or code == "STATUS_CODE_ERROR"
-    events = tuple(SpanEvent(str(_dict(e, "event").get("name", "")), _nanos(e.get("timeUnixNano", 0), "timeUnixNano", name),
-                             _attributes(e.get("attributes")))
-                   for e in _list(raw.get("events", []), "events"))
+    message = status.get("message") or ""
+    if not isinstance(message, str):
+        raise _Bad(f"span {_show(name)}: status message {_show(message)} is not a string")
+    events = tuple(_event(_dict(e, "event"), name) for e in _list(_or_empty(raw.get("events")), "events"))
     return SpanRecord(trace_id=trace_id, span_id=span_id, parent_span_id=parent_id, name=name, service=service,
                       kind=_kind(raw.get("kind", 0)),
                       start_ns=_nanos(raw.get("startTimeUnixNano", 0), "startTimeUnixNano", name),
                       end_ns=_nanos(raw.get("endTimeUnixNano", 0), "endTimeUnixNano", name),
                       attributes=_attributes(raw.get("attributes")),
-                      error=str(status.get("message", "")) if is_error else None, events=events)
+                      error=message if is_error else None, events=events)
+
+
+def _event(raw: dict, span: str) -> SpanEvent:
+    name = raw.get("name") or ""
+    if not isinstance(name, str):
+        raise _Bad(f"span {_show(span)}: event name {_show(name)} is not a string")
+    return SpanEvent(name, _nanos(raw.get("timeUnixNano", 0), "timeUnixNano", span),
+                     _attributes(raw.get("attributes")))
 
 
 def _id(value: Any, size: int, field_name: str, span: str) -> str:
@@ -156,16 +216,30 @@ def _id(value: Any, size: int, field_name: str, span: str) -> str:
             raw = b""
         if len(raw) == size:
             return raw.hex()
-    raise _Bad(f"span {span!r}: {field_name} {value!r} is not {2 * size} hex digits")
+    raise _Bad(f"span {_show(span)}: {field_name} {_show(value)} is not {2 * size} hex digits")
 
 
 def _nanos(value: Any, field_name: str, span: str) -> int:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
+    """A time: an integer from 0 to MAX_NANOS, as a JSON integer, an integral number or a string."""
+    number = _integer(value)
+    if number is None or not 0 <= number <= MAX_NANOS:
+        raise _Bad(f"span {_show(span)}: {field_name} {_show(value)} is not a time in nanoseconds "
+                   f"(0 to 2^64-1)")
+    return number
+
+
+def _integer(value: Any) -> int | None:
+    """protobuf JSON's (u)int64: an integer, an integral number or a string of digits; else None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
         return int(value)
-    except (TypeError, ValueError):
-        raise _Bad(f"span {span!r}: {field_name} {value!r} is not a time in nanoseconds") from None
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:  # not digits, or past Python's limit on digits
+            return None
+    return None
 
 
 def _kind(value: Any) -> str:
@@ -177,31 +251,61 @@ def _kind(value: Any) -> str:
 
 
 def _attributes(raw: Any) -> dict[str, Any]:
-    return {str(kv.get("key")): _value(kv.get("value") or {}) for kv in _list(raw or [], "attributes")
-            if isinstance(kv, dict)}
+    attributes = {}
+    for kv in _list(_or_empty(raw), "attributes"):
+        key = _dict(kv, "attribute").get("key")
+        if not isinstance(key, str):
+            raise _Bad(f"attribute key {_show(key)} is not a string")
+        attributes[key] = _value(kv.get("value") or {})
+    return attributes
 
 
 def _value(raw: Any) -> Any:
+    """An AnyValue (its nesting is bounded: the document's depth was checked)."""
     if not isinstance(raw, dict):
-        return raw
-    if "stringValue" in raw:
-        return raw["stringValue"]
-    if "boolValue" in raw:
-        return bool(raw["boolValue"])
-    if "intValue" in raw:
-        try:
-            return int(raw["intValue"])
-        except (TypeError, ValueError):
-            raise _Bad(f"intValue {raw['intValue']!r} is not an integer") from None
-    if "doubleValue" in raw:
-        return float(raw["doubleValue"])
+        raise _Bad(f"attribute value {_show(raw)} is not an object")
+    if raw.get("stringValue") is not None:
+        return _typed(raw["stringValue"], str, "stringValue")
+    if raw.get("boolValue") is not None:
+        return _typed(raw["boolValue"], bool, "boolValue")
+    if raw.get("intValue") is not None:
+        number = _integer(raw["intValue"])
+        if number is None:
+            raise _Bad(f"intValue {_show(raw['intValue'])} is not an integer")
+        return number
+    if raw.get("doubleValue") is not None:
+        return _double(raw["doubleValue"])
     if "arrayValue" in raw:
-        return [_value(v) for v in (raw["arrayValue"] or {}).get("values", [])]
+        values = _dict(raw["arrayValue"] or {}, "arrayValue").get("values")
+        return [_value(v) for v in _list(_or_empty(values), "arrayValue's values")]
     if "kvlistValue" in raw:
-        return _attributes((raw["kvlistValue"] or {}).get("values"))
-    if "bytesValue" in raw:
-        return raw["bytesValue"]
+        return _attributes(_dict(raw["kvlistValue"] or {}, "kvlistValue").get("values"))
+    if raw.get("bytesValue") is not None:
+        return _typed(raw["bytesValue"], str, "bytesValue")  # base64, shown as it is
     return None
+
+
+def _typed(value: Any, kind: type, field_name: str) -> Any:
+    if not isinstance(value, kind):
+        raise _Bad(f"{field_name} {_show(value)} is not a {kind.__name__}")
+    return value
+
+
+def _double(value: Any) -> float:
+    """protobuf JSON's double: a number, or a string of one ("NaN", "Infinity" included)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise _Bad(f"doubleValue {_show(value)} is not a number")
+
+
+def _or_empty(value: Any) -> Any:
+    """A repeated field: null (protobuf JSON's default) is an empty list."""
+    return [] if value is None else value
 
 
 def _dict(value: Any, what: str) -> dict:
@@ -418,25 +522,33 @@ def build_waterfall(spans: Sequence[SpanRecord]) -> Waterfall:
     rows: list[SpanRow | Gap] = []
     seen: set[str] = set()
 
-    def visit(span: SpanRecord, depth: int, note: str | None) -> None:
-        seen.add(span.span_id)
-        kids = [k for k in children.get(span.span_id, []) if k.span_id not in seen]
-        gaps = _gaps(span, kids, depth + 1) if kids else []
-        rows.append(SpanRow(span, depth, span.start_ns - start, orphan=note is not None, note=note,
-                            children_uncovered_ns=sum(g.duration_ns for g in gaps) if kids else None))
-        items: list[tuple[tuple, SpanRecord | Gap]] = [(_order(k), k) for k in kids]
-        items += [((g.start_ns, 1), g) for g in gaps]
-        for _, item in sorted(items, key=lambda pair: pair[0][:2]):
+    def visit(top_span: SpanRecord, note: str | None) -> None:
+        """`top_span`'s row and, depth first, its descendants' and their gaps: a stack, not
+        recursion (a valid parent chain may be thousands of spans deep)."""
+        stack: list[tuple[SpanRecord | Gap, int]] = [(top_span, 0)]
+        while stack:
+            item, depth = stack.pop()
             if isinstance(item, Gap):
                 rows.append(item)
-            elif item.span_id not in seen:
-                visit(item, depth + 1, None)
+                continue
+            if item.span_id in seen:
+                continue
+            seen.add(item.span_id)
+            kids = [k for k in children.get(item.span_id, []) if k.span_id not in seen]
+            gaps = _gaps(item, kids, depth + 1) if kids else []
+            row_note = note if item is top_span else None
+            rows.append(SpanRow(item, depth, item.start_ns - start, orphan=row_note is not None, note=row_note,
+                                children_uncovered_ns=sum(g.duration_ns for g in gaps) if kids else None))
+            items: list[tuple[tuple, SpanRecord | Gap]] = [(_order(k), k) for k in kids]
+            items += [((g.start_ns, 1), g) for g in gaps]
+            ordered = [child for _, child in sorted(items, key=lambda pair: pair[0][:2])]
+            stack.extend((child, depth + 1) for child in reversed(ordered))
 
     for span in top:
-        visit(span, 0, None if span.parent_span_id is None else f"parent {span.parent_span_id} not in the trace")
+        visit(span, None if span.parent_span_id is None else f"parent {span.parent_span_id} not in the trace")
     for span in sorted((s for s in spans if s.span_id not in seen), key=_order):  # parent cycles
         if span.span_id not in seen:
-            visit(span, 0, f"parent {span.parent_span_id} is in a cycle")
+            visit(span, f"parent {span.parent_span_id} is in a cycle")
     root = _root(spans, top)
     gaps = [r for r in rows if isinstance(r, Gap)]
     summary = Summary(total_ns=root.duration_ns,
@@ -500,10 +612,10 @@ def render_waterfall(w: Waterfall, *, width: int = 40, min_gap_ns: int = 0) -> s
                 continue
             lines.append(f"{_ms(row.start_ns - w.start_ns):>10} {_ms(row.duration_ns):>10} "
                          f"|{_bar(row.start_ns, row.end_ns, w, width, '.')}| {'':<{service_width}} "
-                         f"{'  ' * row.depth}~ gap {_gap_where(row)} in {row.parent.name}")
+                         f"{_indent(row.depth)}~ gap {_gap_where(row)} in {row.parent.name}")
             continue
         span = row.span
-        parts = [f"{'  ' * row.depth}{span.name}"]
+        parts = [f"{_indent(row.depth)}{span.name}"]
         if span.error is not None:
             parts.append(f"ERROR({span.error})" if span.error else "ERROR")
         if row.note:
@@ -521,7 +633,21 @@ def render_waterfall(w: Waterfall, *, width: int = 40, min_gap_ns: int = 0) -> s
     if hidden:
         lines.append(f"({hidden} gaps under {_ms(min_gap_ns)} ms not shown)")
     lines.append(summary_line(w))
-    return "\n".join(lines) + "\n"
+    return "".join(_printable(line) + "\n" for line in lines)
+
+
+def _indent(depth: int) -> str:
+    if depth <= MAX_INDENT_DEPTH:
+        return "  " * depth
+    return "  " * MAX_INDENT_DEPTH + f"[{depth}] "
+
+
+def _printable(line: str) -> str:
+    """`line` as one line a terminal shows as it is: what is not printable (a newline or escape in
+    a span's name, a lone surrogate, which no encoder writes) escaped as Python writes it."""
+    if line.isprintable():
+        return line
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in line)
 
 
 def summary_line(w: Waterfall) -> str:
@@ -543,7 +669,7 @@ def render_trace_list(summaries: Sequence[TraceSummary]) -> str:
         ids = f" request ids {', '.join(t.request_ids)}" if t.request_ids else ""
         lines.append(f"{t.trace_id}  {rfc3339_nano(t.start_ns)}  {_ms(t.duration_ns):>10} ms  {t.num_spans:>4} spans  "
                      f"{t.root_name} ({', '.join(t.services)}){ids}")
-    return "\n".join(lines) + "\n"
+    return "".join(_printable(line) + "\n" for line in lines)
 
 
 # ---- a trace store's query (Jaeger API v3) ---------------------------------------------------------------

@@ -3,7 +3,8 @@ it (colocated mode), over HTTP (issue 14, findings 2, 7 and 8).
 
 - Sampling values that overflowed the sampler (a temperature of 1e-300, a seed past 64
   bits) killed the engine for good; now the temperature is served and the seed is a 400,
-  and a request whose sampling fails anyway fails alone.
+  and a request whose sampling fails anyway fails alone. A repetition penalty of 1e-300 was a
+  500 (issue 44); now it is served.
 - Bad JSON (lone surrogates, deep nesting, NaN/Infinity/1e400) was a 500 (plain text on
   the proxy); it must be a 400 with OpenAI's error body on both.
 - A huge prompt was tokenised on the event loop (/health stalled for seconds); now it is
@@ -149,6 +150,19 @@ def test_a_vanishing_temperature_is_served_greedily(servers: Servers, target: st
 def test_a_seed_past_64_bits_is_400_and_the_engine_lives(servers: Servers, target: str, seed: int) -> None:
     r = post(servers.url(target), "/v1/completions", {**PROMPT, "temperature": 1.0, "seed": seed})
     assert_openai_error(r, 400, param="seed")
+    servers.assert_healthy_and_serving()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("penalty", [1e-300, 1e300])
+@pytest.mark.parametrize("seed", [None, 5])
+def test_an_extreme_repetition_penalty_is_served(servers: Servers, target: str, penalty: float,
+                                                 seed: int | None) -> None:
+    """vLLM accepts any repetition_penalty > 0. 1e-300 at temperature 1 took the prompt's tokens'
+    logits to inf (a NaN softmax): HTTP 500 (issue 44). Now the row is computed wider and samples."""
+    body = {**PROMPT, "temperature": 1.0, "repetition_penalty": penalty, **({"seed": seed} if seed else {})}
+    r = post(servers.url(target), "/v1/completions", body)
+    assert r.status_code == 200, r.text
     servers.assert_healthy_and_serving()
 
 

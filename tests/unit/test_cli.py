@@ -76,13 +76,13 @@ def test_up_gives_prefill_and_decode_instances_their_tp_sizes(started: list[dict
 @pytest.mark.parametrize(("argv", "message"), [
     (["up", "--", "--bogus"], "unrecognized arguments: --bogus"),
     (["up", "--", "--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
-    (["up", "--block-size", "3"], "kvbridge serve: error: block_size must be a power of two, got 3"),
+    (["up", "--block-size", "3"], "kvbridge up: error: block_size must be a power of two, got 3"),
     (["up", "--", "--port", "9000"], "--port is set by `up` for each instance"),
     (["up", "--", "--kv-role", "consumer"], "--kv-role is set by `up` for each instance"),
     (["up", "--num-prefill", "0"], "must be at least 1, got 0"),
     (["up", "--decode-tp", "0"], "must be at least 1, got 0"),
     (["up", "--", "-tp", "2"], "--tensor-parallel-size is set by `up` for each instance"),
-    (["up", "--cpu-bind", "0-x"], "kvbridge serve: error: '0-x' is not a CPU id or a range such as 0-3"),
+    (["up", "--cpu-bind", "0-x"], "kvbridge up: error: '0-x' is not a CPU id or a range such as 0-3"),
     (["up", "--drain-timeout-s", "-1"], "argument --drain-timeout-s: must be >= 0, got -1"),
     (["up", "--", "--drain-timeout-s", "nan"], "argument --drain-timeout-s: must be >= 0, got nan"),
 ])

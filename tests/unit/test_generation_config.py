@@ -93,6 +93,38 @@ def test_bad_values_are_a_clear_error_naming_the_file_and_field(tmp_path: Path, 
         assert str(folder / "generation_config.json") in str(caught.value)
 
 
+DEEP_VALUE = "[" * 900 + "]" * 900  # parses (under the recursion limit); written whole, 1800 characters of message
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[" * 100_000 + "]" * 100_000, "is not valid JSON: it nests too deeply"),
+    ('{"a":' * 100_000 + "1" + "}" * 100_000, "is not valid JSON: it nests too deeply"),
+    ('{"temperature": ' + DEEP_VALUE + "}", "temperature must be a finite number >= 0, got a JSON array"),
+    ('{"top_k": {"a": ' + DEEP_VALUE + "}}",
+     r"top_k must be an integer >= -1 \(0 or -1: no top-k\), got a JSON object"),
+    ('{"min_p": "' + "x" * 100_000 + '"}', 'min_p must be a number in \\[0, 1\\], got "xxx'),
+])
+def test_a_deeply_nested_or_huge_file_is_a_clear_one_line_error(tmp_path: Path, text: str, message: str) -> None:
+    folder = model_folder(tmp_path, text)
+    with pytest.raises(GenerationConfigError, match=message) as caught:
+        sampling_defaults(str(folder), "SmolLM2-135M-Instruct")
+    assert str(folder / "generation_config.json") in str(caught.value) and len(str(caught.value)) < 300
+
+
+@pytest.mark.parametrize("command", ["serve", "up"])
+def test_serve_and_up_name_themselves_in_a_bad_generation_config_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    from kvbridge import cli
+    from kvbridge.launcher import cluster
+    started: list[dict] = []
+    monkeypatch.setattr(cluster, "run_cluster", lambda **kwargs: started.append(kwargs) or 0)
+    folder = model_folder(tmp_path, "[" * 100_000 + "]" * 100_000)
+    assert cli.main([command, "--generation-config", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvbridge {command}: error: {folder / 'generation_config.json'}") and "nests" in err, err
+    assert len(err.strip().splitlines()) == 1 and started == []
+
+
 def test_a_folder_mode_needs_a_folder_with_a_generation_config(tmp_path: Path) -> None:
     with pytest.raises(GenerationConfigError, match="not auto, vllm or a folder"):
         sampling_defaults(str(tmp_path / "missing"), "SmolLM2-135M-Instruct")

@@ -419,6 +419,19 @@ async def test_the_proxy_serves_no_api_docs_as_the_instances_serve_none(path):
             assert (await pd.http.get(path, headers=headers)).status_code == 404
 
 
+@pytest.mark.parametrize("method, path, status, allow", [
+    ("GET", "/v1/no-such-route", 404, None), ("POST", "/nope", 404, None), ("GET", "/docs", 404, None),
+    ("GET", "/v1/completions", 405, "POST"), ("DELETE", "/health", 405, "GET"), ("PUT", "/v1/models", 405, "GET")])
+async def test_unknown_routes_and_methods_get_openais_error_body(method, path, status, allow):
+    """As an instance answers them: {"error": {...}}, never FastAPI's {"detail": ...}; a 405 keeps its Allow."""
+    async with pd_cluster() as pd:
+        answer = await pd.http.request(method, path)
+    assert answer.status_code == status and answer.headers.get("allow") == allow
+    assert answer.json() == {"error": {"message": "Not Found" if status == 404 else "Method Not Allowed",
+                                       "type": "invalid_request_error", "param": None,
+                                       "code": "not_found" if status == 404 else "method_not_allowed"}}
+
+
 async def test_client_authorization_is_forwarded_when_no_upstream_key():
     async with pd_cluster(api_key="shared-key") as pd, openai_client(pd, api_key="shared-key") as client:
         await client.completions.create(model="m", prompt="Hi")

@@ -8,9 +8,12 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
-from kvbridge.engine.sampling import Sampler
+from kvbridge.engine.generation_config import NO_DEFAULTS
+from kvbridge.engine.sampling import Sampler, apply_repetition_penalty
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.server.protocol import CompletionRequest
 
 VOCAB = 64
 
@@ -188,3 +191,93 @@ def test_unseeded_rows_over_a_many_chunk_vocabulary_follow_the_distribution() ->
             counts[token] += 1
     assert counts.sum() == counts[hot].sum()
     torch.testing.assert_close(counts[hot] / counts.sum(), probs[hot], atol=0.015, rtol=0)
+
+
+# ---- issue 44, item 7: extreme repetition penalties and huge logits never make a row inf or NaN ----------
+
+SEEN = [3, 10, 20]  # the tokens a repetition penalty applies to (the prompt's and output's)
+
+# The ways a row is sampled: greedy, drawn with the others (unseeded, temperature only), one by one
+# (seeded), with top-k, top-p or min-p.
+PATHS = {"greedy": dict(temperature=0.0), "plain": dict(), "seeded": dict(seed=7), "top_k": dict(top_k=5),
+         "top_p": dict(top_p=0.9), "min_p": dict(min_p=0.1)}
+
+
+def seen_logits(rows: int) -> torch.Tensor:
+    """Logits whose seen tokens are 2.0, 1.5 and -1.0, the others as logits() gives them (up to about 20)."""
+    out = logits(rows)
+    out[:, SEEN] = torch.tensor([2.0, 1.5, -1.0])
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATHS.keys())
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_a_tiny_repetition_penalty_makes_the_likeliest_seen_token_certain(path: str, temperature: float) -> None:
+    """A penalty of 1e-300 multiplies a seen token's positive logit by 1e300 (vLLM accepts any penalty
+    > 0): 2.0 becomes 2e300, past float32 (inf, a NaN softmax: HTTP 500 before). The limit is that the
+    likeliest seen token is certain."""
+    sp = SamplingParams(**{"temperature": temperature, **PATHS[path], "repetition_penalty": 1e-300})
+    ids = [f"r{i}" for i in range(4)]
+    result = Sampler().sample(seen_logits(4), ids, [sp] * 4, [0] * 4, [SEEN] * 4)
+    assert result.errors == {} and [result.tokens[rid] for rid in ids] == [3] * 4
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATHS.keys())
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e-38, 3.5e38, 1e300, 1.7e308])
+def test_any_finite_repetition_penalty_samples_a_token(path: str, penalty: float) -> None:
+    """Subnormal penalties overflow even float64 (ties at the top, still a token); one past float32's
+    range is inf there, and a seen logit of 0 times inf was NaN."""
+    rows = seen_logits(4)
+    rows[:, 20] = 0.0
+    sp = SamplingParams(**{**PATHS[path], "repetition_penalty": penalty})
+    ids = [f"r{i}" for i in range(4)]
+    result = Sampler().sample(rows, ids, [sp] * 4, [0] * 4, [SEEN] * 4)
+    assert result.errors == {}
+    tokens = [result.tokens[rid] for rid in ids]
+    if penalty < 1:  # seen tokens with positive logits win
+        assert set(tokens) <= {3, 10}
+    else:  # a huge penalty: seen tokens fall to 0 (positive) or -inf (negative): the rest win
+        assert not set(tokens) & set(SEEN)
+
+
+def test_an_ordinary_repetition_penalty_is_computed_as_before() -> None:
+    """Only a penalty whose result leaves float32 takes the widened path: vLLM's float32 arithmetic
+    (the same roundings) otherwise."""
+    row = torch.tensor([2.0, -2.0, 1.0, 4.0, 0.3])
+    want = row.clone()
+    want[[0, 1, 4]] = torch.where(want[[0, 1, 4]] > 0, want[[0, 1, 4]] / 1.1, want[[0, 1, 4]] * 1.1)
+    apply_repetition_penalty(row, [0, 1, 4], 1.1)
+    assert torch.equal(row, want)
+
+
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "greedy"])
+@pytest.mark.parametrize("temperature", [1e-5, 1e-3, 0.5])
+def test_huge_finite_logits_at_a_cold_temperature_sample_their_top(path: str, temperature: float) -> None:
+    """Logits near float32's limit divided by a temperature below 1 were inf (NaN probabilities)."""
+    rows = torch.full((2, VOCAB), -3e38)
+    rows[:, 5], rows[:, 9] = 3e38, 1e38
+    sp = SamplingParams(**{"temperature": temperature, **PATHS[path], "logprobs": 2})
+    result = Sampler().sample(rows, ["a", "b"], [sp, sp])
+    assert result.errors == {} and result.tokens == {"a": 5, "b": 5}
+    assert result.logprobs["a"].logprob == 0.0
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", math.nan), ("presence_penalty", math.inf),
+                                          ("frequency_penalty", -math.inf), ("frequency_penalty", 1e-300),
+                                          ("repetition_penalty", math.nan), ("repetition_penalty", 0.0),
+                                          ("repetition_penalty", -1e-300), ("temperature", math.nan),
+                                          ("temperature", 1e300), ("temperature", -1e-300)])
+def test_the_request_refuses_penalties_and_temperatures_that_cannot_be_sampled(field: str, value: float) -> None:
+    """At the HTTP edge (a 400): presence and frequency penalties are not supported (any value but
+    0), a repetition penalty must be > 0 (vLLM's rule), a temperature in [0, 2]. The body parser has
+    already refused NaN and Infinity (not JSON)."""
+    with pytest.raises(ValidationError, match=field):
+        CompletionRequest.model_validate({"prompt": "x", field: value})
+
+
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1e-300), ("repetition_penalty", 1e300),
+                                          ("temperature", 1e-300), ("temperature", 2.0)])
+def test_the_request_accepts_what_vllm_accepts_and_the_sampler_samples_it(field: str, value: float) -> None:
+    params = CompletionRequest.model_validate({"prompt": "x", field: value}).to_sampling_params(4, NO_DEFAULTS)
+    result = Sampler().sample(seen_logits(1), ["a"], [params], [0], [SEEN])
+    assert result.errors == {} and 0 <= result.tokens["a"] < VOCAB

@@ -162,6 +162,64 @@ def test_parse_refuses_what_is_not_otlp_json_with_a_reason(text, why):
     assert isinstance(parsed, TraceError) and why in parsed.message, parsed
 
 
+def test_parse_reads_protobufs_string_forms_of_numbers():
+    span = otlp_span("a", "0000000000000001", 0, 1, attributes={"i": 3})
+    span["attributes"] += [{"key": "f", "value": {"doubleValue": "2.5"}},
+                           {"key": "n", "value": {"doubleValue": "NaN"}},
+                           {"key": "big", "value": {"doubleValue": "-Infinity"}}]
+    span["startTimeUnixNano"] = float(BASE)  # an integral JSON number (1.7e+18)
+    [s] = spans_of(json.dumps(doc("svc", span)))
+    assert s.attributes["i"] == 3 and s.attributes["f"] == 2.5 and s.attributes["big"] == float("-inf")
+    assert s.attributes["n"] != s.attributes["n"] and s.start_ns == BASE
+
+
+@pytest.mark.parametrize("value,why", [
+    ({"doubleValue": "abc"}, "doubleValue"),
+    ({"doubleValue": True}, "doubleValue"),
+    ({"arrayValue": [1, 2]}, "arrayValue"),
+    ({"arrayValue": {"values": {}}}, "arrayValue"),
+    ({"kvlistValue": ["a"]}, "kvlistValue"),
+    ({"stringValue": 5}, "stringValue"),
+    ({"boolValue": "true"}, "boolValue"),
+    ({"intValue": 1.5}, "intValue"),
+    ("plain", "attribute value"),
+])
+def test_parse_refuses_an_attribute_value_of_the_wrong_type(value, why):
+    span = otlp_span("a", "0000000000000001", 0, 1)
+    span["attributes"] = [{"key": "k", "value": value}]
+    parsed = parse_otlp_json(json.dumps(doc("svc", span)))
+    assert isinstance(parsed, TraceError) and why in parsed.message, parsed
+
+
+@pytest.mark.parametrize("time", ["-1", str(2 ** 64), 1.5, "1e400", "NaN", [1]])
+def test_parse_refuses_a_time_outside_uint64_nanoseconds(time):
+    span = {**otlp_span("a", "0000000000000001", 0, 1), "startTimeUnixNano": time}
+    parsed = parse_otlp_json(json.dumps(doc("svc", span)))
+    assert isinstance(parsed, TraceError) and "startTimeUnixNano" in parsed.message, parsed
+
+
+@pytest.mark.parametrize("text,why", [
+    ("[" * 100_000 + "]" * 100_000, "deeper"),
+    ("[" * 150 + "]" * 150, "deeper"),
+    ('{"resourceSpans": [], "x": NaN}', "NaN"),
+    ('{"resourceSpans": [], "x": 1e400}', "1e400"),
+])
+def test_parse_refuses_deep_nesting_and_numbers_json_does_not_have(text, why):
+    parsed = parse_otlp_json(text)
+    assert isinstance(parsed, TraceError) and why in parsed.message, parsed
+
+
+def test_a_pretty_printed_document_that_is_not_json_names_the_documents_error():
+    text = json.dumps(doc("svc", otlp_span("a", "0000000000000001", 0, 1)), indent=2)[:-3]
+    parsed = parse_otlp_json(text)
+    assert isinstance(parsed, TraceError) and not parsed.message.startswith("line 1:"), parsed
+
+
+def test_a_huge_id_is_shown_shortened_in_the_error():
+    parsed = parse_otlp_json(json.dumps(doc("svc", otlp_span("a", "z" * 100_000, 0, 1))))
+    assert isinstance(parsed, TraceError) and "spanId" in parsed.message and len(parsed.message) < 200
+
+
 # ---- finding the trace -----------------------------------------------------------------------------------
 
 def test_select_by_request_id_on_any_span_of_any_service():
@@ -254,6 +312,16 @@ def test_a_parent_cycle_still_shows_every_span_once():
     b = otlp_span("b", "0000000000000002", 1, 5, parent="0000000000000001")
     w = build_waterfall(spans_of(json.dumps(doc("svc", a, b))))
     assert sorted(r.span.name for r in w.span_rows) == ["a", "b"]
+
+
+def test_a_5000_deep_parent_chain_nests_every_span_once():
+    ids = [f"{i + 1:016x}" for i in range(5000)]
+    spans = [otlp_span(f"s{i}", span_id, i * 0.001, 10_000 - i * 0.001, parent=ids[i - 1] if i else "")
+             for i, span_id in enumerate(ids)]
+    w = build_waterfall(spans_of(json.dumps(doc("svc", *spans))))
+    assert [(r.depth, r.span.name) for r in w.span_rows] == [(i, f"s{i}") for i in range(5000)]
+    text = render_waterfall(w)
+    assert "[4999] s4999" in text and max(len(line) for line in text.splitlines()) < 400
 
 
 def test_gaps_of_each_parent_between_and_around_its_children():
