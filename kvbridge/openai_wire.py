@@ -23,6 +23,9 @@ from pydantic import BaseModel, Field
 
 # Sent by the proxy to P and D (one id for both legs) and echoed on every answer.
 REQUEST_ID_HEADER = "X-Request-Id"
+# Sent by the proxy with each attempt of the P leg, a fresh random key: the proxy that gives up on
+# an attempt whose answer it did not read releases the lease by it (server/undelivered.py).
+RELEASE_KEY_HEADER = "X-KVBridge-Release-Key"
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII without spaces, at most 256
 # No OpenAI request nests deeper than a handful of levels. The bound keeps every later
 # walk of the body (pydantic, json.dumps when the proxy forwards it) far from Python's

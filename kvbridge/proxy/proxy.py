@@ -26,6 +26,10 @@ Release contract (the API server must implement it on P):
 The proxy calls it only when it knows no D received the request (no healthy D, or
 every D refused the connection): if D may have received it, D may be reading those
 blocks, and only D (its notification) or P's lease may free them.
+Each P attempt also carries a fresh random `X-KVBridge-Release-Key`; an attempt whose
+answer the proxy never read whole (the client left, the connection broke mid-read) is
+released by `{"release_key": K}` in the background, since nobody can have its params
+(server/undelivered.py: P's side of it, and P's own release of answers it could not write).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import hmac
 import json
 import logging
 import random
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -47,8 +52,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbridge.kv_transfer.params import KV_LOAD_FAILED
-from kvbridge.openai_wire import (MAX_BODY_BYTES, REQUEST_ID_HEADER, ErrorInfo, ErrorResponse, error_type,
-                                  parse_json_object, read_capped, usable_request_id)
+from kvbridge.openai_wire import (MAX_BODY_BYTES, RELEASE_KEY_HEADER, REQUEST_ID_HEADER, ErrorInfo, ErrorResponse,
+                                  error_type, parse_json_object, read_capped, usable_request_id)
 from kvbridge.proxy import first_token, tracing_spans
 from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy
 from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
@@ -157,6 +162,29 @@ def _kv_transfer_params(body: bytes) -> dict | None:
     return params if isinstance(params, dict) else None
 
 
+class UnreadAnswers:
+    """One P leg's release keys (server/undelivered.py): each attempt sends a fresh random key; an
+    attempt whose answer was not read whole (the leg was cancelled, the connection broke) may have
+    left a lease on its P that nobody will learn of, and the key lets the proxy end it. A leg
+    tries each P at most once."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, tuple[Upstream, str]] = {}
+
+    def new(self, upstream: Upstream) -> dict[str, str]:
+        """The headers of a new attempt on `upstream`."""
+        key = secrets.token_hex(16)
+        self._keys[upstream.url] = (upstream, key)
+        return {RELEASE_KEY_HEADER: key}
+
+    def read(self, upstream: Upstream) -> None:
+        """The attempt's answer was read whole (or it never reached `upstream`): nothing to end."""
+        self._keys.pop(upstream.url, None)
+
+    def unread(self) -> list[tuple[Upstream, str]]:
+        return list(self._keys.values())
+
+
 class PDProxy:
     """Routes requests over two pools (or only the decode pool: colocated mode, `prefill`
     None); owns the pooled HTTP client and the health loop."""
@@ -166,7 +194,9 @@ class PDProxy:
                  api_key: str | None, upstream_api_key: str | None, retry: RetryPolicy = RetryPolicy(),
                  seed: int | None = None, first_token_from_prefill: bool = True,
                  max_body_bytes: int = MAX_BODY_BYTES, first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None,
+                 wrap_transport: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None) -> None:
+        """`wrap_transport`: wraps the upstream connections' transport (tests inject faults there)."""
         if max_body_bytes < 1 or first_byte_timeout_s <= 0:
             raise ValueError("max_body_bytes and first_byte_timeout_s must be positive")
         self.prefill, self.decode = prefill, decode
@@ -182,8 +212,10 @@ class PDProxy:
         # Release calls and /v1/models do no model work: they get a short bound.
         self.short_timeout = httpx.Timeout(min(timeout_s, 10.0), connect=connect_timeout_s)
         self.api_key, self.upstream_api_key = api_key, upstream_api_key
+        self.wrap_transport = wrap_transport
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
+        self._background: set[asyncio.Future] = set()  # releases outliving their request
 
     @property
     def pools(self) -> tuple[UpstreamPool, ...]:
@@ -194,11 +226,14 @@ class PDProxy:
     async def start(self) -> None:
         """Open the client and run one health round before serving, then poll in the background."""
         # trust_env=False: an HTTP(S)_PROXY variable must never reroute upstream calls.
-        self.client = httpx.AsyncClient(timeout=self.timeout, trust_env=False,
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                                                            # below uvicorn's 5 s keep-alive: never reuse a
-                                                            # connection the upstream is closing
-                                                            keepalive_expiry=UPSTREAM_KEEPALIVE_S))
+        transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport(
+            trust_env=False, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                 # below uvicorn's 5 s keep-alive: never reuse a
+                                                 # connection the upstream is closing
+                                                 keepalive_expiry=UPSTREAM_KEEPALIVE_S))
+        if self.wrap_transport is not None:
+            transport = self.wrap_transport(transport)
+        self.client = httpx.AsyncClient(timeout=self.timeout, trust_env=False, transport=transport)
         await self.check_health_once()
         self._health_task = asyncio.create_task(self._health_loop(), name="kvbridge-proxy-health")
 
@@ -206,6 +241,8 @@ class PDProxy:
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
+        if self._background:  # each bounded by the short timeout
+            await asyncio.gather(*self._background, return_exceptions=True)
         if self.client is not None:
             await self.client.aclose()
 
@@ -401,6 +438,10 @@ class PDProxy:
                 return prefilled
             upstream, params, p_answer = prefilled
             plan = await self._first_token_plan(body, route, upstream, params, p_answer, headers, trace)
+            if gone.is_set():  # left while the first-token plan was made: no D has the params yet
+                await asyncio.shield(self.release_on_prefill(upstream, params, headers, request_id, trace))
+                logger.info("request %s: client went away before decode started", request_id)
+                return Response(status_code=499)
             if plan is not None and plan.finished:
                 self.metrics.first_token.labels("finished_at_prefill").inc()
                 if trace is not None:
@@ -458,14 +499,16 @@ class PDProxy:
 
     async def _attempts(self, pool: UpstreamPool, route: str, body: dict, headers: dict[str, str], request_id: str,
                         prompt: str, judge: Callable[[Exchange], Awaitable[T | Failed]],
-                        first_byte_s: float | None = None, leg: Leg | None = None) -> T | Exhausted:
+                        first_byte_s: float | None = None, leg: Leg | None = None,
+                        keys: UnreadAnswers | None = None) -> T | Exhausted:
         """One leg: POST `body` to an instance of `pool` until `judge` makes the leg's result of
         one's open answer. An attempt that failed before anything reached the client (connection,
         timeout, a broken answer, 5xx, or what `judge` calls a failure) is retried on another
         instance, within the retry count and time budget, after a backoff; each attempt counts in
         its instance's breaker (a judged failure whose instance is not at fault as a success).
         Exhausted: no attempt left, or no instance could be tried; its `received` says whether
-        any instance may have received the request. `leg`: its spans (None: not traced)."""
+        any instance may have received the request. `leg`: its spans (None: not traced). `keys`
+        (the P leg): each attempt carries a fresh release key, kept until its answer is read."""
         started = time.monotonic()
         tried: list[Upstream] = []
         received, last, reason = False, None, ""
@@ -479,9 +522,13 @@ class PDProxy:
                 break
             tried.append(upstream)
             span = None if leg is None else leg.attempt(upstream, route, attempt + 1, headers)
-            sent = await self._attempt(pool, upstream, route, body, headers if span is None else span.headers,
-                                       request_id, first_byte_s)
+            attempt_headers = headers if span is None else span.headers
+            if keys is not None:
+                attempt_headers = {**attempt_headers, **keys.new(upstream)}
+            sent = await self._attempt(pool, upstream, route, body, attempt_headers, request_id, first_byte_s)
             received |= isinstance(sent, Exchange) or sent.received
+            if keys is not None and isinstance(sent, Failed) and not sent.received:
+                keys.read(upstream)  # it never got the request: no lease to end
             result = await judge(sent) if isinstance(sent, Exchange) else sent
             if span is not None:
                 span.end(sent, result)
@@ -513,17 +560,26 @@ class PDProxy:
         or no P could be tried, what the client gets without a fallback."""
         assert self.prefill is not None, "P/D mode only"
         started = time.monotonic()
-        result = await self._attempts(self.prefill, route, prefill_body(body), headers, request_id, prompt_text(body),
-                                      functools.partial(self._prefill_answer, request_id=request_id),
-                                      leg=None if trace is None else trace.leg("prefill"))
+        keys = UnreadAnswers()
+        try:
+            result = await self._attempts(self.prefill, route, prefill_body(body), headers, request_id,
+                                          prompt_text(body), functools.partial(self._prefill_answer,
+                                                                               request_id=request_id, keys=keys),
+                                          leg=None if trace is None else trace.leg("prefill"), keys=keys)
+        finally:  # cancelled (the client left), or attempts that broke mid-answer: P may hold their KV
+            for upstream, key in keys.unread():
+                self._in_background(self.release_by_key(upstream, key, headers, request_id))
         if isinstance(result, tuple):
             self.metrics.prefill_seconds.observe(time.monotonic() - started)
         return result
 
-    async def _prefill_answer(self, exchange: Exchange, request_id: str) -> Prefilled | Response | Failed:
+    async def _prefill_answer(self, exchange: Exchange, request_id: str,
+                              keys: UnreadAnswers) -> Prefilled | Response | Failed:
         """P's whole answer as step 1's result (a 4xx, the request's own fault, is never retried),
         or why this attempt failed (an answer without kv_transfer_params: not P's breaker's failure)."""
         answer = await self._read_all(exchange, request_id)
+        if not isinstance(answer, Failed):
+            keys.read(exchange.upstream)  # read whole: its params (if any) are ours to pass on or release
         failed = self._server_error(UpstreamKind.PREFILL, answer)
         if failed is not None:
             return failed
@@ -601,6 +657,30 @@ class PDProxy:
             logger.warning("request %s: release on %s failed (%s); P frees the KV when its lease expires",
                            request_id, upstream.url, detail)
         return ok
+
+    async def release_by_key(self, upstream: Upstream, key: str, headers: dict[str, str], request_id: str) -> bool:
+        """Best effort: P may hold KV for an attempt whose answer the proxy never read (it gave
+        up mid-attempt, or the connection broke): ask P to end that lease by the attempt's key.
+        True if P said 2xx (whether or not a lease was held)."""
+        assert self.client is not None
+        try:
+            r = await self.client.post(upstream.url + RELEASE_PATH, json={"release_key": key}, headers=headers,
+                                       timeout=self.short_timeout)
+            ok, detail = r.status_code < 300, f"status {r.status_code}"
+        except httpx.HTTPError as exc:
+            ok, detail = False, repr(exc)
+        self.metrics.kv_releases.labels("ok" if ok else "failed").inc()
+        if not ok:
+            logger.warning("request %s: release of an unread prefill answer on %s failed (%s); P frees its KV when "
+                           "its lease expires", request_id, upstream.url, detail)
+        return ok
+
+    def _in_background(self, work: Awaitable[object]) -> None:
+        """Run `work` beyond the request that started it (a client that left cancels the request);
+        stop() waits for what is still running."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def models(self, request: Request) -> Response:
         """/v1/models as the first healthy D that answers it reports."""

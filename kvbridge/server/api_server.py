@@ -49,6 +49,7 @@ from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.server.async_engine import AsyncEngine, EngineState
 from kvbridge.server.completions import ApiError, CompletionHandlers, as_api_error, json_response, read_json
 from kvbridge.server.metrics import CONTENT_TYPE, LoadCollector, ServerMetrics
+from kvbridge.server.undelivered import usable_release_key
 from kvbridge.tracing import Tracing, TracingConfig, build_tracing
 
 logger = logging.getLogger(__name__)
@@ -120,16 +121,30 @@ async def _model(raw: Request, model_id: str) -> Response:
 
 
 async def _release_kv(raw: Request) -> Response:
-    """P: free the blocks held for a request no decode instance will read (the proxy
-    calls it when it could reach no D). Idempotent: unknown ids answer released=false."""
+    """P: free the blocks held for a request no decode instance will read. The proxy names them
+    by P's answer's `kv_transfer_params` (it could reach no D) or, when it never read that answer,
+    by the `release_key` it sent with the attempt (undelivered.py). Idempotent: unknown ids and
+    keys answer released=false."""
     body = await read_json(raw)
+    instance = _instance(raw)
+    if "release_key" in body:
+        key = body["release_key"]
+        if not isinstance(key, str) or not usable_release_key(key):
+            raise ApiError(400, "release_key must be 16 to 64 lowercase hex digits", param="release_key")
+        leased = instance.handlers.release_keys.take(key)
+        if leased is None:
+            return Response(json.dumps({"released": False}), media_type="application/json")
+        released = await instance.engine.call(lambda e: e.release_kv(leased))
+        if released:
+            instance.metrics.record_undelivered_release()
+        return Response(json.dumps({"released": bool(released)}), media_type="application/json")
     try:
         params = parse_kv_transfer_params(body.get("kv_transfer_params"))
     except ValueError as exc:
         raise ApiError(400, f"bad release request: {exc}") from None
     if params is None:
-        raise ApiError(400, "kv_transfer_params is required", param="kv_transfer_params")
-    released = await _instance(raw).engine.call(lambda e: e.release_kv(params))
+        raise ApiError(400, "kv_transfer_params or release_key is required", param="kv_transfer_params")
+    released = await instance.engine.call(lambda e: e.release_kv(params))
     return Response(json.dumps({"released": bool(released)}), media_type="application/json")
 
 
@@ -238,11 +253,21 @@ class _Server(uvicorn.Server):
     An engine that fails (a step raised, a TP rank process died) shuts the server down too,
     so `kvbridge serve` exits non-zero and a supervisor can restart it."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float,
+                 ready_line: str = "") -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
         self.engine_failed = False
+        self.ready_line = ready_line
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # Said only now, with uvicorn's SIGINT/SIGTERM handlers in place (they are installed when
+        # serve() begins): a supervisor that signals as soon as it reads the line gets a drain or a
+        # clean stop, never the default action's kill.
+        if self.started and self.ready_line:
+            print(self.ready_line, flush=True)
 
     def handle_exit(self, sig: int, frame) -> None:  # uvicorn's signal handler (SIGINT, SIGTERM)
         if sig == signal.SIGTERM and not self.should_exit and self.engine.begin_drain(self.drain_timeout_s):
@@ -296,12 +321,11 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
     sock.listen(2048)
     for i, line in enumerate(startup_lines(defaults)):  # as vLLM: a warning, then the defaults
         logger.log(logging.WARNING if i == 0 else logging.INFO, "%s", line)
-    server = _Server(uvicorn.Config(build_app(engine, api_key, defaults, tracer, drain_timeout_s),
-                                    log_level=log_level, timeout_graceful_shutdown=10), engine, drain_timeout_s)
     bound_port = sock.getsockname()[1]
     shown_host = f"[{host}]" if ":" in host else host
-    print(f"kvbridge: serving {engine.model_name} at http://{shown_host}:{bound_port}/v1",
-          flush=True)
+    server = _Server(uvicorn.Config(build_app(engine, api_key, defaults, tracer, drain_timeout_s),
+                                    log_level=log_level, timeout_graceful_shutdown=10), engine, drain_timeout_s,
+                     ready_line=f"kvbridge: serving {engine.model_name} at http://{shown_host}:{bound_port}/v1")
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled gracefully

@@ -48,9 +48,13 @@ from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError,
 from kvbridge.server import protocol as p
 from kvbridge.server.async_engine import AsyncEngine, EngineDrainingError, EngineUnavailableError, RequestStream
 from kvbridge.server.metrics import RequestTimer, ServerMetrics
+from kvbridge.server.undelivered import HandOff, LeaseBox, ReleaseKeys, StreamHandOff, usable_release_key
 from kvbridge.tracing import TRACEPARENT_HEADER, RequestTrace, Tracing, parse_traceparent, without_none
 
 logger = logging.getLogger("kvbridge.server.api_server")  # the name the server logged under before the split
+# How long a release key may name a lease (or a release that overtook its answer): far longer
+# than a proxy takes to give up on an attempt; ending an ended lease is a no-op.
+RELEASE_KEY_TTL_S = 600.0
 
 
 
@@ -102,6 +106,8 @@ class CompletionHandlers:
         # A prompt text longer than this has more tokens than the context holds, whatever
         # its content: it is refused without being tokenised (a 10 MB prompt took 9 s).
         self.max_prompt_bytes = engine.max_model_len * engine.tokenizer.max_bytes_per_token
+        # P: the leases of answers the proxy gave up on, by the key it sent (undelivered.py)
+        self.release_keys = ReleaseKeys(RELEASE_KEY_TTL_S)
 
     async def serve(self, raw: Request, chat: bool) -> Response:
         timer = self.metrics.request_timer()  # latencies count from arrival
@@ -130,13 +136,22 @@ class CompletionHandlers:
                 span.end(error.status, error.info.message, error.info.code)
             return error.response(headers)
         watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
+        release_key = raw.headers.get(wire.RELEASE_KEY_HEADER)
+        release_key = release_key if usable_release_key(release_key) else None
         if job.request.stream:
-            body_chunks = self._stream(job, stream, timer, watcher, span)
-            return StreamingResponse(body_chunks if span is None else span.traced_stream(body_chunks),
-                                     media_type="text/event-stream", headers=headers)
+            lease = LeaseBox(outputs=stream, leased=_leased)  # P: the stream's last chunk names leased blocks
+            body_chunks = self._stream(job, stream, timer, watcher, span, lease, release_key)
+            chunks = body_chunks if span is None else span.traced_stream(body_chunks)
+            if kv_params is not None and kv_params.do_remote_decode:
+                return StreamHandOff(chunks, headers, lease, self.release_lease, request_id)
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+        leased: KVTransferParams | None = None  # P's answer names blocks under a lease
         try:
-            answer = await self._collect(job, stream, timer)
-            response = json_response(answer, headers=headers)
+            answer, leased = await self._collect(job, stream, timer)
+            if leased is not None:
+                leased = await self._bound(release_key, leased)
+            response = (json_response(answer, headers=headers) if leased is None else
+                        HandOff(answer.model_dump_json(), headers, LeaseBox(leased), self.release_lease, request_id))
         except ApiError as error:
             if span is not None:
                 span.end(error.status, error.info.message, error.info.code)
@@ -144,6 +159,8 @@ class CompletionHandlers:
         except BaseException as exc:  # answered 500 by the app's handler (or cancelled)
             if span is not None:
                 span.end(500, f"{type(exc).__name__}: {exc}", "internal_error")
+            if leased is not None:  # the answer will never be written
+                await asyncio.shield(self.release_lease(leased))
             raise
         finally:
             watcher.cancel()
@@ -259,8 +276,30 @@ class CompletionHandlers:
 
     # ---------------------------------------------------------------- answers
 
-    async def _collect(self, job: _Job, stream: RequestStream,
-                       timer: RequestTimer) -> wire.CompletionResponse | wire.ChatCompletionResponse:
+    async def release_lease(self, params: KVTransferParams) -> None:
+        """P: end the lease `params` name at once (their answer never reached its caller).
+        Never raises: a failure leaves the blocks to the lease's expiry."""
+        try:
+            released = await self.engine.call(lambda e: e.release_kv(params))
+        except Exception:
+            logger.exception("request %s: releasing its KV failed; its lease will free the blocks",
+                             params.remote_request_id)
+            return
+        if released:
+            self.metrics.record_undelivered_release()
+
+    async def _bound(self, release_key: str | None, params: KVTransferParams) -> KVTransferParams | None:
+        """Bind P's answer to its caller's release key. None: the caller released the key before
+        the answer was ready (it gave up on this attempt), so the lease is ended now."""
+        if release_key is None or self.release_keys.bind(release_key, params):
+            return params
+        logger.info("request %s: its caller gave up before P answered; releasing its KV", params.remote_request_id)
+        await self.release_lease(params)
+        return None
+
+    async def _collect(self, job: _Job, stream: RequestStream, timer: RequestTimer,
+                       ) -> tuple[wire.CompletionResponse | wire.ChatCompletionResponse, KVTransferParams | None]:
+        """The whole answer, and the params of the lease it names (P with kv_transfer_params)."""
         text: list[str] = []
         logprobs = []
         last: RequestOutput | None = None
@@ -279,15 +318,19 @@ class CompletionHandlers:
                                   finish_reason=reason)
             return wire.ChatCompletionResponse(id=job.response_id, created=job.created,
                                             model=self.engine.model_name, choices=[choice],
-                                            usage=usage, kv_transfer_params=wire_or_none(last.kv_transfer_params))
+                                            usage=usage, kv_transfer_params=wire_or_none(last.kv_transfer_params)
+                                            ), _leased(last)
         lp = p.completion_logprobs(logprobs, token_text, 0) if job.params.logprobs is not None else None
         choice = wire.CompletionChoice(text="".join(text), logprobs=lp, finish_reason=reason)
         return wire.CompletionResponse(id=job.response_id, created=job.created,
                                     model=self.engine.model_name, choices=[choice], usage=usage,
-                                    kv_transfer_params=wire_or_none(last.kv_transfer_params))
+                                    kv_transfer_params=wire_or_none(last.kv_transfer_params)), _leased(last)
 
     async def _stream(self, job: _Job, stream: RequestStream, timer: RequestTimer,
-                      watcher: asyncio.Task[None], span: _RequestSpan | None) -> AsyncIterator[str]:
+                      watcher: asyncio.Task[None], span: _RequestSpan | None, lease: LeaseBox,
+                      release_key: str | None = None) -> AsyncIterator[str]:
+        """`lease`: where the finishing chunk's leased params go (P: StreamHandOff ends that lease if
+        the stream does not reach its caller whole)."""
         chunks = _ChunkMaker(job, self.engine)
         try:
             if job.chat and not job.continued:
@@ -302,6 +345,8 @@ class CompletionHandlers:
                     if span is not None:
                         span.answered(output.num_output_tokens,
                                       output.finish_reason.value if output.finish_reason else None)
+                    if (leased := _leased(output)) is not None:
+                        lease.params = await self._bound(release_key, leased)
                     yield chunks.finish(output)
                     if job.request.include_usage_chunk:
                         yield chunks.usage(output)
@@ -481,6 +526,12 @@ def as_api_error(exc: BaseException, request_id: str) -> ApiError:
         return ApiError(400, str(exc))
     logger.error("request %s: unexpected error", request_id, exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+def _leased(output: RequestOutput) -> KVTransferParams | None:
+    """The params of the lease a finished output names: P's answer (do_remote_prefill for D)."""
+    params = output.kv_transfer_params
+    return params if params is not None and params.do_remote_prefill and params.remote_request_id else None
 
 
 def _raise_if_failed(output: RequestOutput) -> None:

@@ -313,3 +313,62 @@ def test_a_storm_of_streams_half_of_them_hanging_up(cluster, want):
     at_headers = sum(q == 0 for q in quit_after)
     assert_unharmed(cluster, before, (at_headers, len(quitters)))
     assert_serves_normally(cluster, want, NORMAL[2])
+
+
+# ---------------------------------------------------------------- clients gone during the P leg (issue 44)
+
+P_LEG = [story(300 + i, long=i % 2 == 1) for i in range(8)]
+P_LEG_STORM = [story(400 + i, long=i % 3 == 0) for i in range(32)]
+P_LEG_SEED = 44
+
+
+def leases_held(c: LocalCluster) -> float:
+    return metric(p_url(c), "kvbridge_leases_held")
+
+
+async def close_after(url: str, body: dict, delay_s: float) -> None:
+    """Write a whole request on a raw connection, wait `delay_s` (0: not at all), close it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    await writer.drain()
+    if delay_s:
+        await asyncio.sleep(delay_s)
+    writer.close()
+    await writer.wait_closed()
+
+
+def test_clients_gone_while_p_prefills_leave_no_lease_held(cluster, want):
+    """Issue 44: eight streams, each closed right after its request was written. The proxy cancels
+    its P call; P's lease used to end only by expiry (30 s) when P's engine had finished first."""
+    assert_healthy(cluster)
+    before = Counters.read(cluster)
+
+    async def hang_ups() -> None:
+        for prompt in P_LEG:
+            await close_after(cluster.urls.proxy, streamed_body(prompt), 0)
+    asyncio.run(hang_ups())
+    assert_unharmed(cluster, before, (0, len(P_LEG)))
+    assert leases_held(cluster) == 0
+    assert_serves_normally(cluster, want, NORMAL[0])
+
+
+def test_a_storm_cut_at_random_points_of_the_p_leg_leaves_no_lease_held(cluster, want):
+    """32 concurrent streams, each closed at a seeded random point between its request written and
+    well past P's answer (P prefills a short prompt in tens of ms here): before P admits it, during
+    the prefill, between P's answer and D, during D's read or stream."""
+    rng = random.Random(P_LEG_SEED)
+    delays = [rng.choice([0.0, rng.uniform(0, 0.05), rng.uniform(0.05, 0.4), rng.uniform(0.4, 1.5)])
+              for _ in P_LEG_STORM]
+    assert_healthy(cluster)
+    before = Counters.read(cluster)
+
+    async def storm() -> None:
+        await asyncio.gather(*(close_after(cluster.urls.proxy, streamed_body(p), d)
+                               for p, d in zip(P_LEG_STORM, delays)))
+    asyncio.run(storm())
+    assert_unharmed(cluster, before, (0, len(P_LEG_STORM)))
+    assert leases_held(cluster) == 0
+    assert_serves_normally(cluster, want, NORMAL[1])

@@ -24,12 +24,12 @@ WAITER = textwrap.dedent("""
     from kvbridge.launcher.stop_signals import handle_stop_signals, wait_for_interrupt
 
     previous = handle_stop_signals()
-    if sys.argv[1] == "other-thread":
-        sig = getattr(signal, sys.argv[2])
-        threading.Thread(target=lambda: (time.sleep(0.3), signal.pthread_kill(threading.get_ident(), sig)),
-                         daemon=True).start()
-    print("waiting", flush=True)
-    try:
+    try:  # "waiting" is said from inside the try: a signal sent as soon as it is read is caught here
+        if sys.argv[1] == "other-thread":
+            sig = getattr(signal, sys.argv[2])
+            threading.Thread(target=lambda: (time.sleep(0.3), signal.pthread_kill(threading.get_ident(), sig)),
+                             daemon=True).start()
+        print("waiting", flush=True)
         wait_for_interrupt(poll_s=0.2)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
