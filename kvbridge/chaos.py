@@ -30,6 +30,7 @@ import httpx
 import uvicorn
 
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy, SchedulerConfig
+from kvbridge.http_protocol import server_config
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel, load_model
@@ -82,7 +83,7 @@ class ThreadServer:
     def __init__(self, app, start_timeout_s: float = 60.0) -> None:
         sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+        self.server = uvicorn.Server(server_config(app, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         # uvicorn sets `started` with no event to wait on: poll it, but never forever. A server

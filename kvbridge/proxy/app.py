@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvbridge.http_protocol import server_config
 from kvbridge.openai_wire import MAX_BODY_BYTES, bind_socket
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
@@ -143,7 +144,7 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
     prefill = f"prefill: {' '.join(prefill_urls)}" if prefill_urls else "colocated: no prefill"
     print(f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: {' '.join(decode_urls)})",
           flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(server_config(app, log_level=log_level, timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
     finally:

@@ -44,6 +44,7 @@ from kvbridge import openai_wire as wire
 from kvbridge.openai_wire import bind_socket
 from kvbridge.config import EngineConfig
 from kvbridge.engine.generation_config import NO_DEFAULTS, SamplingDefaults, sampling_defaults, startup_lines
+from kvbridge.http_protocol import server_config
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.server.async_engine import AsyncEngine, EngineState
@@ -323,7 +324,7 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
         logger.log(logging.WARNING if i == 0 else logging.INFO, "%s", line)
     bound_port = sock.getsockname()[1]
     shown_host = f"[{host}]" if ":" in host else host
-    server = _Server(uvicorn.Config(build_app(engine, api_key, defaults, tracer, drain_timeout_s),
+    server = _Server(server_config(build_app(engine, api_key, defaults, tracer, drain_timeout_s),
                                     log_level=log_level, timeout_graceful_shutdown=10), engine, drain_timeout_s,
                      ready_line=f"kvbridge: serving {engine.model_name} at http://{shown_host}:{bound_port}/v1")
     try:

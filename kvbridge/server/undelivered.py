@@ -6,11 +6,11 @@ ever will, and the blocks used to stay pinned until the lease expired (30 s): an
 pin P's KV at will by hanging up during the P leg. Two ways close it:
 
 - **P sees it** (`HandOff`, `StreamHandOff`): the caller's connection went away before the
-  answer was written whole (the proxy cancelled its call, crashed, the connection was reset). The
-  request may already have finished on the engine when the abort landed (a short prefill), so the
-  abort alone frees nothing: P releases the lease it just granted. uvicorn drops what is sent on a
-  connection it knows is lost, silently, so one more message after the answer tells
-  (`written_whole`).
+  message naming the lease was written (the proxy cancelled its call, crashed, the connection was
+  reset). The request may already have finished on the engine when the abort landed (a short
+  prefill), so the abort alone frees nothing: P releases the lease it just granted. uvicorn drops,
+  silently, what is sent on a connection it knows is lost; kvbridge's HTTP protocol lets the
+  answer see whether it was (`http_protocol.connection_view`).
 - **The caller says so** (`ReleaseKeys`): the answer was written, but the proxy never read it
   (the client left while it was in flight; the connection broke mid-read). The proxy sends a
   fresh random key per P attempt in `X-KVBridge-Release-Key`; P remembers key -> lease while the
@@ -34,8 +34,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from kvbridge.http_protocol import connection_view
 from kvbridge.kv_transfer.params import KVTransferParams
 
 logger = logging.getLogger("kvbridge.server.api_server")
@@ -153,20 +154,35 @@ class LeaseBox:
 
 
 class _HandOff:
-    """The answer's ASGI call, then: if it did not reach a live connection and it names a lease,
-    `release` ends that lease (shielded: a cancelled response must not cut the release short)."""
+    """The answer's ASGI call, watching the message that names the lease (an unstreamed answer's
+    body, a stream's finishing chunk): if it was not written on a live connection (dropped, or
+    never sent: the stream was cut first), `release` ends the lease (shielded: a cancelled
+    response must not cut the release short). On kvbridge's HTTP protocol the connection's view
+    (`http_protocol.connection_view`) is read right after that message's send, before any other
+    callback can run: lost then means the server dropped it. Elsewhere, `written_whole` judges
+    the answer as a whole once it is complete."""
 
     lease: LeaseBox
     release_lease: Release
     request_id: str
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        delivered = False
+        connection = connection_view(scope)
+        written: bool | None = None  # the message naming the lease: None while not sent
+
+        async def watched_send(message: Message) -> None:
+            nonlocal written
+            naming = written is None and self.lease.params is not None and message["type"] == "http.response.body"
+            await send(message)
+            if naming:
+                written = connection is None or not connection.lost()
+
         try:
-            await super().__call__(scope, receive, send)  # type: ignore[misc]
-            delivered = await written_whole(send)
+            await super().__call__(scope, receive, watched_send)  # type: ignore[misc]
+            if connection is None and written:
+                written = await written_whole(send)
         finally:
-            if not delivered:
+            if not written:
                 await asyncio.shield(self._release())
 
     async def _release(self) -> None:
