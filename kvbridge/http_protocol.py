@@ -214,6 +214,21 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
+class AnnouncingServer(uvicorn.Server):
+    """A uvicorn server that prints `ready_line` once it serves: with its SIGINT/SIGTERM handlers in
+    place (installed when serve() begins), so a supervisor that signals as soon as it reads the
+    line gets a clean stop (or a drain), never the default action's kill."""
+
+    def __init__(self, config: uvicorn.Config, ready_line: str = "") -> None:
+        super().__init__(config)
+        self.ready_line = ready_line
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.ready_line:
+            print(self.ready_line, flush=True)
+
+
 def server_config(app: Any, **options: Any) -> uvicorn.Config:
     """uvicorn's config for one of kvbridge's servers: `options` as uvicorn takes them, on the
     bounded protocol."""

@@ -7,13 +7,12 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvbridge.http_protocol import server_config
+from kvbridge.http_protocol import AnnouncingServer, server_config
 from kvbridge.openai_wire import MAX_BODY_BYTES, bind_socket
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
@@ -142,9 +141,10 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
     bound_port = sock.getsockname()[1]
     url_host = f"[{host}]" if sock.family == socket.AF_INET6 else host
     prefill = f"prefill: {' '.join(prefill_urls)}" if prefill_urls else "colocated: no prefill"
-    print(f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: {' '.join(decode_urls)})",
-          flush=True)
-    server = uvicorn.Server(server_config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    # printed once serving, with SIGINT/SIGTERM handled (issue 44)
+    server = AnnouncingServer(server_config(app, log_level=log_level, timeout_graceful_shutdown=5),
+                              f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: "
+                              f"{' '.join(decode_urls)})")
     try:
         server.run(sockets=[sock])
     finally:

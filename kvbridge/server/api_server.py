@@ -44,7 +44,7 @@ from kvbridge import openai_wire as wire
 from kvbridge.openai_wire import bind_socket
 from kvbridge.config import EngineConfig
 from kvbridge.engine.generation_config import NO_DEFAULTS, SamplingDefaults, sampling_defaults, startup_lines
-from kvbridge.http_protocol import server_config
+from kvbridge.http_protocol import AnnouncingServer, server_config
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.server.async_engine import AsyncEngine, EngineState
@@ -247,7 +247,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     return app
 
 
-class _Server(uvicorn.Server):
+class _Server(AnnouncingServer):
     """SIGTERM drains (AsyncEngine.begin_drain) and the server stops once the engine is drained.
     SIGINT, or a second SIGTERM while draining, shuts down at once as part of uvicorn's graceful
     shutdown: in-flight requests fail, so connections close, then the engine thread stops.
@@ -256,19 +256,10 @@ class _Server(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float,
                  ready_line: str = "") -> None:
-        super().__init__(config)
+        super().__init__(config, ready_line)  # printed once serving, signals handled (issue 44)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
         self.engine_failed = False
-        self.ready_line = ready_line
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        # Said only now, with uvicorn's SIGINT/SIGTERM handlers in place (they are installed when
-        # serve() begins): a supervisor that signals as soon as it reads the line gets a drain or a
-        # clean stop, never the default action's kill.
-        if self.started and self.ready_line:
-            print(self.ready_line, flush=True)
 
     def handle_exit(self, sig: int, frame) -> None:  # uvicorn's signal handler (SIGINT, SIGTERM)
         if sig == signal.SIGTERM and not self.should_exit and self.engine.begin_drain(self.drain_timeout_s):
