@@ -372,3 +372,45 @@ def test_a_storm_cut_at_random_points_of_the_p_leg_leaves_no_lease_held(cluster,
     assert_unharmed(cluster, before, (0, len(P_LEG_STORM)))
     assert leases_held(cluster) == 0
     assert_serves_normally(cluster, want, NORMAL[1])
+
+
+LONG_PROMPT = " ".join(story(500 + i, long=True) for i in range(5))  # several hundred tokens: a prefill of ~0.1 s+
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.03, 0.1, 0.3])
+def test_a_proxy_killed_during_the_p_leg_leaves_no_lease_held(cluster, tmp_path, after_s):
+    """Issue 44, the proxy itself as the event: a second `kvbridge proxy` in front of the shared P
+    and D is SIGKILLed `after_s` after a long prompt's request was written to it (cut points from
+    before P admits it to past P's answer); its connections close, and whatever P had granted ends
+    at once (no expiry), by P's own release or by D's."""
+    import signal
+    import subprocess
+    import sys
+
+    assert_healthy(cluster)
+    before = Counters.read(cluster)
+    log = open(tmp_path / "proxy.log", "w+")
+    proxy = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", p_url(cluster), "--decode",
+                              d_url(cluster), "--host", "127.0.0.1", "--port", "0"], stdout=subprocess.PIPE,
+                             stderr=log, text=True)
+    try:
+        line = proxy.stdout.readline()  # printed once it serves
+        assert line.startswith("kvbridge proxy: http://"), line
+        url = line.split()[2]
+
+        async def send_and_kill() -> None:
+            body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
+            task = asyncio.ensure_future(close_after(url, body, 30))
+            await asyncio.sleep(0.01 + after_s)  # a cut point, not a synchronisation
+            proxy.send_signal(signal.SIGKILL)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        asyncio.run(send_and_kill())
+        proxy.wait(30)
+    finally:
+        if proxy.poll() is None:
+            proxy.kill()
+            proxy.wait()
+        log.close()
+    assert_unharmed(cluster, before, (0, 1))
+    assert leases_held(cluster) == 0
