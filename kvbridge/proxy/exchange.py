@@ -30,16 +30,21 @@ class Failed:
     # the upstream's breaker counts a failure; False: it answered, but nothing the leg can use
     # (a prefill answer without kv_transfer_params)
     instance_at_fault: bool = True
+    # the request itself could not be sent (a header value the HTTP client refuses): every
+    # instance would fail it the same way, so it is not retried and `response` is a 4xx
+    request_at_fault: bool = False
 
 
 @dataclass(frozen=True)
 class Exhausted:
     """Every attempt of a leg failed, or no instance could be tried: `response` is the client's
     answer unless a fallback serves; `received`: an instance may have received the request (then
-    P's KV is not released: that D may be reading it)."""
+    P's KV is not released: that D may be reading it); `request_at_fault`: the leg stopped at a
+    request that could not be sent (Failed.request_at_fault): no fallback serves it either."""
 
     response: Response
     received: bool
+    request_at_fault: bool = False
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ import hmac
 import json
 import logging
 import random
+import re
 import secrets
 import time
 import uuid
@@ -160,6 +161,22 @@ def _kv_transfer_params(body: bytes) -> dict | None:
     except (ValueError, AttributeError):
         return None
     return params if isinstance(params, dict) else None
+
+
+# A header value the proxy's HTTP client sends: visible ASCII, single runs of spaces or tabs
+# inside (h11 refuses control characters and whitespace at either end, httpx anything outside ASCII).
+_SENDABLE_HEADER_VALUE = re.compile(r"[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*")
+
+
+def forwardable(value: str | None) -> str | None:
+    """A client's header value as the proxy forwards it: without the spaces and tabs around it
+    (they are not part of a field's value, RFC 9110 5.5; some servers' parsers keep trailing
+    ones: lm-eval sends `Bearer ` when it has no key); None, not forwarded, when nothing is left
+    or it holds what the proxy's HTTP client may not send (a control character, a byte outside ASCII)."""
+    if value is None:
+        return None
+    value = value.strip(" \t")
+    return value if _SENDABLE_HEADER_VALUE.fullmatch(value) else None
 
 
 class UnreadAnswers:
@@ -297,16 +314,18 @@ class PDProxy:
 
     # ---- requests --------------------------------------------------------------------
     def _auth_headers(self, client_request: Request | None) -> dict[str, str]:
+        """The upstream key, else the client's Authorization as `forwardable` makes it (without
+        --api-key an instance takes any value; one that cannot be sent goes on as none)."""
         if self.upstream_api_key:
             return {"Authorization": f"Bearer {self.upstream_api_key}"}
-        if client_request is not None and "authorization" in client_request.headers:
-            return {"Authorization": client_request.headers["authorization"]}
-        return {}
+        given = None if client_request is None else forwardable(client_request.headers.get("authorization"))
+        return {"Authorization": given} if given else {}
 
     def authorized(self, request: Request) -> bool:
+        """Whether the client's Authorization (without the whitespace around it) names the proxy's key."""
         if not self.api_key:
             return True
-        given = request.headers.get("authorization", "")
+        given = request.headers.get("authorization", "").strip(" \t")
         return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
 
     async def _attempt(self, pool: UpstreamPool, upstream: Upstream, path: str, body: dict,
@@ -314,9 +333,14 @@ class PDProxy:
                        first_byte_s: float | None = None) -> Exchange | Failed:
         """POST `body` to `upstream` once: its open response, or why it failed (a connection that
         was refused marks the upstream unhealthy, as a failed health probe does; `first_byte_s`:
-        the status line must arrive within this many seconds)."""
+        the status line must arrive within this many seconds). A request the HTTP client may not
+        send (a header value outside what HTTP/1.1 allows) fails before any byte left: the
+        request's own fault (`_unsendable`)."""
         assert self.client is not None
-        request = self.client.build_request("POST", upstream.url + path, json=body, headers=headers)
+        try:
+            request = self.client.build_request("POST", upstream.url + path, json=body, headers=headers)
+        except (ValueError, TypeError) as exc:  # a header or body that cannot be encoded (UnicodeEncodeError)
+            return self._unsendable(pool.kind, exc, request_id)
         upstream.outstanding += 1
         try:
             sent = self.client.send(request, stream=True)
@@ -325,6 +349,8 @@ class PDProxy:
             upstream.outstanding -= 1
             if isinstance(exc, TimeoutError):  # wait_for's (httpx's own timeouts are HTTPErrors)
                 return self._silent(pool.kind, upstream, first_byte_s, request_id)
+            if isinstance(exc, httpx.LocalProtocolError):  # h11 refused to write the request
+                return self._unsendable(pool.kind, exc, request_id)
             if not isinstance(exc, httpx.HTTPError):
                 raise
             if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
@@ -335,6 +361,16 @@ class PDProxy:
                     request_id))
             return self._failed(pool.kind, exc, request_id)
         return Exchange(pool, upstream, response)
+
+    def _unsendable(self, kind: UpstreamKind, exc: Exception, request_id: str) -> Failed:
+        """A request the proxy's HTTP client refused to send: the client's 400, never an
+        instance's failure. The exception's text is not repeated: it may hold a header's value (a key)."""
+        logger.warning("request %s: could not be sent to a %s instance (%s); answered 400", request_id, kind.value,
+                       type(exc).__name__)
+        return Failed("unsendable_request", False, openai_error(
+            400, f"the request could not be forwarded as sent ({type(exc).__name__}): a header value holds what "
+                 "HTTP/1.1 does not allow", "unsendable_request", request_id),
+                      instance_at_fault=False, request_at_fault=True)
 
     def _silent(self, kind: UpstreamKind, upstream: Upstream, after_s: float | None, request_id: str) -> Failed:
         """An upstream that took the request and sent no status line in time (stopped, hung): a
@@ -428,7 +464,7 @@ class PDProxy:
                 logger.info("request %s: client went away before decode started", request_id)
                 return Response(status_code=499)
             if isinstance(prefilled, Exhausted):
-                if not self.retry.decode_only_fallback:
+                if not self.retry.decode_only_fallback or prefilled.request_at_fault:
                     return prefilled.response
                 self.metrics.decode_only_fallback.inc()
                 logger.warning("request %s: no prefill instance could serve it; decode-only fallback", request_id)
@@ -505,7 +541,8 @@ class PDProxy:
         one's open answer. An attempt that failed before anything reached the client (connection,
         timeout, a broken answer, 5xx, or what `judge` calls a failure) is retried on another
         instance, within the retry count and time budget, after a backoff; each attempt counts in
-        its instance's breaker (a judged failure whose instance is not at fault as a success).
+        its instance's breaker (a judged failure whose instance is not at fault as a success). A
+        request that could not be sent at all ends the leg at once, counted nowhere.
         Exhausted: no attempt left, or no instance could be tried; its `received` says whether
         any instance may have received the request. `leg`: its spans (None: not traced). `keys`
         (the P leg): each attempt carries a fresh release key, kept until its answer is read."""
@@ -536,6 +573,9 @@ class PDProxy:
                 pool.record(upstream, True)
                 return result
             reason, last = result.reason, result.response
+            if result.request_at_fault:  # another instance would fail it the same way; this one is not to blame
+                upstream.breaker.on_unsent()
+                return Exhausted(last, received, request_at_fault=True)
             if result.instance_at_fault:
                 pool.record(upstream, False, reason)
             else:

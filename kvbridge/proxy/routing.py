@@ -71,6 +71,11 @@ class CircuitBreaker:
         if self.state is BreakerState.HALF_OPEN:
             self.probing, self.probe_sent_at = True, now
 
+    def on_unsent(self) -> None:
+        """The send `on_send` counted never left the proxy (the request could not be sent): no
+        verdict on the upstream; a half-open breaker's probe slot is free again."""
+        self.probing = False
+
     def record_success(self) -> None:
         self.state, self.failures, self.probing = BreakerState.CLOSED, 0, False
 

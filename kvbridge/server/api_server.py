@@ -202,9 +202,10 @@ async def _on_validation_error(_: Request, exc: Exception) -> Response:
 
 
 async def _on_http_error(_: Request, exc: Exception) -> Response:
+    """Routing's 404 and 405 in OpenAI's error body (a 405 keeps its Allow header), as the proxy answers them."""
     assert isinstance(exc, StarletteHTTPException)
-    return ApiError(exc.status_code, str(exc.detail), code="not_found"
-                    if exc.status_code == 404 else None).response()
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return ApiError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})).response()
 
 
 async def _on_unexpected(raw: Request, exc: Exception) -> Response:

@@ -452,6 +452,16 @@ def test_unknown_model_is_404(inst: Instance) -> None:
     assert_openai_error(httpx.get(inst.url + "/v1/no-such-route"), 404)
 
 
+@pytest.mark.parametrize("method, path, allow", [
+    ("GET", "/v1/completions", "POST"), ("DELETE", "/health", "GET"), ("PUT", "/v1/models", "GET")])
+def test_a_route_asked_with_the_wrong_method_is_405_with_its_code_and_allow_header(inst: Instance, method: str,
+                                                                                  path: str, allow: str) -> None:
+    """As the proxy answers it: code method_not_allowed, and the Allow header naming what the route takes."""
+    answer = httpx.request(method, inst.url + path)
+    assert_openai_error(answer, 405, code="method_not_allowed")
+    assert answer.headers.get("allow") == allow
+
+
 def test_api_key_is_required_when_set_but_health_stays_open(keyed: Instance) -> None:
     body = {"prompt": "Hi", "max_tokens": 1}
     assert_openai_error(post(keyed, "/v1/completions", body), 401, code="invalid_api_key")

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +67,9 @@ async def received_by(instance: FakeInstance, timeout_s: float = 10.0) -> None:
 
 @asynccontextmanager
 async def pd_cluster(num_prefill: int = 1, num_decode: int = 1, prefill_role: str = "prefill",
+                     wrap_transport: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
                      **proxy_kwargs) -> AsyncIterator[PD]:
+    """`wrap_transport`: wraps the proxy's upstream transport (PDProxy's; fault paths only)."""
     ps = [FakeInstance(f"prefill-{i}", prefill_role) for i in range(num_prefill)]
     ds = [FakeInstance(f"decode-{i}", "decode") for i in range(num_decode)]
     async with AsyncExitStack() as stack:
@@ -76,6 +78,7 @@ async def pd_cluster(num_prefill: int = 1, num_decode: int = 1, prefill_role: st
         for inst in ps + ds:
             servers[inst.name] = await serve(inst.app)
         app = build_proxy_app([servers[p.name].url for p in ps], [servers[d.name].url for d in ds], **proxy_kwargs)
+        app.state.proxy.wrap_transport = wrap_transport  # read when the proxy starts
         proxy = await serve(app)
         stack.push_async_callback(proxy.stop)
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=proxy.url, timeout=10, trust_env=False))
@@ -436,6 +439,125 @@ async def test_client_authorization_is_forwarded_when_no_upstream_key():
     async with pd_cluster(api_key="shared-key") as pd, openai_client(pd, api_key="shared-key") as client:
         await client.completions.create(model="m", prompt="Hi")
         assert pd.decode[0].received[0].headers["authorization"] == "Bearer shared-key"
+
+
+# ---- client headers the proxy's HTTP client may not send as they came -------------------------------
+async def raw_request(url: str, method: str, path: str, header_lines: list[bytes],
+                      body: dict | None = None) -> tuple[int, bytes]:
+    """One request over a plain socket, with header bytes that HTTP client libraries refuse to send
+    (httpx and so the official openai client; lm-eval's aiohttp and curl send them): its status and body."""
+    target = httpx.URL(url)
+    payload = b"" if body is None else json.dumps(body).encode()
+    head = [f"{method} {path} HTTP/1.1".encode(), f"Host: {target.host}".encode(), b"Connection: close",
+            b"Content-Type: application/json", b"Content-Length: %d" % len(payload), *header_lines]
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        writer.write(b"\r\n".join(head) + b"\r\n\r\n" + payload)
+        answer = await reader.read()  # to the end: the server closes after its answer (Connection: close)
+    finally:
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+def all_closed_and_healthy(health: dict) -> bool:
+    return all(u["circuit"] == "closed" and u["healthy"] for kind in ("prefill", "decode") for u in health[kind])
+
+
+@pytest.mark.parametrize("value, forwarded", [
+    (b"Bearer ", "Bearer"),  # lm-eval without a key: the server's parser keeps the trailing space
+    (b"Bearer \t \t", "Bearer"),
+    (b"Bearer sk-1\t", "Bearer sk-1"),
+    (b"", None), (b" \t ", None),
+    (b"Bearer sk-\xc3\xa9", None),  # UTF-8: read as latin-1 text, which httpx sends only as ASCII
+    (b"Bearer \xff\xfe", None)])  # obs-text bytes
+async def test_no_client_authorization_can_open_a_breaker_and_what_cannot_be_sent_goes_on_trimmed_or_not_at_all(
+        value: bytes, forwarded: str | None):
+    """Issue 44.5: one `Authorization: Bearer ` request opened every breaker (one failure opens one
+    here). Without --api-key the instances take any key, as a colocated server and vLLM do: the
+    proxy forwards the client's value without the whitespace around it, or not at all when no
+    HTTP client may send it, and the request is served."""
+    async with pd_cluster(num_decode=2, breaker_failures=1) as pd:
+        line = b"Authorization: " + value
+        for _ in range(3):
+            status, body = await raw_request(pd.url, "POST", "/v1/completions", [line], COMPLETION)
+            assert status == 200, body
+        assert (await raw_request(pd.url, "GET", "/v1/models", [line]))[0] == 200
+        got = [r.headers.get("authorization") for i in pd.prefill + pd.decode for r in i.received]
+        assert got == [forwarded] * 6
+        assert all_closed_and_healthy(await pd.health())
+        async with openai_client(pd) as client:  # and a clean client is served as ever
+            answer = await client.completions.create(model="m", prompt="Hi")
+        assert answer.choices[0].text.startswith("answer from decode-")
+
+
+async def test_with_an_api_key_the_clients_authorization_must_match_it_and_goes_on_trimmed():
+    """The proxy's --api-key is checked before anything is forwarded: a bad header is 401 and
+    reaches no instance; the key with whitespace around it (not part of a header's value) matches."""
+    async with pd_cluster(api_key="proxy-key", breaker_failures=1) as pd:
+        for value in (b"Bearer ", b"Bearer \t", b"", b"Bearer \xff", b"Bearer proxy-key\xff", b"Bearer wrong"):
+            status, body = await raw_request(pd.url, "POST", "/v1/completions", [b"Authorization: " + value],
+                                             COMPLETION)
+            assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", (value, body)
+        assert pd.prefill[0].received == pd.decode[0].received == []
+        status, body = await raw_request(pd.url, "POST", "/v1/completions", [b"Authorization: Bearer proxy-key\t"],
+                                         COMPLETION)
+        assert status == 200, body
+        assert [r.headers["authorization"] for r in pd.prefill[0].received + pd.decode[0].received] == [
+            "Bearer proxy-key"] * 2
+        assert all_closed_and_healthy(await pd.health())
+
+
+class RefusingTransport(httpx.AsyncBaseTransport):
+    """The proxy's real transport, but a POST to one of the `refuse` instances raises what httpx
+    raises for a request it may not send (h11 refusing a header value) before any byte left."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.refuse: set[str] = set()  # instance URLs
+        self.refused = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and f"{request.url.scheme}://{request.url.netloc.decode()}" in self.refuse:
+            self.refused += 1
+            raise httpx.LocalProtocolError("Illegal header value b'Bearer '", request=request)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode", "colocated"])
+async def test_a_request_the_http_client_may_not_send_is_the_clients_400_and_no_instances_failure(leg: str):
+    """Behind the header rule: whatever the proxy's HTTP client refuses to send would fail the same
+    on every instance. It is answered 400 at once: not retried, no decode-only fallback, nothing
+    held against the instance (one failure would open a breaker here); P's KV is released when
+    no D got the request."""
+    transports: list[RefusingTransport] = []
+
+    def wrap(inner: httpx.AsyncBaseTransport) -> httpx.AsyncBaseTransport:
+        transports.append(RefusingTransport(inner))
+        return transports[-1]
+
+    async with pd_cluster(num_prefill=0 if leg == "colocated" else 2, num_decode=2, breaker_failures=1,
+                          wrap_transport=wrap) as pd:
+        refusing = pd.prefill if leg == "prefill" else pd.decode
+        transports[0].refuse = {pd.servers[i.name].url for i in refusing}
+        for _ in range(3):
+            r = await pd.http.post("/v1/completions", json=COMPLETION)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "unsendable_request")
+        assert transports[0].refused == 3  # one attempt each
+        assert all(i.received == [] for i in refusing)
+        if leg == "decode":
+            assert sum(len(p.releases) for p in pd.prefill) == 3
+        assert all_closed_and_healthy(await pd.health())
+        metrics = (await pd.http.get("/metrics")).text
+        assert "kvbridge_proxy_retries_total{" not in metrics
+        assert "kvbridge_proxy_decode_only_fallback_total 0.0" in metrics
+        transports[0].refuse = set()
+        assert (await pd.http.post("/v1/completions", json=COMPLETION)).status_code == 200
 
 
 async def test_models_come_from_a_healthy_decode_instance():

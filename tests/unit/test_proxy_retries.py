@@ -205,6 +205,15 @@ def test_a_probe_that_never_reports_back_does_not_block_the_breaker_forever():
     assert not b.allows(9) and b.allows(10)
 
 
+def test_a_probe_that_could_not_be_sent_frees_the_half_open_slot_and_decides_nothing():
+    b = CircuitBreaker(failure_threshold=1, cooldown_s=5)
+    b.record_failure(0)
+    assert b.allows(5)
+    b.on_send(5)
+    b.on_unsent()  # the request never left the proxy (it could not be sent): no verdict on the upstream
+    assert b.state is BreakerState.HALF_OPEN and b.allows(6)
+
+
 def test_backoff_is_full_jitter_doubling_up_to_the_cap():
     policy = RetryPolicy(backoff_s=0.1, backoff_max_s=0.5)
     rng = random.Random(0)
