@@ -4,4 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh --test
 export OMP_WAIT_POLICY=PASSIVE UCX_NET_DEVICES=lo UCX_MODULES=^ib HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# --fast: the tier a developer runs before every commit (no process fleets, no Ray, no real model;
+# markers in tests/conftest.py). Without it, everything, and the 25 slowest tests are listed.
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "not cluster and not model" "$@"
+fi
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

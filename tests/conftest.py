@@ -21,6 +21,8 @@ import gc
 import time
 import weakref
 
+from pathlib import Path
+
 import pytest
 
 from kvbridge.engine.block_pool import BlockPool
@@ -123,3 +125,27 @@ def kv_block_leak_check(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "allow_held_blocks: the test deliberately ends with blocks held")
+    config.addinivalue_line("markers", "cluster: starts process fleets or Ray (tests/e2e, tests/ray)")
+    config.addinivalue_line("markers", "model: loads the real default model (tests/integration, and the unit "
+                                       "modules in MODEL_UNIT_MODULES)")
+
+
+# The tiers (issue 45): `scripts/test.sh --fast` runs what is neither `cluster` nor `model`. A test's
+# tier follows its folder; these unit modules load the real default model as well.
+MODEL_UNIT_MODULES = frozenset({"test_attention_length_buckets", "test_linear_row_buckets", "test_loader",
+                                "test_tokenizer", "test_tokenizer_threads", "test_vllm_peer_export"})
+_TIER_BY_FOLDER = {"e2e": "cluster", "ray": "cluster", "integration": "model"}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_root = Path(__file__).parent
+    for item in items:
+        try:
+            parts = Path(str(item.fspath)).relative_to(tests_root).parts
+        except ValueError:
+            continue
+        tier = _TIER_BY_FOLDER.get(parts[0]) if len(parts) > 1 else None
+        if tier is None and parts[0] == "unit" and Path(parts[-1]).stem in MODEL_UNIT_MODULES:
+            tier = "model"
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
