@@ -4,8 +4,10 @@ rescaled and removed, and `kvbridge up --ray`.
 The application is deployed declaratively (Serve's application config: an import path, its
 args and per-deployment overrides), the way `serve deploy` does it: Serve derives the code
 version from the import path and args, so a later deploy that only changes the pools' sizes
-(`num_replicas`, `autoscaling_config`: the `deployments` overrides) is a lightweight update, and
-no replica restarts (`kvbridge ray scale`, or `kvbridge up --ray` again with new bounds).
+(`autoscaling_config`: the `deployments` overrides) is a lightweight update, and no replica
+restarts (`kvbridge ray scale`, or `kvbridge up --ray` again with new bounds). Serve's code version
+also hashes the overrides' autoscaling policies: every pool, a fixed one too, is deployed with
+its policy (AppConfig.size_override), so only a change of the targets restarts the replicas.
 
 Where Ray ends and kvbridge begins: Ray places the replicas (custom resources, a STRICT_PACK
 placement group per TP > 1 replica), starts, health-checks, replaces and scales them, and tells
@@ -120,11 +122,14 @@ class AppConfig:
             list(self.serve_args), list(self.prefill_serve_args), list(self.decode_serve_args))
         return out
 
-    def size_override(self, role: str) -> dict:
-        """The `deployments` override that sizes one pool (num_replicas or autoscaling_config)."""
+    def size_override(self, role: str, initial: bool = True) -> dict:
+        """The `deployments` override that sizes one pool. Every size is an autoscaling_config
+        carrying the pool's policy, a fixed N as MIN = MAX = N: Serve's code version hashes the
+        overrides' autoscaling policies, so a pool deployed once with `num_replicas` and once
+        with a policy would change it, and Serve would restart every replica of the application
+        (issue 44.3). `initial`: a first deploy (a pool with MIN 0 then starts one replica);
+        without it, Serve keeps the replicas there are, within the new bounds."""
         size = self.prefill if role == "prefill" else self.decode
-        if not size.autoscale:
-            return {"name": role, "num_replicas": size.min}
         a = self.autoscaling
         if role == "prefill":
             policy_config = {"policy_function": "kvbridge.ray.policy:PrefillPolicy",
@@ -134,11 +139,14 @@ class AppConfig:
             policy_config = {"policy_function": "kvbridge.ray.policy:DecodePolicy",
                              "policy_kwargs": {"target_running": a.decode_target_running,
                                                "target_kv_usage": a.decode_target_kv_usage}}
-        return {"name": role, "autoscaling_config": {
-            "min_replicas": size.min, "max_replicas": size.max, "initial_replicas": max(size.min, 1),
+        config: dict[str, Any] = {
+            "min_replicas": size.min, "max_replicas": size.max,
             "metrics_interval_s": a.metrics_interval_s, "look_back_period_s": a.look_back_period_s,
             "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
-            "downscale_to_zero_delay_s": a.downscale_delay_s, "policy": policy_config}}
+            "downscale_to_zero_delay_s": a.downscale_delay_s, "policy": policy_config}
+        if initial and size.min == 0:
+            config["initial_replicas"] = 1
+        return {"name": role, "autoscaling_config": config}
 
     def schema(self) -> dict:
         """Serve's application config (ServeApplicationSchema) for this application."""
@@ -268,7 +276,7 @@ def scale(name: str, prefill: PoolSize | None = None, decode: PoolSize | None = 
                      autoscaling=autoscaling_of(current))
     for role, size in (("prefill", prefill), ("decode", decode)):
         if size is not None:
-            current[role] = replace(base, **{role: size}).size_override(role)
+            current[role] = replace(base, **{role: size}).size_override(role, initial=False)
     schema["deployments"] = [current["prefill"], current["decode"]]
     _apply(schema)
     wait_running(name, timeout_s)

@@ -11,7 +11,8 @@ how long (started, health-checked, replaced, scaled down). The replica owns its 
   (`record_replica_metadata`), which the router learns through Ray (discovery.py);
 - health: `check_health` fails once the engine exited or stopped answering, and Serve replaces
   the replica;
-- load: the engine's `GET /kvbridge/load` as Serve custom autoscaling metrics (policy.py);
+- load: the engine's `GET /kvbridge/load` as Serve custom autoscaling metrics (policy.py); a pool
+  at zero learns of its demand from the router's `wake` calls instead (ingress.py);
 - leave: Serve's graceful shutdown calls `__del__`, which SIGTERMs the engine: it drains (a P
   until every lease it granted ended, a D until its streams finished or its drain timeout) and
   exits; past `drain_grace_s` it is killed.
@@ -189,6 +190,11 @@ class EngineReplica:
         except (httpx.HTTPError, ValueError):
             figures = {}
         return {k: float(v) for k, v in figures.items() if isinstance(v, (int, float))}
+
+    async def wake(self) -> str:
+        """Nothing: the router's call through Serve that asks a pool at zero for a replica
+        (ingress.ScaleFromZero); it returns once this replica took it."""
+        return self.engine_id
 
     async def info(self) -> dict:
         """This replica's metadata and whether its engine runs (tests, `kvbridge ray status`)."""

@@ -10,22 +10,35 @@ and its breakers: Ray says who is there, the router decides who gets a request.
 It listens on its own socket (`host`, `port`), not behind Serve's HTTP proxy: a request's bytes
 go client -> router -> engines, with no hop through a Serve proxy and no Serve request in
 between, so the router's guarantees hold as in `kvbridge proxy`.
+
+Scale from zero (a pool autoscaled with MIN 0): a pool with no replica has no replica to report
+load, so the demand comes from the router (ScaleFromZero). A request that finds a pool empty
+sends one call (`EngineReplica.wake`) through the pool's Serve handle: it waits in the handle's
+queue, which the handle reports to Serve's controller at once, and Serve starts a replica (its
+cold-start path; policy.py counts such requests too). The request itself waits for a healthy
+decode replica (and a prefill one when the decode-only fallback is off; with it on, D serves it
+alone meanwhile), at most `scale_from_zero_timeout_s`, then gets 503 `no_healthy_instance`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import uvicorn
+from starlette.requests import Request
 
-from kvbridge.openai_wire import MAX_BODY_BYTES, bind_socket
+from kvbridge.openai_wire import MAX_BODY_BYTES, REQUEST_ID_HEADER, bind_socket, usable_request_id
 from kvbridge.proxy.app import proxy_app
 from kvbridge.proxy.exchange import RetryPolicy
-from kvbridge.proxy.proxy import FIRST_BYTE_TIMEOUT_S, PDProxy
+from kvbridge.proxy.proxy import FIRST_BYTE_TIMEOUT_S, PDProxy, openai_error
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
 from kvbridge.ray import discovery
 
@@ -53,6 +66,7 @@ class RouterOptions:
     first_token_from_prefill: bool = True
     max_body_bytes: int = MAX_BODY_BYTES
     first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
+    scale_from_zero_timeout_s: float = 120.0  # how long a request waits for a pool at zero to start a replica
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -72,6 +86,98 @@ def build_router(o: RouterOptions) -> PDProxy:
                    first_byte_timeout_s=o.first_byte_timeout_s)
 
 
+# The routes that need an engine: a request to one of them wakes a pool at zero.
+ENGINE_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")})
+Wake = Callable[[UpstreamKind], Awaitable[None]]
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+
+class ScaleFromZero:
+    """ASGI middleware in front of the router's app (module docstring, "Scale from zero"). The
+    pools' membership changes go through `set_members`, which wakes the requests waiting for a
+    replica. Runs on the router's event loop only."""
+
+    def __init__(self, app: ASGIApp, proxy: PDProxy, wake: Wake, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError("scale_from_zero_timeout_s must be positive")
+        self.app, self.proxy, self.wake, self.timeout_s = app, proxy, wake, timeout_s
+        self._changed = asyncio.Condition()  # a pool's members changed
+        self._waking: dict[UpstreamKind, asyncio.Task] = {}
+        self.waiting = 0  # requests waiting for a replica now
+        self.waiting_changed = asyncio.Condition()
+
+    async def set_members(self, kind: UpstreamKind, urls: list[str]) -> None:
+        """The pool's replicas are now `urls` (PDProxy.set_members probes the new ones)."""
+        try:
+            await self.proxy.set_members(kind, urls)
+        finally:
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                      send: Callable[[dict], Awaitable[None]]) -> None:
+        if (scope["type"] != "http" or (scope["method"], scope["path"]) not in ENGINE_ROUTES
+                or not self.proxy.authorized(Request(scope))):  # no key, no wake: the app answers 401
+            await self.app(scope, receive, send)
+            return
+        empty = [pool for pool in self.proxy.pools if not pool.upstreams]
+        for pool in empty:
+            self._wake(pool.kind)
+        needed = [pool for pool in empty
+                  if pool is self.proxy.decode or not self.proxy.retry.decode_only_fallback]
+        missing = await self.wait_healthy(needed) if needed else None
+        if missing is None:
+            await self.app(scope, receive, send)
+            return
+        given = Request(scope).headers.get(REQUEST_ID_HEADER)
+        request_id = given if usable_request_id(given) else f"kvb-{uuid.uuid4().hex}"
+        logger.warning("request %s: no %s replica started within %.0f s of its arrival (pool at zero)",
+                       request_id, missing.kind.value, self.timeout_s)
+        self.proxy.metrics.requests.labels(scope["path"], "503").inc()
+        response = openai_error(503, f"no {missing.kind.value} instance: the pool is scaled to zero and no "
+                                f"replica became healthy within {self.timeout_s:g} s", "no_healthy_instance",
+                                request_id)
+        await response(scope, receive, send)
+
+    async def wait_healthy(self, pools: list[UpstreamPool]) -> UpstreamPool | None:
+        """Until each of `pools` has a healthy instance (None), at most timeout_s (the first
+        pool still without one). A member may also turn healthy in the proxy's health loop,
+        which tells no one: looked at again every health interval as well."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        await self._count_waiting(+1)
+        try:
+            async with self._changed:
+                while True:
+                    missing = next((pool for pool in pools if not pool.healthy()), None)
+                    remaining = deadline - loop.time()
+                    if missing is None or remaining <= 0:
+                        return missing
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), min(remaining, self.proxy.health_interval_s))
+        finally:
+            await self._count_waiting(-1)
+
+    async def _count_waiting(self, step: int) -> None:
+        async with self.waiting_changed:
+            self.waiting += step
+            self.waiting_changed.notify_all()
+
+    def _wake(self, kind: UpstreamKind) -> None:
+        """One wake call in flight per pool (each bounded by timeout_s)."""
+        task = self._waking.get(kind)
+        if task is None or task.done():
+            self._waking[kind] = asyncio.create_task(self._wake_once(kind), name=f"kvbridge-wake-{kind.value}")
+
+    async def _wake_once(self, kind: UpstreamKind) -> None:
+        try:
+            await asyncio.wait_for(self.wake(kind), self.timeout_s)
+        except TimeoutError:
+            logger.warning("the %s pool did not take a wake call within %.0f s", kind.value, self.timeout_s)
+        except Exception:  # logged: the waiting requests end at their own bound
+            logger.exception("waking the %s pool failed", kind.value)
+
+
 class RouterIngress:
     """The body of the ingress deployment (app.py): serves the router on its own thread and
     event loop, and feeds its pools from the prefill and decode deployments' replica lists."""
@@ -87,13 +193,15 @@ class RouterIngress:
         self.address = f"http://[{host}]:{port}" if self.sock.family == socket.AF_INET6 else f"http://{host}:{port}"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = threading.Event()
-        self._server = uvicorn.Server(uvicorn.Config(proxy_app(self.proxy), log_level="warning",
+        self._handles: dict[UpstreamKind, Any] = {}
+        self.scale_from_zero = ScaleFromZero(proxy_app(self.proxy), self.proxy, self._wake,
+                                             self.options.scale_from_zero_timeout_s)
+        self._server = uvicorn.Server(uvicorn.Config(self.scale_from_zero, log_level="warning",
                                                      timeout_graceful_shutdown=5))
         self._thread = threading.Thread(target=self._serve, name="kvbridge-router", daemon=True)
         self._thread.start()
         if not self._started.wait(60.0):
             raise RuntimeError("the kvbridge router did not start within 60 s")
-        self._handles = {}
         for kind, handle in ((UpstreamKind.PREFILL, prefill), (UpstreamKind.DECODE, decode)):
             discovery.listen(self.app_name, handle.deployment_name, self._listener(kind))
             # options() initialises the handle: its Serve router subscribes to the deployment's
@@ -112,10 +220,19 @@ class RouterIngress:
         def on_change(endpoints: list[discovery.ReplicaEndpoint]) -> None:
             urls = [e.url for e in endpoints]
             assert self._loop is not None
-            done = asyncio.run_coroutine_threadsafe(self.proxy.set_members(kind, urls), self._loop)
+            done = asyncio.run_coroutine_threadsafe(self.scale_from_zero.set_members(kind, urls), self._loop)
             done.add_done_callback(lambda f: f.cancelled() or f.exception() is None or logger.error(
                 "%s pool update to %s failed", kind.value, urls, exc_info=f.exception()))
         return on_change
+
+    async def _wake(self, kind: UpstreamKind) -> None:
+        """One call through the pool's Serve handle (ScaleFromZero): with no replica it waits in
+        the handle's queue, which Serve's autoscaler counts; it returns once a replica took it.
+        The caller bounds it (a cancelled call leaves the queue)."""
+        handle = self._handles.get(kind)
+        if handle is None:
+            raise RuntimeError(f"no Serve handle to the {kind.value} pool yet")
+        await handle.wake.remote()
 
     # ---- what Serve and the CLI call -----------------------------------------------------
     async def url(self) -> str:

@@ -14,6 +14,9 @@ count; Serve then clamps it to the pool's MIN:MAX bounds and applies its up/down
   the pool's blocks; sequences that keep waiting (on average at least one over the look-back)
   ask for one more replica.
 - both shrink toward the least that covers their load (0 when idle; the MIN bound holds).
+- a pool with no replica has no load to report: requests waiting in a Serve handle's queue for
+  it (the router's wake calls, kvbridge/ray/ingress.py: a request found the pool empty) ask for
+  at least one replica. Serve's own cold-start path does the same while the pool is at zero.
 
 The module imports nothing but the standard library: Serve pickles it by value into its
 controller.
@@ -98,6 +101,12 @@ def loads_from_metrics(aggregated: Mapping[str, Mapping[Any, float]] | None, rep
     return out
 
 
+def with_queued(want: int, queued_requests: float) -> int:
+    """`want`, and at least one replica while requests wait in a handle's queue for the pool
+    (Serve's `total_queued_requests`: the router's wake calls to a pool at zero)."""
+    return max(want, 1) if queued_requests > 0 else want
+
+
 class PrefillPolicy:
     """Serve's policy for the prefill deployment (class-callable: `policy_kwargs` are these
     arguments). Returns (replicas wanted, state); Serve applies the bounds and delays."""
@@ -108,8 +117,8 @@ class PrefillPolicy:
 
     def __call__(self, ctx: Any) -> tuple[int, dict]:
         loads = loads_from_metrics(ctx.aggregated_metrics, ctx.running_replicas)
-        return prefill_replicas(loads, ctx.current_num_replicas, self.target_queued_tokens,
-                                self.target_wait_s), {}
+        want = prefill_replicas(loads, ctx.current_num_replicas, self.target_queued_tokens, self.target_wait_s)
+        return with_queued(want, ctx.total_queued_requests), {}
 
 
 class DecodePolicy:
@@ -121,4 +130,5 @@ class DecodePolicy:
 
     def __call__(self, ctx: Any) -> tuple[int, dict]:
         loads = loads_from_metrics(ctx.aggregated_metrics, ctx.running_replicas)
-        return decode_replicas(loads, ctx.current_num_replicas, self.target_running, self.target_kv_usage), {}
+        want = decode_replicas(loads, ctx.current_num_replicas, self.target_running, self.target_kv_usage)
+        return with_queued(want, ctx.total_queued_requests), {}

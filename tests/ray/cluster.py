@@ -88,6 +88,14 @@ class Pools:
             discovery.forget(self.name, role)
 
 
+def running_replicas(name: str) -> dict[str, dict[str, int]]:
+    """Each deployment's RUNNING replicas as Serve's controller lists them: {name: {replica id:
+    replica process pid}}."""
+    details = app._client().get_serve_details()["applications"][name]["deployments"]
+    return {deployment: {r["replica_id"]: r["pid"] for r in d["replicas"] if str(r["state"]).endswith("RUNNING")}
+            for deployment, d in details.items()}
+
+
 def router_members(name: str) -> dict[str, list[dict]]:
     from ray import serve
     return serve.get_deployment_handle("router", name).members.remote().result(timeout_s=30)
@@ -140,10 +148,11 @@ def colocated_instance(log_dir: Path, model: str = MODEL) -> Iterator[str]:
 
 
 def app_config(name: str, prefill: app.PoolSize, decode: app.PoolSize, model: str = MODEL,
-               **overrides) -> app.AppConfig:
+               router: dict | None = None, **overrides) -> app.AppConfig:
     return app.AppConfig(model=model, prefill=prefill, decode=decode, name=name, serve_args=ENGINE_ARGS,
                          prefill_resources={P_RESOURCE: 1}, decode_resources={D_RESOURCE: 1},
-                         router={"port": 0, "health_interval_s": 0.5}, drain_grace_s=30.0, **overrides)
+                         router={"port": 0, "health_interval_s": 0.5, **(router or {})}, drain_grace_s=30.0,
+                         **overrides)
 
 
 class Load:

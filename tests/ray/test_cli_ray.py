@@ -20,3 +20,9 @@ def test_ray_subcommands_parse():
     assert (a.ray_command, a.prefill_replicas, a.decode_replicas, a.app_name, a.ray_address) == (
         "scale", "1:4", None, "x", "auto")
     assert parse_args(["up", "--ray-address", "10.0.0.1:6379"]).ray_address == "10.0.0.1:6379"
+
+
+def test_the_scale_from_zero_bound_is_checked_before_ray_starts(capsys):
+    assert main(["up", "--ray", "--scale-from-zero-timeout", "0"]) == 2
+    assert "--scale-from-zero-timeout must be positive" in capsys.readouterr().err
+    assert parse_args(["up", "--ray"]).scale_from_zero_timeout == 120.0

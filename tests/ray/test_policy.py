@@ -47,13 +47,24 @@ def test_bad_targets_are_refused():
 def test_serve_policies_read_serves_aggregated_metrics():
     """The class-callables Serve runs: one Load per running replica from {metric: {replica: value}};
     a replica that has not reported yet counts as idle."""
-    ctx = SimpleNamespace(running_replicas=["a", "b", "c"], current_num_replicas=3, aggregated_metrics={
+    ctx = SimpleNamespace(running_replicas=["a", "b", "c"], current_num_replicas=3, total_queued_requests=0.0,
+                          aggregated_metrics={
         "queued_prompt_tokens": {"a": 3000.0, "b": 2000.0}, "waiting": {"a": 2.0}, "running": {"b": 1.0},
         "kv_blocks_total": {"a": 100.0, "b": 100.0}, "kv_blocks_used": {"a": 50.0, "b": 80.0}})
     assert policy.PrefillPolicy(target_queued_tokens=1000)(ctx) == (5, {})
     # sequences 3 -> 1; KV 130/200 = 0.65 over 3 replicas against 0.5 -> ceil(3.9) = 4; a waiting one -> 4
     assert policy.DecodePolicy(target_running=16, target_kv_usage=0.5)(ctx) == (4, {})
     assert policy.loads_from_metrics(None, ["x"]) == [Load()]
+
+
+def test_a_pool_at_zero_grows_on_the_requests_waiting_for_it():
+    """No replica reports load; the router's wake calls waiting in the pool's handle queue ask
+    for one replica (issue 44.2)."""
+    for serve_policy in (policy.PrefillPolicy(), policy.DecodePolicy()):
+        empty = SimpleNamespace(running_replicas=[], current_num_replicas=0, total_queued_requests=0.0,
+                                aggregated_metrics={})
+        assert serve_policy(empty) == (0, {})
+        assert serve_policy(SimpleNamespace(**{**vars(empty), "total_queued_requests": 0.4})) == (1, {})
 
 
 def test_pool_sizes():
@@ -64,18 +75,43 @@ def test_pool_sizes():
             app.PoolSize.parse(bad)
 
 
+SIZES = (app.PoolSize(1, 1), app.PoolSize(2, 2), app.PoolSize(1, 2, True), app.PoolSize(0, 3, True))
+
+
+def code_version(config: app.AppConfig, initial: bool = True) -> str:
+    """Serve's code version of the config (a change restarts every replica of the application)."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+    schema = config.schema()
+    if not initial:
+        schema["deployments"] = [config.size_override(r, initial=False) for r in ("prefill", "decode")]
+    return get_app_code_version(ServeApplicationSchema(**schema))
+
+
+def test_every_change_of_sizes_keeps_serves_code_version():
+    """Issue 44.3: fixed -> MIN:MAX changed Serve's code version (the autoscaling policy is part
+    of it), so the first `kvbridge ray scale` to a range restarted every replica. Every pool is
+    deployed with the same autoscaling policy (a fixed N is MIN = MAX = N): any two sizes of
+    either pool give one code version."""
+    versions = {code_version(app.AppConfig(model="m", prefill=p, decode=d), initial)
+                for p in SIZES for d in SIZES for initial in (True, False)}
+    assert len(versions) == 1
+
+
 def test_the_sizes_are_the_configs_only_lightweight_part():
-    """Sizes and autoscaling live in the deployments' overrides, never in the builder's args: a
-    redeploy that changes only them keeps Serve's code version, so no replica restarts."""
+    """Sizes and autoscaling live in the deployments' overrides, never in the builder's args."""
     fixed = app.AppConfig(model="m", prefill=app.PoolSize(1, 1), decode=app.PoolSize(2, 2))
     scaled = app.AppConfig(model="m", prefill=app.PoolSize(1, 4, True), decode=app.PoolSize(0, 3, True))
     assert fixed.schema()["args"] == scaled.schema()["args"]
-    assert fixed.schema()["deployments"] == [{"name": "prefill", "num_replicas": 1},
-                                             {"name": "decode", "num_replicas": 2}]
+    prefill, decode = fixed.schema()["deployments"]
+    assert (prefill["autoscaling_config"]["min_replicas"], prefill["autoscaling_config"]["max_replicas"]) == (1, 1)
+    assert (decode["autoscaling_config"]["min_replicas"], decode["autoscaling_config"]["max_replicas"]) == (2, 2)
     prefill, decode = scaled.schema()["deployments"]
     assert prefill["autoscaling_config"]["min_replicas"] == 1 and prefill["autoscaling_config"]["max_replicas"] == 4
     assert prefill["autoscaling_config"]["policy"]["policy_function"] == "kvbridge.ray.policy:PrefillPolicy"
-    assert decode["autoscaling_config"]["initial_replicas"] == 1  # MIN 0 still starts one
+    assert "initial_replicas" not in prefill["autoscaling_config"]  # a redeploy keeps the replicas there are
+    assert decode["autoscaling_config"]["initial_replicas"] == 1  # MIN 0 still starts one when deployed
+    assert "initial_replicas" not in scaled.size_override("decode", initial=False)["autoscaling_config"]
     assert decode["autoscaling_config"]["policy"]["policy_kwargs"] == {
         "target_running": policy.DEFAULT_TARGET_RUNNING, "target_kv_usage": policy.DEFAULT_TARGET_KV_USAGE}
     # What `kvbridge ray scale` reads back from a deployed config is what was deployed.

@@ -2,8 +2,9 @@
 machine, each pool autoscaled between 1 and 2 replicas with low targets. A burst of long
 prompts (one output token: the request ends at prefill) grows the prefill pool to its max while
 the decode pool stays at one; a burst of long outputs grows the decode pool; both shrink back to
-one when idle. Waits are bounded polls of Serve's status. Needs the instances' load
-(`GET /kvbridge/load`) and drain. About 5-8 minutes."""
+one when idle. Then both pools resized to 0:1 go to zero when idle and come back for the
+requests that arrive, which wait (bounded) instead of failing. Waits are bounded polls of
+Serve's status. Needs the instances' load (`GET /kvbridge/load`) and drain. About 6-9 minutes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from kvbridge.ray import app
+from tests.e2e.processes import metric
 from tests.ray.cluster import D_RESOURCE, P_RESOURCE, Load, Pools, app_config, assert_blocks_free, ray_cluster
 
 pytestmark = pytest.mark.timeout(1500)
@@ -21,6 +23,7 @@ NOTES = " ".join(f"Note {i}: the shipment of crate {i} left the harbour at dawn 
 # Long prompts that share no prefix block (each starts differently): no prefix-cache hit shortens them.
 LONG_PROMPTS = [f"Request {i} of the audit. Summarise these notes in one line. {NOTES}" for i in range(64)]
 SHORT_PROMPTS = ["Tell me a long story about a dragon.", "Write a poem about the sea.", "Explain how rain forms."]
+SCALE_FROM_ZERO_TIMEOUT_S = 300.0  # a replica's start on two loaded cores, with room
 AUTOSCALING = app.Autoscaling(prefill_target_queued_tokens=256, prefill_target_wait_s=0.5, decode_target_running=4,
                               decode_target_kv_usage=0.9, metrics_interval_s=0.5, look_back_period_s=2.0,
                               upscale_delay_s=1.0, downscale_delay_s=15.0)
@@ -50,7 +53,8 @@ def wait_sizes(want: dict[str, int], timeout_s: float, what: str, steady: dict[s
 @pytest.fixture(scope="module")
 def deployed():
     with ray_cluster({P_RESOURCE: 4, D_RESOURCE: 4}):
-        config = app_config(NAME, app.PoolSize(1, 2, True), app.PoolSize(1, 2, True), autoscaling=AUTOSCALING)
+        config = app_config(NAME, app.PoolSize(1, 2, True), app.PoolSize(1, 2, True), autoscaling=AUTOSCALING,
+                            router={"scale_from_zero_timeout_s": SCALE_FROM_ZERO_TIMEOUT_S})
         url = app.deploy(config, timeout_s=600)
         pools = Pools(NAME)
         try:
@@ -80,3 +84,30 @@ def test_prefill_grows_on_long_prompts_decode_on_long_outputs_both_shrink_when_i
           f" {time.monotonic() - started:.0f} s after the last answer")
     pools.wait(lambda e: (len(e["prefill"]), len(e["decode"])) == (1, 1), 60, "the router's pools shrank")
     assert_blocks_free([e.url for r in pools.endpoints.values() for e in r])
+
+
+def test_both_pools_come_back_from_zero_for_the_requests_that_wait(deployed):
+    """Issue 44.2: pools with MIN 0 went to zero when idle and never came back (no replica, no
+    load signal; every request got 503). Resized to 0:1 (no replica restarts), both go to zero
+    when idle; then 2 clients stream: the first requests wait in the router, which wakes both
+    pools through Serve; both come back, every request is answered (none refused), and the
+    prefill pool serves again."""
+    url, pools = deployed
+    app.scale(NAME, app.PoolSize(0, 1, True), app.PoolSize(0, 1, True), timeout_s=600)
+    wait_sizes({"prefill": 0, "decode": 0}, 180, "both pools at zero when idle")
+    pools.wait(lambda e: (len(e["prefill"]), len(e["decode"])) == (0, 0), 60, "the router's pools are empty")
+    started = time.monotonic()
+    with Load(url, SHORT_PROMPTS, max_tokens=8, clients=2) as load:
+        load.wait_done(1, SCALE_FROM_ZERO_TIMEOUT_S + 60)
+        first_s = time.monotonic() - started
+        up = pools.wait(lambda e: (len(e["prefill"]), len(e["decode"])) == (1, 1), 300, "both pools came back")
+        back_s = time.monotonic() - started
+        served = metric(up["prefill"][0].url, "kvbridge_prompt_tokens_total")
+        load.wait_done(len(load.results) + 8, 300)
+        assert metric(up["prefill"][0].url, "kvbridge_prompt_tokens_total") > served, "the prefill pool serves no request"
+    print(f"from zero: first answer after {first_s:.0f} s, both pools back after {back_s:.0f} s; "
+          f"{len(load.results)} answers")
+    assert [r for r in load.results if r[3] is not None] == []
+    # greedy: the answers while P was away (decode-only) equal those through P and D
+    texts = {p: {t for q, t, _, _ in load.results if q == p} for p in SHORT_PROMPTS}
+    assert [len(t) for t in texts.values()] == [1] * len(SHORT_PROMPTS), texts

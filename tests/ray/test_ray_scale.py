@@ -1,10 +1,12 @@
-"""Rescaling a running application while 16 clients stream (`kvbridge ray scale`'s path,
+"""Rescaling a running application while clients stream (`kvbridge ray scale`'s path,
 app.scale): 1P1D -> 2P2D -> 1P1D on a Ray cluster of three nodes on this machine. No replica
 restarts on a change of size; new replicas take traffic once healthy; a replica that leaves
 drains (a P until every lease it granted ended, a D until its streams finished) before its
 engine exits. 0 failed requests, every answer equals the colocated one, every block free
-afterwards, and no lease on a removed P ended by expiry. Needs the instances' drain
-(`POST /kvbridge/drain`, SIGTERM) and load (`GET /kvbridge/load`). About 4-6 minutes."""
+afterwards, and no lease on a removed P ended by expiry. Then every kind of resize (fixed ->
+MIN:MAX, MIN:MAX -> MIN:MAX, MIN:MAX -> fixed, of one pool or both) keeps every replica, the
+router's included. Needs the instances' drain (`POST /kvbridge/drain`, SIGTERM) and load
+(`GET /kvbridge/load`). About 4-6 minutes."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ import pytest
 from openai import OpenAI
 
 from kvbridge.ray import app
-from tests.e2e.processes import gone, metric
+from tests.e2e.processes import alive, gone, metric
 from tests.ray.cluster import (D_RESOURCE, MODEL, P_RESOURCE, Load, Pools, app_config, assert_blocks_free,
-                               colocated_instance, ray_cluster, wait_router)
+                               colocated_instance, ray_cluster, running_replicas, wait_router)
 
 pytestmark = pytest.mark.timeout(1200)
 NAME = "kvbridge-scale"
@@ -117,3 +119,45 @@ def test_scale_up_and_down_while_16_clients_stream(deployed):
     assert [(p, t) for p, t, _, _ in load.results if t != want[p]] == []
     assert expired == {u: 0.0 for u in expired}, "a lease on a prefill replica ended by expiry"
     assert_blocks_free([e.url for r in down.values() for e in r])
+
+
+# (prefill, decode) sizes in turn, from 1P1D fixed: the issue's `--decode-replicas 1:2` first.
+RESIZES = [(None, "1:2"), ("1:2", None), ("1:3", "1:3"), ("1", None), (None, "1")]
+
+
+def test_every_kind_of_resize_keeps_every_replica_while_clients_stream(deployed):
+    """Issue 44.3: the first change from a fixed size to MIN:MAX changed Serve's code version,
+    and Serve restarted every replica of the application (P, D and the router). Each resize in
+    RESIZES, with 4 clients streaming: every replica Serve ran before still runs (same replica,
+    same process, same engine process), answers keep coming, none fails, each equals the
+    colocated one."""
+    url, reference, pools = deployed
+    want = {p: reference_text(reference, p) for p in PROMPTS}
+    before = running_replicas(NAME)
+    engines = {e.replica_id: e.pid for r in pools.endpoints.values() for e in r}
+    assert [len(before[d]) for d in ("router", "prefill", "decode")] == [1, 1, 1], before
+    with Load(url, PROMPTS, MAX_TOKENS, clients=4) as load:
+        load.wait_done(4, 300)
+        for prefill, decode in RESIZES:
+            what = f"prefill {prefill or 'kept'}, decode {decode or 'kept'}"
+            started = time.monotonic()
+            app.scale(NAME, app.PoolSize.parse(prefill) if prefill else None,
+                      app.PoolSize.parse(decode) if decode else None, timeout_s=600)
+            now = running_replicas(NAME)
+            for deployment, replicas in before.items():
+                assert replicas.items() <= now[deployment].items(), f"{what} restarted a {deployment} replica: {now}"
+            published = {e.replica_id: e.pid for r in pools.endpoints.values() for e in r}
+            assert engines.items() <= published.items(), f"{what} restarted an engine: {published}"
+            overrides = {d["name"]: d for d in app.deployed_schema(NAME)["deployments"]}
+            for role, size in (("prefill", prefill), ("decode", decode)):
+                if size is not None:  # N is deployed as MIN = MAX = N
+                    low, _, high = size.partition(":")
+                    bounds = overrides[role].get("autoscaling_config", {})
+                    assert (bounds.get("min_replicas"), bounds.get("max_replicas")) == (int(low), int(high or low)), \
+                        f"{what}: {role} deployed as {overrides[role]}"
+            print(f"{what}: {time.monotonic() - started:.1f} s")
+            load.wait_done(len(load.results) + 4, 300)
+    assert all(alive(pid) for pid in engines.values()), "an engine of the first replicas exited"
+    failed = [r for r in load.results if r[3] is not None]
+    assert failed == [], f"{len(failed)} failed requests, e.g. {failed[:3]}"
+    assert [(p, t) for p, t, _, _ in load.results if t != want[p]] == []
