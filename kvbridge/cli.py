@@ -319,9 +319,10 @@ def cmd_up(a: argparse.Namespace) -> int:
         print(f"kvbridge up: every instance computes in {dtype_line(child)}", file=sys.stderr, flush=True)
     if a.ray or a.ray_address:
         return ray_cli.up_on_ray(a, model, child, extra)
-    if a.prefill_replicas or a.decode_replicas or a.prefill_resources or a.decode_resources:
-        print("kvbridge up: error: --prefill-replicas, --decode-replicas and --*-resources need --ray",
-              file=sys.stderr)
+    if (a.prefill_replicas or a.decode_replicas or a.prefill_resources or a.decode_resources
+            or a.scale_from_zero_timeout is not None):
+        print("kvbridge up: error: --prefill-replicas, --decode-replicas, --*-resources and "
+              "--scale-from-zero-timeout need --ray", file=sys.stderr)
         return 2
     return run_cluster(model=model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port, host=a.host,
                        kv_backend=child.kv_backend, extra_serve_args=extra, num_threads=child.num_threads,

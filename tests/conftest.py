@@ -135,6 +135,8 @@ def pytest_configure(config):
 MODEL_UNIT_MODULES = frozenset({"test_attention_length_buckets", "test_linear_row_buckets", "test_loader",
                                 "test_tokenizer", "test_tokenizer_threads", "test_vllm_peer_export"})
 _TIER_BY_FOLDER = {"e2e": "cluster", "ray": "cluster", "integration": "model"}
+# Ray's modules that start no Ray (policy arithmetic, pool membership on loopback, the CLI's checks)
+QUICK_RAY_MODULES = frozenset({"test_cli_ray", "test_policy", "test_pool_membership"})
 
 
 def pytest_collection_modifyitems(config, items):
@@ -145,6 +147,8 @@ def pytest_collection_modifyitems(config, items):
         except ValueError:
             continue
         tier = _TIER_BY_FOLDER.get(parts[0]) if len(parts) > 1 else None
+        if parts[0] == "ray" and Path(parts[-1]).stem in QUICK_RAY_MODULES:
+            tier = None
         if tier is None and parts[0] == "unit" and Path(parts[-1]).stem in MODEL_UNIT_MODULES:
             tier = "model"
         if tier is not None:

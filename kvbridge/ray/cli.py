@@ -8,6 +8,9 @@ import argparse
 import sys
 
 
+SCALE_FROM_ZERO_TIMEOUT_S = 120.0  # kvbridge up --ray --scale-from-zero-timeout
+
+
 def add_up_ray_args(up: argparse.ArgumentParser) -> None:
     """`kvbridge up`'s options for a deployment on Ray."""
     on_ray = up.add_argument_group("on Ray (the `kvbridge[ray]` extra; README, \"kvbridge on Ray\")")
@@ -31,9 +34,9 @@ def add_up_ray_args(up: argparse.ArgumentParser) -> None:
     on_ray.add_argument("--replica-cpus", type=float, default=0.0,
                         help="logical CPUs Ray reserves for each engine rank (default: 0, engines share the node's "
                              "cores as `kvbridge up`'s do)")
-    on_ray.add_argument("--scale-from-zero-timeout", type=float, default=120.0, metavar="SECONDS",
+    on_ray.add_argument("--scale-from-zero-timeout", type=float, default=None, metavar="SECONDS",
                         help="how long a request that finds a pool at zero (MIN 0) waits for a replica to start "
-                             "before its 503 (default: %(default)s)")
+                             f"before its 503 (default: {SCALE_FROM_ZERO_TIMEOUT_S})")
     on_ray.add_argument("--app-name", default="kvbridge", help="the Serve application's name (default: %(default)s)")
 
 
@@ -62,12 +65,13 @@ def up_on_ray(a: argparse.Namespace, model: str, child: argparse.Namespace, extr
         prefill = PoolSize.parse(a.prefill_replicas) if a.prefill_replicas else PoolSize(a.num_prefill, a.num_prefill)
         decode = PoolSize.parse(a.decode_replicas) if a.decode_replicas else PoolSize(a.num_decode, a.num_decode)
         prefill_resources, decode_resources = parse_resources(a.prefill_resources), parse_resources(a.decode_resources)
-        if not a.scale_from_zero_timeout > 0:
-            raise ValueError(f"--scale-from-zero-timeout must be positive, not {a.scale_from_zero_timeout}")
+        wait_s = SCALE_FROM_ZERO_TIMEOUT_S if a.scale_from_zero_timeout is None else a.scale_from_zero_timeout
+        if not wait_s > 0:
+            raise ValueError(f"--scale-from-zero-timeout must be positive, not {wait_s}")
     except ValueError as exc:
         print(f"kvbridge up --ray: error: {exc}", file=sys.stderr)
         return 2
-    router = {"host": a.host, "port": a.port, "scale_from_zero_timeout_s": a.scale_from_zero_timeout}
+    router = {"host": a.host, "port": a.port, "scale_from_zero_timeout_s": wait_s}
     if a.max_body_bytes is not None:
         router["max_body_bytes"] = a.max_body_bytes
     config = AppConfig(model=model, prefill=prefill, decode=decode, name=a.app_name, kv_backend=child.kv_backend,

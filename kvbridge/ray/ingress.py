@@ -35,6 +35,7 @@ from typing import Any
 import uvicorn
 from starlette.requests import Request
 
+from kvbridge.http_protocol import server_config
 from kvbridge.openai_wire import MAX_BODY_BYTES, REQUEST_ID_HEADER, bind_socket, usable_request_id
 from kvbridge.proxy.app import proxy_app
 from kvbridge.proxy.exchange import RetryPolicy
@@ -196,8 +197,8 @@ class RouterIngress:
         self._handles: dict[UpstreamKind, Any] = {}
         self.scale_from_zero = ScaleFromZero(proxy_app(self.proxy), self.proxy, self._wake,
                                              self.options.scale_from_zero_timeout_s)
-        self._server = uvicorn.Server(uvicorn.Config(self.scale_from_zero, log_level="warning",
-                                                     timeout_graceful_shutdown=5))
+        self._server = uvicorn.Server(server_config(self.scale_from_zero, log_level="warning",
+                                                    timeout_graceful_shutdown=5))  # bounded headers (issue 44)
         self._thread = threading.Thread(target=self._serve, name="kvbridge-router", daemon=True)
         self._thread.start()
         if not self._started.wait(60.0):

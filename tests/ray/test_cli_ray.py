@@ -8,6 +8,8 @@ from kvbridge.cli import main, parse_args
 def test_pool_options_need_ray(capsys):
     assert main(["up", "--prefill-replicas", "1:2"]) == 2
     assert "need --ray" in capsys.readouterr().err
+    assert main(["up", "--scale-from-zero-timeout", "30"]) == 2  # never silently ignored
+    assert "need --ray" in capsys.readouterr().err
 
 
 def test_a_bad_pool_size_is_refused_before_ray_starts(capsys):
@@ -25,4 +27,4 @@ def test_ray_subcommands_parse():
 def test_the_scale_from_zero_bound_is_checked_before_ray_starts(capsys):
     assert main(["up", "--ray", "--scale-from-zero-timeout", "0"]) == 2
     assert "--scale-from-zero-timeout must be positive" in capsys.readouterr().err
-    assert parse_args(["up", "--ray"]).scale_from_zero_timeout == 120.0
+    assert parse_args(["up", "--ray"]).scale_from_zero_timeout is None  # 120 s (SCALE_FROM_ZERO_TIMEOUT_S)

@@ -133,3 +133,27 @@ def test_sigkill_a_p_engine_and_a_d_replica_under_load(deployed):
     assert len(cut) <= 16, f"more streams cut than were in flight on the killed D: {cut[:3]}"
     new_urls = [e.url for r in ("prefill", "decode") for e in after[r]]
     assert_blocks_free(new_urls, timeout_s=60)  # a lease whose reader died ends by expiry (30 s)
+
+
+def test_the_router_bounds_a_request_header(deployed):
+    """Issue 44: the Ray router speaks kvbridge's bounded HTTP protocol, as `kvbridge proxy` does: an
+    oversized header is a 431 with OpenAI's body, and the router serves on."""
+    import json
+    import socket
+
+    from kvbridge.http_protocol import MAX_HEADER_BYTES
+
+    _, url, _, _ = deployed
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * (4 * MAX_HEADER_BYTES)
+                         + b"\r\n\r\n")
+        except OSError:  # refused and closed before all of it was written
+            pass
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.split()[1] == b"431" and json.loads(body)["error"]["code"] == "request_header_too_large", answer
+    assert complete(url, PROMPTS[0], False)
