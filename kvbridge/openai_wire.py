@@ -12,7 +12,6 @@ of kvbridge, so the proxy runs without the engine.
 from __future__ import annotations
 
 import json
-import math
 import re
 import socket
 import time
@@ -21,16 +20,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from kvbridge import strict_json
+
 # Sent by the proxy to P and D (one id for both legs) and echoed on every answer.
 REQUEST_ID_HEADER = "X-Request-Id"
 # Sent by the proxy with each attempt of the P leg, a fresh random key: the proxy that gives up on
 # an attempt whose answer it did not read releases the lease by it (server/undelivered.py).
 RELEASE_KEY_HEADER = "X-KVBridge-Release-Key"
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII without spaces, at most 256
-# No OpenAI request nests deeper than a handful of levels. The bound keeps every later
-# walk of the body (pydantic, json.dumps when the proxy forwards it) far from Python's
-# recursion limit, which a body nested ~1000 deep would otherwise hit as a 500.
-MAX_JSON_DEPTH = 100
+# No OpenAI request nests deeper than a handful of levels (strict_json.py bounds it at 100).
+MAX_JSON_DEPTH = strict_json.MAX_JSON_DEPTH
 # The longest request body an instance or the proxy reads (HTTP 413 beyond it): a full-context
 # prompt as token ids is well under 1 MiB.
 MAX_BODY_BYTES = 32 << 20
@@ -84,17 +83,14 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
     every encoder after us), no nesting deeper than MAX_JSON_DEPTH, an object at the top.
     Raises ValueError with a message for the client (HTTP 400)."""
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
-    except RecursionError:
-        raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+        value = strict_json.loads(data.decode("utf-8"))
+    except strict_json.TooDeep as exc:
+        raise ValueError(f"the request body {exc}") from None
     except ValueError as exc:  # not UTF-8, malformed, a constant, an out-of-range number
         raise ValueError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError("the request body must be a JSON object")
-    # Either check costs a walk of the body; a body without many brackets or without a
-    # surrogate escape cannot fail it.
-    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(value) > MAX_JSON_DEPTH:
-        raise ValueError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    # The check costs a walk of the body; a body without a surrogate escape cannot fail it.
     if _SURROGATE_ESCAPE.search(data):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
@@ -102,29 +98,6 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
             raise ValueError("the request body has a lone UTF-16 surrogate (e.g. \\ud800), "
                              "which is not a Unicode character") from None
     return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text} is out of range")
-    return value
-
-
-def _depth(value: Any) -> int:
-    """How deep lists and dicts nest in `value` (1 for a flat one); stops past MAX_JSON_DEPTH."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack and deepest <= MAX_JSON_DEPTH:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
 
 
 # ---------------------------------------------------------------- responses

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from kvbridge import strict_json
+
 REQUEST_ID_ATTRIBUTE = "kvbridge.request_id"
 SERVICE_NAME_ATTRIBUTE = "service.name"
 # Shown on a span's row besides every `kvbridge.` attribute.
@@ -30,9 +32,8 @@ KEY_ATTRIBUTES = ("http.route", "http.response.status_code", "server.address", "
 _KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
 _STATUS_ERROR = 2
 _MAX_VALUE_CHARS = 48
-# The deepest JSON nesting read: OTLP's own is 13 levels, and each array or kvlist value in an
-# attribute adds 3 more. Deeper input is refused (a parser or a walk over it would recurse).
-MAX_JSON_DEPTH = 100
+# The deepest JSON nesting read is strict_json's 100: OTLP's own is 13 levels, and each array or
+# kvlist value in an attribute adds 3 more. Deeper input is refused (a parser or a walk would recurse).
 MAX_NANOS = 2 ** 64 - 1  # OTLP's times are fixed64 nanoseconds since the epoch
 # A row deeper than this is indented this far and shows its depth: a parent chain thousands of
 # spans deep (a valid trace) still prints rows of a readable width.
@@ -81,13 +82,13 @@ def parse_otlp_json(text: str) -> list[SpanRecord] | TraceError:
     """Every span in `text` (one JSON document, or one per line), each span once."""
     documents: list[tuple[int | None, Any]] = []
     try:
-        documents.append((None, _strict_json(text)))
+        documents.append((None, strict_json.loads(text)))
     except ValueError as whole:
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                documents.append((number, _strict_json(line)))
+                documents.append((number, strict_json.loads(line)))
             except ValueError as exc:
                 if not documents:  # not even its first line: one document, e.g. pretty-printed
                     return TraceError(f"not JSON ({whole})")
@@ -107,42 +108,6 @@ def parse_otlp_json(text: str) -> list[SpanRecord] | TraceError:
     if not spans:
         return TraceError("no spans in the input")
     return spans
-
-
-def _strict_json(text: str) -> Any:
-    """JSON as RFC 8259 has it (no NaN or Infinity, no number that overflows a float), nested at
-    most MAX_JSON_DEPTH deep; ValueError saying why not."""
-    try:
-        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
-    except RecursionError:
-        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels") from None
-    if (text.count("[") + text.count("{") > MAX_JSON_DEPTH) and _depth(value) > MAX_JSON_DEPTH:
-        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
-    return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {_show(text)} is out of range")
-    return value
-
-
-def _depth(value: Any) -> int:
-    """How deep lists and objects nest in `value` (1: a flat one), walked without recursion;
-    stops once past MAX_JSON_DEPTH."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack and deepest <= MAX_JSON_DEPTH:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
 
 
 def _show(value: Any) -> str:

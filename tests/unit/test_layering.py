@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
 # openai_wire: the HTTP shapes the server and the proxy share (pydantic stays at the HTTP edge);
 # http_protocol: the bounded HTTP/1.1 connection every server of kvbridge speaks;
 # stop_strings: the stream's stop-string rule the engine and the proxy share;
+# strict_json: RFC 8259 JSON, bounded in depth, for request bodies and trace files;
 # tracing: OpenTelemetry tracers and trace context, used by every layer.
 # ray: the Ray Serve application runs the proxy's router and engine instances (launcher's
 # command lines): above the programs, below the CLI.
-FLOOR = {"spec": 0, "config": 0, "stop_strings": 0, "tracing": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
+FLOOR = {"spec": 0, "config": 0, "stop_strings": 0, "strict_json": 0, "tracing": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
          "launcher": 3, "openai_wire": 3, "http_protocol": 3, "ray": 3.5, "cli": 4, "chaos": 4, "__main__": 4}
 PROGRAMS = ("server", "proxy", "launcher")
 
