@@ -50,6 +50,7 @@ from typing import TypeVar
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbridge.kv_transfer.params import KV_LOAD_FAILED
@@ -431,7 +432,10 @@ class PDProxy:
         try:
             if not self.authorized(request):
                 return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
-            raw = await _read_body(request, self.max_body_bytes)
+            try:
+                raw = await _read_body(request, self.max_body_bytes)
+            except ClientDisconnect:  # gone mid-body: nothing was sent anywhere, nobody reads an answer
+                return Response(status_code=499)
             if raw is None:
                 return openai_error(413, f"the request body is larger than {self.max_body_bytes} bytes",
                                     "request_too_large", request_id)

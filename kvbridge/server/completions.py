@@ -35,6 +35,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import BaseModel, ValidationError
 
@@ -489,7 +490,11 @@ def _request_id(raw: Request) -> str:
 
 
 async def read_json(raw: Request) -> dict[str, Any]:
-    data = await wire.read_capped(raw.stream(), wire.MAX_BODY_BYTES)
+    try:
+        data = await wire.read_capped(raw.stream(), wire.MAX_BODY_BYTES)
+    except ClientDisconnect:  # the caller left mid-body (a proxy that gave up): nobody reads an answer
+        raise ApiError(499, "the client closed the connection before its request was read",
+                       code="client_disconnected") from None
     if data is None:
         raise ApiError(413, f"the request body is larger than {wire.MAX_BODY_BYTES} bytes", code="request_too_large")
     try:
