@@ -461,12 +461,8 @@ class PDProxy:
                 answer = await _unless(gone, self._decode(route, body, headers, request_id, None, trace=trace))
                 return answer if answer is not None else Response(status_code=499)
             prefilled = await _unless(gone, self._prefill(route, body, headers, request_id, trace))
-            if isinstance(prefilled, tuple) and gone.is_set():
-                # Nobody else knows P's params yet: releasing now is safe and frees P at once.
-                await self.release_on_prefill(prefilled[0], prefilled[1], headers, request_id, trace)
             if prefilled is None or gone.is_set():
-                logger.info("request %s: client went away before decode started", request_id)
-                return Response(status_code=499)
+                return await self._gone_before_decode(prefilled, headers, request_id, trace)
             if isinstance(prefilled, Exhausted):
                 if not self.retry.decode_only_fallback or prefilled.request_at_fault:
                     return prefilled.response
@@ -478,10 +474,8 @@ class PDProxy:
                 return prefilled
             upstream, params, p_answer = prefilled
             plan = await self._first_token_plan(body, route, upstream, params, p_answer, headers, trace)
-            if gone.is_set():  # left while the first-token plan was made: no D has the params yet
-                await asyncio.shield(self.release_on_prefill(upstream, params, headers, request_id, trace))
-                logger.info("request %s: client went away before decode started", request_id)
-                return Response(status_code=499)
+            if gone.is_set():  # left while the first-token plan was made
+                return await self._gone_before_decode(prefilled, headers, request_id, trace)
             if plan is not None and plan.finished:
                 self.metrics.first_token.labels("finished_at_prefill").inc()
                 if trace is not None:
@@ -499,6 +493,15 @@ class PDProxy:
             return answer if answer is not None else Response(status_code=499)
         finally:
             watcher.cancel()
+
+    async def _gone_before_decode(self, prefilled: Prefilled | Response | Exhausted | None, headers: dict[str, str],
+                                  request_id: str, trace: RequestSpans | None) -> Response:
+        """The client left before any D was asked: P's KV, if P granted some, is released at once
+        (nobody else knows its params yet; shielded, so the release is not cut half-sent)."""
+        if isinstance(prefilled, tuple):
+            await asyncio.shield(self.release_on_prefill(prefilled[0], prefilled[1], headers, request_id, trace))
+        logger.info("request %s: client went away before decode started", request_id)
+        return Response(status_code=499)
 
     async def _first_token_plan(self, body: dict, route: str, upstream: Upstream, params: dict, p_answer: bytes,
                                 headers: dict[str, str], trace: RequestSpans | None) -> first_token.Plan | None:

@@ -107,20 +107,6 @@ class ReleaseKeys:
         return None
 
 
-async def written_whole(send: Send) -> bool:
-    """After an answer's last message: whether the server wrote the whole answer on a live
-    connection. uvicorn drops, silently, what is sent on a connection it knows is lost, and refuses
-    (RuntimeError) any message after a complete answer: one more empty final message tells which.
-    (A connection lost after the write is the caller's to report, by its release key.)"""
-    try:
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except RuntimeError:
-        return True
-    except OSError:  # a server that raises on a lost connection instead
-        return False
-    return False
-
-
 class LeaseBox:
     """The params of the lease an answer names, once known (a stream's come with its last chunk).
     `outputs`: the request's outputs, for a stream cut before its last chunk was made (its body
@@ -159,8 +145,8 @@ class _HandOff:
     never sent: the stream was cut first), `release` ends the lease (shielded: a cancelled
     response must not cut the release short). On kvbridge's HTTP protocol the connection's view
     (`http_protocol.connection_view`) is read right after that message's send, before any other
-    callback can run: lost then means the server dropped it. Elsewhere, `written_whole` judges
-    the answer as a whole once it is complete."""
+    callback can run: lost then means the server dropped it. On another server the answer counts
+    as written once its send returned (the lease then ends by D or by expiry: never wrongly early)."""
 
     lease: LeaseBox
     release_lease: Release
@@ -179,8 +165,6 @@ class _HandOff:
 
         try:
             await super().__call__(scope, receive, watched_send)  # type: ignore[misc]
-            if connection is None and written:
-                written = await written_whole(send)
         finally:
             if not written:
                 await asyncio.shield(self._release())
