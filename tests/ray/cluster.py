@@ -1,7 +1,12 @@
 """The tests' Ray cluster: `ray.cluster_utils.Cluster` nodes on this machine, every one bound to
 127.0.0.1 (conftest.py), a head without custom resources (the router runs there) and one node
 each for prefill and decode; the kvbridge application deployed on it, and what the tests ask of
-it (the engines' endpoints as Ray publishes them, the router's view, the engines' metrics)."""
+it (the engines' endpoints as Ray publishes them, the router's view, the engines' metrics).
+
+One cluster serves the session (SharedRay, conftest.py's `shared_ray`): each module deploys its
+application under its own name (`application`), and removes it at its end, leaving the cluster as
+it found it (assert_clean: no application, replica, placement group or node resource left). The
+colocated reference instance is shared the same way (SharedColocated)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -18,11 +24,14 @@ from openai import AsyncOpenAI
 
 from kvbridge.launcher.cluster import DEFAULT_CLI, free_ports, http_url, spawn_child, stop_children
 from kvbridge.ray import app, discovery
-from tests.e2e.processes import metric
+from tests.e2e.processes import gone, metric
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE_ARGS = ("--kv-cache-memory-gb", "0.25", "--max-model-len", "1024", "--dtype", "float32")  # fp32: greedy P/D = colocated holds batch for batch (bf16 is not batch-invariant)
 P_RESOURCE, D_RESOURCE = "kvbridge_prefill_node", "kvbridge_decode_node"
+# The shared cluster's node resources: a replica takes one of its node's, so this bounds a pool's
+# size. The most any module asks for: test_ray_scale's 1:3 pools; autoscale's 1:2, pd's 2 D.
+SHARED_NODES = {P_RESOURCE: 4, D_RESOURCE: 4}
 
 
 @contextlib.contextmanager
@@ -50,6 +59,112 @@ def ray_cluster(nodes: dict[str, float] | None = None) -> Iterator[object]:
         cluster.shutdown()
 
 
+class SharedRay:
+    """The session's Ray cluster (ray_cluster(SHARED_NODES)), started on first `get()`. `stop()`
+    stops it for a while (a later `get()` starts a new one: test_up_ray.py's own Ray must not run
+    beside it); `close()` stops it for good (after its last test: conftest.py). A module that left
+    it unclean (`application` failed its check) or a cluster that lost a node is replaced on the
+    next `get()`, so one module's failure does not fail the next ones."""
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+        self.cluster: object | None = None
+        self.closed, self.dirty, self.starts = False, False, 0
+
+    def get(self) -> object:
+        assert not self.closed, "the shared Ray cluster was asked for after its last test (conftest.py)"
+        if self.cluster is not None and (self.dirty or not self._healthy()):
+            self.stop()
+        if self.cluster is None:
+            stack = contextlib.ExitStack()
+            started = time.monotonic()
+            self.cluster = stack.enter_context(ray_cluster(SHARED_NODES))  # stops what it started if it fails
+            self._stack, self.dirty = stack, False
+            self.starts += 1
+            print(f"shared Ray cluster started in {time.monotonic() - started:.0f} s (start {self.starts})")
+        return self.cluster
+
+    def _healthy(self) -> bool:
+        import ray
+        try:
+            return ray.is_initialized() and len([n for n in ray.nodes() if n["Alive"]]) == 1 + len(SHARED_NODES)
+        except Exception:
+            return False
+
+    def stop(self) -> None:
+        stack, self._stack, self.cluster = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.stop()
+
+
+def assert_clean(pids: Iterable[int] = (), timeout_s: float = 60.0) -> None:
+    """The connected cluster holds nothing of any application: Serve lists none, no Serve replica
+    actor lives, no placement group is left, every node resource is free, and the processes in
+    `pids` (engines and replicas an application ran) exited. Polled: Ray frees them a moment after
+    Serve forgets the application."""
+    import ray
+    from ray import serve
+    from ray.util import list_named_actors, placement_group_table
+
+    def leftovers() -> dict[str, object]:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        found = {
+            "applications": sorted(serve.status().applications),
+            "replica actors": sorted(a["name"] for a in list_named_actors(all_namespaces=True)
+                                     if a["name"].startswith("SERVE_REPLICA::")),
+            "placement groups": sorted(f"{g['name']} {g['state']}" for g in placement_group_table().values()
+                                       if g["state"] != "REMOVED"),
+            "resources in use": {r: total.get(r, 0) - free.get(r, 0) for r in SHARED_NODES
+                                 if free.get(r, 0) != total.get(r, 0)},
+        }
+        return {k: v for k, v in found.items() if v}
+
+    deadline = time.monotonic() + timeout_s
+    while (left := leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"the Ray cluster is not clean after the application's removal: {left}"
+    alive = gone(sorted(set(pids)), max(deadline - time.monotonic(), 1.0))
+    assert alive == [], f"processes of a removed application still run: {alive}"
+
+
+@dataclass
+class Deployed:
+    cluster: object
+    url: str
+    pools: Pools
+
+
+@contextlib.contextmanager
+def application(shared: SharedRay, config: app.AppConfig, timeout_s: float = 600.0) -> Iterator[Deployed]:
+    """Deploy `config` (its own application name) on the shared cluster; afterwards remove it and
+    check that the cluster is clean for the next module (assert_clean); a cluster left unclean
+    is replaced on the next `shared.get()`. The test may remove the application itself."""
+    from ray import serve
+    cluster = shared.get()
+    pools: Pools | None = None
+    try:
+        assert config.name not in serve.status().applications, f"{config.name} is already deployed"
+        started = time.monotonic()
+        url = app.deploy(config, timeout_s=timeout_s)
+        print(f"deployed {config.name} in {time.monotonic() - started:.0f} s")
+        pools = Pools(config.name)
+        yield Deployed(cluster, url, pools)
+    finally:
+        try:
+            if pools is not None:
+                pools.close()
+            if config.name in serve.status().applications:
+                app.remove(config.name)
+            assert_clean(pools.seen_pids if pools is not None else ())
+        except BaseException:
+            shared.dirty = True
+            raise
+
+
 def node_of(cluster: object, resource: str) -> str:
     """The id of the node holding `resource`."""
     import ray
@@ -65,6 +180,7 @@ class Pools:
         self.name = name
         self.cond = threading.Condition()
         self.endpoints: dict[str, list[discovery.ReplicaEndpoint]] = {"prefill": [], "decode": []}
+        self.seen_pids: set[int] = set()  # of every engine and replica published (assert_clean)
         self.handles = {}
         for role in ("prefill", "decode"):
             discovery.listen(name, role, self._listener(role))
@@ -74,6 +190,7 @@ class Pools:
         def on_change(endpoints: list[discovery.ReplicaEndpoint]) -> None:
             with self.cond:
                 self.endpoints[role] = endpoints
+                self.seen_pids.update(p for e in endpoints for p in (e.pid, e.replica_pid))
                 self.cond.notify_all()
         return on_change
 
@@ -145,6 +262,45 @@ def colocated_instance(log_dir: Path, model: str = MODEL) -> Iterator[str]:
         yield url
     finally:
         stop_children([child])
+
+
+class SharedColocated:
+    """The session's colocated reference instance of MODEL (colocated_instance), started on first
+    `get()` and stopped by `close()` after its last test (conftest.py); one that died is replaced."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._stack: contextlib.ExitStack | None = None
+        self.url: str | None = None
+        self.closed, self.starts = False, 0
+
+    def get(self) -> str:
+        assert not self.closed, "the shared colocated instance was asked for after its last test (conftest.py)"
+        if self.url is not None and not self._healthy():
+            self.stop()
+        if self.url is None:
+            stack = contextlib.ExitStack()
+            log_dir = self.log_dir / (f"restart-{self.starts}" if self.starts else "")
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.url = stack.enter_context(colocated_instance(log_dir))
+            self._stack = stack
+            self.starts += 1
+        return self.url
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=10, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        stack, self._stack, self.url = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.stop()
 
 
 def app_config(name: str, prefill: app.PoolSize, decode: app.PoolSize, model: str = MODEL,

@@ -1,5 +1,5 @@
-"""Autoscaling (policy.py through Serve's autoscaler): on a Ray cluster of three nodes on this
-machine, each pool autoscaled between 1 and 2 replicas with low targets. A burst of long
+"""Autoscaling (policy.py through Serve's autoscaler): on the session's Ray cluster of three nodes
+on this machine (conftest.py), each pool autoscaled between 1 and 2 replicas with low targets. A burst of long
 prompts (one output token: the request ends at prefill) grows the prefill pool to its max while
 the decode pool stays at one; a burst of long outputs grows the decode pool; both shrink back to
 one when idle. Then both pools resized to 0:1 go to zero when idle and come back for the
@@ -14,7 +14,7 @@ import pytest
 
 from kvbridge.ray import app
 from tests.e2e.processes import metric
-from tests.ray.cluster import D_RESOURCE, P_RESOURCE, Load, Pools, app_config, assert_blocks_free, ray_cluster
+from tests.ray.cluster import Load, app_config, application, assert_blocks_free
 
 pytestmark = pytest.mark.timeout(1500)
 NAME = "kvbridge-autoscale"
@@ -51,17 +51,11 @@ def wait_sizes(want: dict[str, int], timeout_s: float, what: str, steady: dict[s
 
 
 @pytest.fixture(scope="module")
-def deployed():
-    with ray_cluster({P_RESOURCE: 4, D_RESOURCE: 4}):
-        config = app_config(NAME, app.PoolSize(1, 2, True), app.PoolSize(1, 2, True), autoscaling=AUTOSCALING,
-                            router={"scale_from_zero_timeout_s": SCALE_FROM_ZERO_TIMEOUT_S})
-        url = app.deploy(config, timeout_s=600)
-        pools = Pools(NAME)
-        try:
-            yield url, pools
-        finally:
-            pools.close()
-            app.remove(NAME)
+def deployed(shared_ray):
+    config = app_config(NAME, app.PoolSize(1, 2, True), app.PoolSize(1, 2, True), autoscaling=AUTOSCALING,
+                        router={"scale_from_zero_timeout_s": SCALE_FROM_ZERO_TIMEOUT_S})
+    with application(shared_ray, config) as deployed:
+        yield deployed.url, deployed.pools
 
 
 def test_prefill_grows_on_long_prompts_decode_on_long_outputs_both_shrink_when_idle(deployed):

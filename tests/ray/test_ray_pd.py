@@ -1,10 +1,10 @@
-"""The kvbridge application on a Ray cluster of three nodes on this machine (every one bound to
-127.0.0.1): the router on the head, a prefill replica on the prefill node, two decode replicas
+"""The kvbridge application on the session's Ray cluster of three nodes on this machine (every
+one bound to 127.0.0.1; conftest.py): the router on the head, a prefill replica on the prefill node, two decode replicas
 on the decode node (Ray custom resources). Greedy answers through the Ray router equal a
 colocated instance's; a replica whose process is SIGKILLed under load is dropped by the router
 and replaced by Ray, and no request is lost before its first byte; afterwards every KV block is
-free on every replica. One cluster and one deployment for the module (about 2-3 minutes to
-start on two loaded cores)."""
+free on every replica. One deployment for the module (about 2-3 minutes to start on two loaded
+cores); the colocated reference is the session's."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from openai import OpenAI
 
 from kvbridge.ray import app
 from tests.e2e.processes import metric
-from tests.ray.cluster import (D_RESOURCE, MODEL, P_RESOURCE, Load, Pools, app_config, assert_blocks_free,
-                               colocated_instance, node_of, ray_cluster, wait_router)
+from tests.ray.cluster import (D_RESOURCE, MODEL, P_RESOURCE, Load, Pools, app_config, application,
+                               assert_blocks_free, node_of, wait_router)
 
 pytestmark = pytest.mark.timeout(900)
 NAME = "kvbridge-pd"
@@ -30,21 +30,13 @@ CHATS = ["Name the capital of France.", "Name three primary colours."]
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
-    with ray_cluster({P_RESOURCE: 4, D_RESOURCE: 4}) as cluster, \
-            colocated_instance(tmp_path_factory.mktemp("colocated")) as reference:
-        config = app_config(NAME, app.PoolSize(1, 1), app.PoolSize(2, 2))
-        started = time.monotonic()
-        url = app.deploy(config, timeout_s=600)
-        print(f"deployed 1P2D in {time.monotonic() - started:.0f} s")
-        pools = Pools(NAME)
-        try:
-            pools.wait(lambda e: sizes(e) == SIZES, 60, "1 P and 2 D published")
-            wait_router(NAME, lambda m: healthy(m) == SIZES, 30, "the router has 1 healthy P and 2 healthy D")
-            yield cluster, url, reference, pools
-        finally:
-            pools.close()
-            app.remove(NAME)
+def deployed(shared_ray, shared_colocated):
+    reference = shared_colocated.get()
+    with application(shared_ray, app_config(NAME, app.PoolSize(1, 1), app.PoolSize(2, 2))) as deployed:
+        pools = deployed.pools
+        pools.wait(lambda e: sizes(e) == SIZES, 60, "1 P and 2 D published")
+        wait_router(NAME, lambda m: healthy(m) == SIZES, 30, "the router has 1 healthy P and 2 healthy D")
+        yield deployed.cluster, deployed.url, reference, pools
 
 
 SIZES = {"prefill": 1, "decode": 2}

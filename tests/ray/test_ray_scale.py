@@ -1,5 +1,5 @@
 """Rescaling a running application while clients stream (`kvbridge ray scale`'s path,
-app.scale): 1P1D -> 2P2D -> 1P1D on a Ray cluster of three nodes on this machine. No replica
+app.scale): 1P1D -> 2P2D -> 1P1D on the session's Ray cluster of three nodes on this machine. No replica
 restarts on a change of size; new replicas take traffic once healthy; a replica that leaves
 drains (a P until every lease it granted ended, a D until its streams finished) before its
 engine exits. 0 failed requests, every answer equals the colocated one, every block free
@@ -19,8 +19,8 @@ from openai import OpenAI
 
 from kvbridge.ray import app
 from tests.e2e.processes import alive, gone, metric
-from tests.ray.cluster import (D_RESOURCE, MODEL, P_RESOURCE, Load, Pools, app_config, assert_blocks_free,
-                               colocated_instance, ray_cluster, running_replicas, wait_router)
+from tests.ray.cluster import (MODEL, Load, app_config, application, assert_blocks_free, running_replicas,
+                               wait_router)
 
 pytestmark = pytest.mark.timeout(1200)
 NAME = "kvbridge-scale"
@@ -65,18 +65,13 @@ class ExpiryWatch:
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
-    with ray_cluster({P_RESOURCE: 4, D_RESOURCE: 4}), \
-            colocated_instance(tmp_path_factory.mktemp("colocated")) as reference:
-        url = app.deploy(app_config(NAME, app.PoolSize(1, 1), app.PoolSize(1, 1)), timeout_s=600)
-        pools = Pools(NAME)
-        try:
-            pools.wait(lambda e: counts(e) == (1, 1), 60, "1 P and 1 D published")
-            wait_router(NAME, lambda m: healthy(m) == (1, 1), 30, "the router has 1 healthy P and D")
-            yield url, reference, pools
-        finally:
-            pools.close()
-            app.remove(NAME)
+def deployed(shared_ray, shared_colocated):
+    reference = shared_colocated.get()
+    with application(shared_ray, app_config(NAME, app.PoolSize(1, 1), app.PoolSize(1, 1))) as deployed:
+        pools = deployed.pools
+        pools.wait(lambda e: counts(e) == (1, 1), 60, "1 P and 1 D published")
+        wait_router(NAME, lambda m: healthy(m) == (1, 1), 30, "the router has 1 healthy P and D")
+        yield deployed.url, reference, pools
 
 
 def reference_text(base: str, prompt: str) -> str:

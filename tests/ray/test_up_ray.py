@@ -54,7 +54,8 @@ class Output:
             return found[0]
 
 
-def test_up_ray_serves_and_ctrl_c_leaves_no_process():
+def test_up_ray_serves_and_ctrl_c_leaves_no_process(no_shared_ray):
+    """`no_shared_ray` (conftest.py): the session's shared Ray cluster is not up beside this one."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}  # `up` sets it
     env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.Popen([*DEFAULT_CLI, "up", "--ray", "--port", "0", "--num-threads", "1", *ENGINE_ARGS],
