@@ -30,6 +30,13 @@ Every settled load is counted in ``kvbridge_kv_load_seconds`` (by outcome) and, 
 (``kv.load`` and its children, ``kv.read_done`` / ``kv.release``: receive_spans.py), made by the
 request's `LoadSpans`, which the state machine calls at its transitions. An untraced request has
 none: it notes no wall-clock time and makes no span.
+
+Everything the machine reaches outside itself comes from its factory as one `ReceiverDeps`: the
+side-channel client every handshake and control message goes through, the pools those blocking
+calls run on, and the clocks. `ReceiverDeps.default(config)` is production's (sockets, thread
+pools, time.monotonic / time.perf_counter); a test gives an in-memory P, executors that run a
+call when the test says and a clock it moves (tests/unit/receiver_world.py), so every failure
+path is reachable without an engine pair.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import enum
 import itertools
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -78,6 +85,24 @@ _RELEASE_AFTER = frozenset({FailureKind.TRANSFER_SETUP, FailureKind.TRANSFER_STA
 _P_ANSWERED = (HandshakeVersionMismatch, HandshakeHashMismatch, HandshakeLayoutMismatch)
 
 
+@dataclass(frozen=True)
+class ReceiverDeps:
+    """What KVReceiver talks to outside itself, given by its factory (module docstring)."""
+
+    side_client: HandshakeClient  # every handshake and control message to P; signs them when P and D share a key
+    executor: Executor  # runs check_read, read-done, release, heartbeats; shut down with the receiver
+    # runs the handshakes, shut down with the receiver; None: HandshakeManager's own pool (it shuts that down)
+    handshake_executor: Executor | None = None
+    clock: Callable[[], float] = time.monotonic  # deadlines: the late-grant check, handshake backoff
+    timer: Callable[[], float] = time.perf_counter  # measured durations (load, transfer, handshake wait)
+
+    @classmethod
+    def default(cls, config: KVTransferConfig) -> ReceiverDeps:
+        """Production's: a socket client with the config's key, a 2-thread control pool."""
+        return cls(HandshakeClient(key=config.side_channel_key),
+                   ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-control"))
+
+
 class _Phase(enum.Enum):
     HANDSHAKE = "handshake"
     CHECK = "check"
@@ -115,15 +140,16 @@ class _Recv:
     spec: RecvSpec
     phase: _Phase
     futures: list[Future]  # HANDSHAKE: one per P rank asked so far; CHECK: the lease check
-    started: float = field(default_factory=time.perf_counter)
+    created: float  # parked (ReceiverDeps.timer; kvbridge_kv_load_seconds)
+    started: float  # READ: the reads were planned (ReceiverDeps.timer; until then, created)
     peer: _Peer | None = None
     rehandshaken: bool = False
     plan: ReadPlan | None = None  # READ: what is read from which P rank, and the notice that frees P
-    asked_at: float = 0.0  # CHECK: when D asked P to grant the read (time.monotonic)
+    asked_at: float = 0.0  # CHECK: when D asked P to grant the read (ReceiverDeps.clock)
     reads: dict[str, _SubRead] = field(default_factory=dict)  # xfer id -> read
-    created: float = field(default_factory=time.perf_counter)  # parked (kvbridge_kv_load_seconds)
-    handshake_from: float | None = None  # waiting for a handshake since (perf_counter), or not waiting
+    handshake_from: float | None = None  # waiting for a handshake since (ReceiverDeps.timer), or not waiting
     spans: LoadSpans | None = None  # a traced request's (RecvSpec.trace), until the load settles
+    abandoned: tuple[FailureKind, str] | None = None  # READ: failed by a bug while reads were in flight
 
     def notice(self) -> ReleaseNotice:
         """What frees P's blocks of this request: the plan's notice; before a plan, the same
@@ -144,11 +170,11 @@ def rank_blocks(layout: RankLayout) -> RankBlocks:
 class KVReceiver:
     """D: the requests whose KV this engine reads from a prefill engine, from handshake to the
     read-done (or release) P hears. Called on the engine thread only; the side-channel calls
-    (handshakes, check_read, read-done, release, heartbeats) run on its own small pool, each
+    (handshakes, check_read, read-done, release, heartbeats) run on `deps`' pools, each
     bounded by a timeout."""
 
     def __init__(self, config: KVTransferConfig, compat: CompatibilityInfo, failures: FailureHandler,
-                 stats: KVTransferStats, prefix_caching: bool, groups: KVGroups) -> None:
+                 stats: KVTransferStats, prefix_caching: bool, groups: KVGroups, deps: ReceiverDeps) -> None:
         self.config = config
         self.groups = groups  # the model's KV cache groups: how D pairs P's blocks with its own
         self.compat = compat
@@ -156,9 +182,11 @@ class KVReceiver:
         self.stats = stats
         self.prefix_caching = prefix_caching
         # One client for handshakes and control messages: it signs requests when P and D share a key.
-        self._side_client = HandshakeClient(key=config.side_channel_key)
+        self._side_client = deps.side_client
         self.control = ControlClient(config.handshake_timeout_s, self._side_client, config.transfer_timeout_s)
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-control")
+        self._executor = deps.executor
+        self._handshake_executor = deps.handshake_executor
+        self._clock, self._timer = deps.clock, deps.timer
         self._handshakes: HandshakeManager | None = None
         self.ranks: tuple[RankRegistration, ...] = ()
         self._local: tuple[RankBlocks, ...] = ()
@@ -184,7 +212,7 @@ class KVReceiver:
             self._handshakes = HandshakeManager(
                 self.compat, ranks[0].layout, prefix_caching=self.prefix_caching,
                 client=self._side_client, timeout_s=self.config.handshake_timeout_s,
-                validate=self._validate_peer_rank)
+                validate=self._validate_peer_rank, executor=self._handshake_executor, clock=self._clock)
 
     def _validate_peer_rank(self, meta: HandshakeMetadata) -> None:
         if meta.backend != self.config.backend:
@@ -255,13 +283,16 @@ class KVReceiver:
         self._recvs.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._handshakes is not None:
-            self._handshakes.close()
+            self._handshakes.close()  # shuts down its own pool, when it has one
+        if self._handshake_executor is not None:
+            self._handshake_executor.shutdown(wait=False, cancel_futures=True)
 
     def _start_recv(self, spec: RecvSpec) -> None:
         assert self._handshakes is not None, "a consumer connector receives only after register_ranks"
         r = spec.remote
         future = self._handshakes.ensure(r.engine_id or None, r.host, r.port, 0)
-        recv = self._recvs[spec.request_id] = _Recv(spec, _Phase.HANDSHAKE, [future])
+        now = self._timer()
+        recv = self._recvs[spec.request_id] = _Recv(spec, _Phase.HANDSHAKE, [future], created=now, started=now)
         if spec.trace is not None:
             recv.spans = LoadSpans(spec, spec.trace)
         self._note_handshake_wait(recv)
@@ -278,7 +309,7 @@ class KVReceiver:
     def _note_handshake_wait(self, recv: _Recv) -> None:
         """The request waits for a handshake (one of its futures is not done): note since when."""
         if recv.handshake_from is None and not all(f.done() for f in recv.futures):
-            recv.handshake_from = time.perf_counter()
+            recv.handshake_from = self._timer()
             if recv.spans is not None:
                 recv.spans.handshake_waited()
 
@@ -286,7 +317,7 @@ class KVReceiver:
         """The request's handshake wait (if it had one) ended: count it and record kv.handshake."""
         if recv.handshake_from is None:
             return
-        self.stats.record_handshake_wait(time.perf_counter() - recv.handshake_from, outcome)
+        self.stats.record_handshake_wait(self._timer() - recv.handshake_from, outcome)
         recv.handshake_from = None
         if recv.spans is not None:
             recv.spans.handshake_done(outcome, error, len(recv.futures))
@@ -300,7 +331,7 @@ class KVReceiver:
         """The load settled (outcome "ok" or a FailureKind value): count it; end its spans, with a
         kv.read per (D rank, P rank) read that settled. Before the reads' handles are released."""
         nbytes = sum(r.nbytes for r in recv.reads.values()) if error is None else None
-        self.stats.record_load(time.perf_counter() - recv.created, outcome, nbytes)
+        self.stats.record_load(self._timer() - recv.created, outcome, nbytes)
         self._end_spans(recv, outcome, error)
 
     def _end_spans(self, recv: _Recv, outcome: str, error: str | None) -> None:
@@ -351,7 +382,7 @@ class KVReceiver:
             self._note_handshake_wait(recv)
             return
         try:
-            waited = time.perf_counter() - recv.handshake_from if recv.handshake_from is not None else 0.0
+            waited = self._timer() - recv.handshake_from if recv.handshake_from is not None else 0.0
             peer = self._peer(s.remote, metas, waited)
         except (HandshakeLayoutMismatch, TPMappingError) as exc:
             self.stats.record_handshake(0.0, HandshakeFailureKind.LAYOUT_MISMATCH.value)
@@ -362,7 +393,7 @@ class KVReceiver:
         self._handshake_done(recv, "ok")
         recv.peer = peer
         recv.phase = _Phase.CHECK
-        recv.asked_at = time.monotonic()
+        recv.asked_at = self._clock()
         watch = self._needs_watch(s, peer)
         traceparent = recv.spans.check_sent(watch) if recv.spans is not None else None
         future = self._executor.submit(self.control.check_read, s.remote.host, s.remote.port, s.remote_request_id,
@@ -449,7 +480,7 @@ class KVReceiver:
             self._note_handshake_wait(recv)
             return
         self._check_done(recv, "granted")
-        late = time.monotonic() - recv.asked_at
+        late = self._clock() - recv.asked_at
         if late > self.config.transfer_timeout_s:
             # P holds a granted read's blocks for two read timeouts from the grant (lease.py): a
             # read started this late could outlive that and copy blocks P gave to another prompt.
@@ -463,7 +494,7 @@ class KVReceiver:
             return
         recv.phase = _Phase.READ
         recv.plan = plan
-        recv.started = time.perf_counter()
+        recv.started = self._timer()
         for (local_rank, remote_rank), (l_descs, r_descs) in descs.items():
             xfer_id = f"x{next(self._xfer_ids)}"
             self._commands[local_rank].reads.append(ReadOp(
@@ -495,6 +526,9 @@ class KVReceiver:
         reads = recv.reads.values()
         if any(r.result is None for r in reads):
             return
+        if recv.abandoned is not None:  # a bug struck while reads were in flight: some may never have started
+            self._fail(rid, recv, *recv.abandoned)
+            return
         failed = [r for r in reads if not r.result.ok]
         if failed:
             first = failed[0]
@@ -506,7 +540,7 @@ class KVReceiver:
                        f"{first.result.cause} (D rank {first.local_rank} from P rank {first.remote_rank}; "
                        f"{len(failed)} of {len(recv.reads)} reads failed)")
             return
-        self.stats.record_transfer(time.perf_counter() - recv.started, sum(r.nbytes for r in reads),
+        self.stats.record_transfer(self._timer() - recv.started, sum(r.nbytes for r in reads),
                                    sum(r.ndescs for r in reads))
         if recv.peer is not None and self._peers.get(recv.spec.remote) is recv.peer:
             self._wired.update((recv.peer.key, r.local_rank, r.remote_rank) for r in reads)
@@ -530,6 +564,7 @@ class KVReceiver:
         if recv.phase is _Phase.READ and recv.reads:
             for read in recv.reads.values():
                 if read.result is None:
+                    recv.abandoned = (kind, cause)
                     return  # the ranks' reports settle it; _settle_reads fails it then
         self._fail(rid, recv, kind, cause)
 
@@ -555,6 +590,8 @@ class KVReceiver:
         for what, fut in self._side_requests:
             if not fut.done():
                 pending.append((what, fut))
+            elif fut.cancelled():  # never sent: the receiver shut down first
+                self.stats.incr("failed_notifications")
             elif fut.exception() is not None:
                 self.stats.incr("failed_notifications")
                 logger.warning("kv %s notification failed: %s", what, fut.exception())

@@ -21,7 +21,7 @@ from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, WorkerConnector
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankCommands, RankRegistration, RankReport
-from kvbridge.kv_transfer.connector.receiving import KVReceiver
+from kvbridge.kv_transfer.connector.receiving import KVReceiver, ReceiverDeps
 from kvbridge.kv_transfer.connector.sending import KVSender
 from kvbridge.kv_transfer.failure import FailureHandler
 from kvbridge.kv_transfer.handshake import CompatibilityInfo
@@ -52,7 +52,10 @@ class KVBridgeWorkerConnector(WorkerConnector):
     def __init__(self, config: KVTransferConfig, engine_id: str, backend: TransferBackend | None,
                  compat: CompatibilityInfo, leases: LeaseTable, failures: FailureHandler, stats: KVTransferStats,
                  side_channel: SideChannelServer | None, prefix_caching: bool,
-                 groups: KVGroups = KVGroups(("full_attention",))) -> None:
+                 groups: KVGroups = KVGroups(("full_attention",)),
+                 receiver_deps: ReceiverDeps | None = None) -> None:
+        """`receiver_deps`: what D's receiver reaches P through (None: ReceiverDeps.default, sockets
+        and threads; a unit test gives its in-memory P, executors and clock)."""
         self.config = config
         self.engine_id = engine_id
         self.compat = compat  # what a peer must share with this engine to exchange KV
@@ -61,7 +64,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.leases = leases
         self.stats = stats
         self.side_channel = side_channel
-        self.receiving = KVReceiver(config, compat, failures, stats, prefix_caching, groups)
+        self.receiving = KVReceiver(config, compat, failures, stats, prefix_caching, groups,
+                                    receiver_deps if receiver_deps is not None else ReceiverDeps.default(config))
         self.sending = (KVSender(engine_id, config.backend, compat, side_channel, leases)
                         if side_channel is not None else None)
         self.ranks: tuple[RankRegistration, ...] = ()
