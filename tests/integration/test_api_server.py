@@ -43,6 +43,7 @@ from kvbridge.engine.request import FinishReason
 from kvbridge.kv_transfer.params import KVTransferParams, parse_kv_transfer_params, to_wire
 from kvbridge.server.api_server import bind_socket, build_app
 from kvbridge.server.async_engine import AsyncEngine
+from tests.openai_errors import assert_openai_error
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
@@ -197,20 +198,6 @@ def post(inst: Instance, path: str, body: Any, **kwargs: Any) -> httpx.Response:
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
     headers = {"Content-Type": "application/json", **kwargs.pop("headers", {})}
     return httpx.post(inst.url + path, content=content, headers=headers, **{"timeout": 60, **kwargs})
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None,
-                        code: str | None = None) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
-    if param is not None:
-        assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[Any]:

@@ -19,69 +19,12 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from kvbridge.engine.layers.attention import AttentionMetadata
-from kvbridge.engine.layers.mamba2 import Mamba2Metadata
-from kvbridge.engine.models import CausalLM
-from kvbridge.spec.kv_cache_layout import KVCacheLayout, plan_kv_cache_layout
+from kvbridge.spec.kv_cache_layout import plan_kv_cache_layout
 from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
-from kvbridge.spec.model_config import ModelArchConfig
-from tests.paged_steps import ATOL, VOCAB
+from tests.hybrid_models import BAMBA_CONFIG as CONFIG
+from tests.hybrid_models import KERNEL_BLOCK, HybridSteps
+from tests.paged_steps import ATOL
 from tests.tp_ranks import join_gloo, leave_gloo, load_folder, paged_scenario
-
-KERNEL_BLOCK = 2
-CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, attn_layer_indices=[1, 4], mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
-              mamba_d_state=4, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=4, max_position_embeddings=64,
-              initializer_range=0.2, attn_implementation="eager")
-
-
-class HybridSteps:
-    """A minimal model runner over a hybrid layout: shuffled logical blocks for the attention
-    group (expanded to kernel blocks), one block per Mamba group per sequence, one forward per
-    step of (seq -> new tokens); the same interface as tests/paged_steps.PagedSteps."""
-
-    def __init__(self, model: CausalLM, arch: ModelArchConfig, kv_heads: int, tp: int = 1, rank: int = 0,
-                 num_blocks: int = 24, dtype: torch.dtype = torch.float32) -> None:
-        self.model = model
-        self.layout: KVCacheLayout = plan_kv_cache_layout(arch, KERNEL_BLOCK, num_blocks, kv_heads, tp, rank)
-        self.kv_cache = self.layout.allocate(dtype, "cpu").zero_()
-        model.bind_kv_cache_layout(self.layout)
-        self.mamba = [g.kind is KVCacheKind.MAMBA for g in layer_groups(arch)]
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-        self.tables: dict[str, list[list[int]]] = {}
-        self.tokens: dict[str, list[int]] = {}
-
-    def step(self, new_tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        bs = self.layout.logical_block_size
-        query_lens, context_lens, ids, positions = [], [], [], []
-        per_group: list[list[list[int]]] = [[] for _ in self.mamba]
-        for seq, toks in new_tokens.items():
-            done = len(self.tokens.setdefault(seq, []))
-            tables = self.tables.setdefault(seq, [[] for _ in self.mamba])
-            for table, mamba in zip(tables, self.mamba):
-                want = 1 if mamba else -(-(done + len(toks)) // bs)
-                while len(table) < want:
-                    table.append(self.free.pop())
-            self.tokens[seq].extend(toks)
-            query_lens.append(len(toks))
-            context_lens.append(done + len(toks))
-            ids.extend(toks)
-            positions.extend(range(done, done + len(toks)))
-            for g, table in enumerate(tables):
-                per_group[g].append(table)
-        metas = [Mamba2Metadata.from_context(query_lens, context_lens, [t[0] for t in tables])
-                 if mamba else
-                 AttentionMetadata.build(query_lens, context_lens, [self.layout.kernel_block_ids(t) for t in tables],
-                                         KERNEL_BLOCK, "cpu")
-                 for tables, mamba in zip(per_group, self.mamba)]
-        logits = self.model.compute_logits(self.model(torch.tensor(ids), torch.tensor(positions), metas,
-                                                      self.kv_cache))
-        out, start = {}, 0
-        for seq, n in zip(new_tokens, query_lens):
-            out[seq] = logits[start:start + n]
-            start += n
-        return out
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:

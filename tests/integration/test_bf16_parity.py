@@ -38,14 +38,11 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.safetensors import arch_from_config
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.spec.model_config import MoEConfig
-from tests.integration.test_bamba_parity import CONFIG as BAMBA_CONFIG
-from tests.integration.test_bamba_parity import HybridSteps
-from tests.integration.test_deepseek_parity import VARIANTS as DEEPSEEK_VARIANTS
-from tests.integration.test_deepseek_parity import make_folder as make_deepseek_folder
-from tests.integration.test_smollm2_reference import NEW_TOKENS, PROMPTS
+from tests.hybrid_models import BAMBA_CONFIG, DEEPSEEK_VARIANTS, HybridSteps, make_deepseek_folder
 from tests.paged_steps import PagedSteps
+from tests.smollm2 import NEW_TOKENS, PROMPTS
 from tests.tp_ranks import join_gloo, leave_gloo, load_folder, paged_scenario
-from tests.unit.test_model_parity import HF_CONFIGS, make_hf
+from tests.tiny_models import HF_CONFIGS, make_hf
 
 pytestmark = pytest.mark.timeout(900)
 BF16 = torch.bfloat16

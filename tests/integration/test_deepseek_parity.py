@@ -21,41 +21,10 @@ import torch.multiprocessing as mp
 import transformers
 
 from kvbridge.engine.models.deepseek import deinterleave_rows
-from tests.paged_steps import ATOL, VOCAB, PagedSteps, prompt
+from tests.hybrid_models import DEEPSEEK_VARIANTS as VARIANTS
+from tests.hybrid_models import make_deepseek_folder as make_folder
+from tests.paged_steps import ATOL, PagedSteps, prompt
 from tests.tp_ranks import join_gloo, leave_gloo, load_folder, paged_scenario
-
-_YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
-             mscale=0.707, mscale_all_dim=0.707)
-_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
-              qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-              max_position_embeddings=64, rope_scaling=_YARN, initializer_range=0.2, attn_implementation="eager")
-VARIANTS = {
-    "v2_moe_qlora": lambda: transformers.DeepseekV2Config(
-        **_SHAPE, q_lora_rank=24, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
-        topk_group=2),
-    "v2_dense": lambda: transformers.DeepseekV2Config(**_SHAPE, q_lora_rank=None, first_k_dense_replace=3),
-    "v3_moe_qlora": lambda: transformers.DeepseekV3Config(
-        **_SHAPE, q_lora_rank=24, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5),
-    "v3_moe_plain_rope": lambda: transformers.DeepseekV3Config(
-        **_SHAPE, q_lora_rank=None, first_k_dense_replace=2, n_group=2, topk_group=1, rope_interleave=False),
-    "v3_dense_qlora": lambda: transformers.DeepseekV3Config(**_SHAPE, q_lora_rank=24, first_k_dense_replace=3),
-}
-
-
-def make_folder(variant: str, folder: Path) -> Path:
-    """The variant's seeded random model saved as a Hugging Face folder (idempotent)."""
-    if (folder / "config.json").is_file():
-        return folder
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(VARIANTS[variant]()).eval()
-    with torch.no_grad():
-        for name, buf in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # zero by default: make it matter
-                buf.normal_(0.0, 0.1)
-    hf.save_pretrained(folder)
-    return folder
-
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:

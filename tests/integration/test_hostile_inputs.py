@@ -43,7 +43,7 @@ from kvbridge.openai_wire import MAX_BODY_BYTES
 from kvbridge.proxy.app import build_proxy_app
 from kvbridge.server.api_server import build_app
 from kvbridge.server.async_engine import AsyncEngine
-from tests.integration.test_api_server import assert_openai_error
+from tests.openai_errors import assert_openai_error
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512

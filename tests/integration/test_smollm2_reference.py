@@ -8,9 +8,8 @@ from kvbridge.config import CacheConfig, EngineConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
+from tests.smollm2 import NEW_TOKENS, PROMPTS
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from kvbridge.engine.models import build_model
 from tests.paged_steps import ATOL, PagedSteps
 from tests.tp_ranks import paged_scenario, scenario_rank
-from tests.unit.test_model_parity import HF_CONFIGS, arch_from_hf, make_hf
+from tests.tiny_models import HF_CONFIGS, arch_from_hf, make_hf
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import tests.unit.test_paged_decode_kernel as decode_fp32  # noqa: E402  (module import: not re-collected)
-import tests.unit.test_prefill_attention_kernel as prefill_fp32  # noqa: E402
 from kvbridge.engine.layers import cpu_kernels  # noqa: E402
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention  # noqa: E402
+from tests.unit.attention_cases import DECODE_GRID, decode_case, fused_qkv  # noqa: E402
 
 BF16_EPS = 2.0 ** -8  # bf16's 8 significant bits: a rounding is within this, relative (a step within 2x)
 FP32_ERROR = 5e-5  # fp32 arithmetic's own error on these inputs (|v| < 10, scores up to ~30)
@@ -64,13 +63,13 @@ def reference_decode(q: torch.Tensor, kv_layer: torch.Tensor, tables: list[list[
 
 def bf16_case(heads: int, kv_heads: int, head_dim: int, block_size: int, contexts: list[int],
               window: int | None, seed: int):
-    q, kv_layer, attn, _ = decode_fp32._case(heads, kv_heads, head_dim, block_size, contexts, window, seed)
+    q, kv_layer, attn, _ = decode_case(heads, kv_heads, head_dim, block_size, contexts, window, seed)
     # The same strided layer view, of a bf16 cache: [blocks, kv_heads, layers, 2, bs, D] -> layer 1.
     cache = kv_layer.permute(0, 3, 1, 2, 4).bfloat16().unsqueeze(2).expand(-1, -1, 3, -1, -1, -1).contiguous()
     return q.bfloat16(), cache[:, :, 1].permute(0, 2, 3, 1, 4), attn
 
 
-@pytest.mark.parametrize("heads_kv,head_dim,block_size,window", decode_fp32.GRID)
+@pytest.mark.parametrize("heads_kv,head_dim,block_size,window", DECODE_GRID)
 def test_decode_kernel_bf16(heads_kv: tuple[int, int], head_dim: int, block_size: int, window: int | None) -> None:
     heads, kv_heads = heads_kv
     contexts = [1, 2, block_size, block_size + 1, 40, 77, 3 * block_size]
@@ -140,7 +139,7 @@ def test_decode_refuses_mixed_dtypes_and_bad_layouts() -> None:
 def test_bf16_prompts_go_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill kernel is fp32-only (torch's bf16 SDPA is faster, benchmarks/README.md "bf16"):
     it refuses bf16, and the layer attends a fresh bf16 prompt with SDPA."""
-    q, k, v = (t.bfloat16() for t in prefill_fp32._qkv(40, 9, 3, 64, seed=11))
+    q, k, v = (t.bfloat16() for t in fused_qkv(40, 9, 3, 64, seed=11))
     with pytest.raises(RuntimeError, match="float32"):
         cpu_kernels.prefill_attention(q, k, v, 0.125)
     calls = []

@@ -13,27 +13,12 @@ import pytest
 
 from kvbridge import cli
 from kvbridge.launcher import cluster
-
-
-@pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """The keyword arguments of each run_cluster call `kvbridge up` makes."""
-    calls: list[dict] = []
-    monkeypatch.delenv("KVBRIDGE_API_KEY", raising=False)
-    monkeypatch.setattr(cluster, "run_cluster", lambda **kwargs: calls.append(kwargs) or 0)
-    return calls
+from tests.unit.cli_recorder import run_cli
 
 
 def auto_dtype() -> list[str]:
     """What `up` adds for the default --dtype auto: the dtype it resolved on this machine."""
     return ["--dtype", cli.dtype_choice(cli.build_parser().parse_args(["serve"])).dtype]
-
-
-def run_cli(argv: list[str]) -> int:
-    try:
-        return cli.main(argv)
-    except SystemExit as exc:  # argparse's errors
-        return exc.code if isinstance(exc.code, int) else 1
 
 
 def test_up_passes_its_engine_options_to_every_instance(started: list[dict]) -> None:

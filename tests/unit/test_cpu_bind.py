@@ -112,7 +112,7 @@ def test_the_runner_waits_for_the_other_ranks_only_before_a_step_whose_reads_spa
     from kvbridge.engine.scheduler_output import SchedulerOutput
     from kvbridge.spec.model_config import ModelFamily
     from kvbridge.spec.tp_split import rank_shard
-    from tests.unit.test_loader import random_weights, tiny_arch
+    from tests.tiny_models import random_weights, tiny_arch
 
     arch = tiny_arch(ModelFamily.LLAMA)
     log: list[str] = []

@@ -19,6 +19,7 @@ from kvbridge.engine.loader.cache import cache_path, expected_weight_shapes, loa
 from kvbridge.engine.loader.gguf import GGUF_FAMILIES
 from kvbridge.engine.loader.safetensors import arch_from_config
 from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
+from tests.tiny_models import random_weights, tiny_arch
 
 # llama.cpp's names for the HF parameters (gguf-py tensor_mapping), restated as the spec.
 GGUF_NAMES = {
@@ -144,14 +145,6 @@ def llama_cpp_permute(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
         rows.shape)
 
 
-def tiny_arch(family: ModelFamily) -> ModelArchConfig:
-    return ModelArchConfig(
-        family=family, vocab_size=258, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=32 if family is ModelFamily.QWEN3 else 16, rms_norm_eps=2.0**-20,  # exact in f32
-        rope_theta=1e6, max_position_embeddings=128, tie_word_embeddings=family is ModelFamily.LLAMA,
-        attention_bias=family is ModelFamily.QWEN2, qk_norm=family is ModelFamily.QWEN3)
-
-
 def write_tiny_gguf(path, arch: ModelArchConfig, weights: dict[str, torch.Tensor], family_name: str) -> None:
     writer = gguf.GGUFWriter(str(path), arch=family_name)
     writer.add_block_count(arch.num_layers)
@@ -184,11 +177,6 @@ def write_tiny_gguf(path, arch: ModelArchConfig, weights: dict[str, torch.Tensor
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def random_weights(arch: ModelArchConfig) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    return {name: torch.randn(shape, generator=generator) for name, shape in expected_weight_shapes(arch).items()}
 
 
 @pytest.mark.parametrize("family", GGUF_FAMILIES)

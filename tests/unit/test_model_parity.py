@@ -23,33 +23,9 @@ import transformers  # noqa: E402
 from kvbridge.engine.layers.attention import AttentionMetadata  # noqa: E402
 from kvbridge.engine.models import CausalLM, build_model  # noqa: E402
 from kvbridge.engine.models.llama import LlamaForCausalLM  # noqa: E402
-from kvbridge.spec.model_config import ModelArchConfig, ModelFamily  # noqa: E402
-from tests.paged_steps import ATOL, BLOCK_SIZE, VOCAB, PagedSteps, prompt  # noqa: E402
-
-
-_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              attn_implementation="eager")
-HF_CONFIGS = {
-    ModelFamily.LLAMA: lambda: transformers.LlamaConfig(
-        **_SHAPE, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
-    ModelFamily.QWEN2: lambda: transformers.Qwen2Config(
-        **_SHAPE, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    ModelFamily.QWEN3: lambda: transformers.Qwen3Config(
-        **_SHAPE, head_dim=24, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
-}
-
-
-def arch_from_hf(family: ModelFamily, cfg: transformers.PretrainedConfig) -> ModelArchConfig:
-    return ModelArchConfig(
-        family=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_parameters["rope_theta"],
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=family == ModelFamily.QWEN2, qk_norm=family == ModelFamily.QWEN3)
+from kvbridge.spec.model_config import ModelArchConfig  # noqa: E402
+from tests.paged_steps import ATOL, BLOCK_SIZE, PagedSteps, prompt  # noqa: E402
+from tests.tiny_models import HF_CONFIGS, arch_from_hf, make_hf  # noqa: E402
 
 
 @dataclass
@@ -63,18 +39,6 @@ class Pair:
     def reference_logits(self, tokens: list[int]) -> torch.Tensor:
         with torch.no_grad():
             return self.hf(input_ids=torch.tensor([tokens])).logits[0].float()
-
-
-def make_hf(family: ModelFamily, seed: int = 0) -> transformers.PreTrainedModel:
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[family]()).eval()
-    with torch.no_grad():  # larger than HF's init so attention patterns are far from uniform
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15)
-    return hf
 
 
 @pytest.fixture(scope="module", params=list(HF_CONFIGS), ids=lambda f: f.value)

@@ -14,7 +14,7 @@ from kvbridge.kv_transfer.backends.tcp_wire import decode_agent_metadata
 from kvbridge.kv_transfer.net import apply_ucx_net_devices, interface_of
 from kvbridge.launcher import cluster
 from kvbridge.spec.hosts import is_unspecified
-from tests.unit.test_cli import run_cli, started  # noqa: F401  (fixture)
+from tests.unit.cli_recorder import run_cli
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.53", "::1", "[::1]"])

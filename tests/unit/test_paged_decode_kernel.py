@@ -8,14 +8,13 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import itertools  # noqa: E402
-import random  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvbridge.engine.layers import cpu_kernels  # noqa: E402
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention  # noqa: E402
+from tests.unit.attention_cases import DECODE_GRID, decode_case  # noqa: E402
 
 
 def test_kernels_build_on_this_machine() -> None:
@@ -24,35 +23,14 @@ def test_kernels_build_on_this_machine() -> None:
     assert cpu_kernels.available()
 
 
-def _case(heads: int, kv_heads: int, head_dim: int, block_size: int, contexts: list[int],
-          window: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    per_seq = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(per_seq) + 3
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    tables = []
-    for n in per_seq:
-        tables.append(ids[:n])
-        ids = ids[n:]
-    slots = 3  # layers in a block; the kernel reads the middle one's strided view
-    cache = torch.randn(num_blocks, kv_heads, slots, 2, block_size, head_dim, generator=gen)
-    kv_layer = cache[:, :, 1].permute(0, 2, 3, 1, 4)
-    attn = AttentionMetadata.build([1] * len(contexts), contexts, tables, block_size, "cpu", window)
-    q = torch.randn(len(contexts), heads + kv_heads, head_dim, generator=gen)[:, :heads]  # strided, as the model's
-    return q, kv_layer, attn, heads
 
 
-GRID = list(itertools.product([(4, 4), (4, 2), (9, 3), (8, 1)], [24, 64, 128], [1, 4, 16], [None, 5, 37]))
-
-
-@pytest.mark.parametrize("heads_kv,head_dim,block_size,window", GRID)
+@pytest.mark.parametrize("heads_kv,head_dim,block_size,window", DECODE_GRID)
 def test_kernel_matches_gather_and_sdpa(heads_kv: tuple[int, int], head_dim: int, block_size: int,
                                         window: int | None) -> None:
     heads, kv_heads = heads_kv
     contexts = [1, 2, block_size, block_size + 1, 40, 77, 3 * block_size]
-    q, kv_layer, attn, _ = _case(heads, kv_heads, head_dim, block_size, contexts, window, seed=head_dim + block_size)
+    q, kv_layer, attn, _ = decode_case(heads, kv_heads, head_dim, block_size, contexts, window, seed=head_dim + block_size)
     layer = PagedAttention(heads, kv_heads, head_dim, fold_gqa_decode=False)
     assert layer.reads_in_place(q, kv_layer)
     decode = attn.decode
@@ -66,7 +44,7 @@ def test_kernel_matches_gather_and_sdpa(heads_kv: tuple[int, int], head_dim: int
 
 def test_window_never_reads_blocks_behind_it() -> None:
     """Table entries wholly behind a sliding window may be anything (the null block): poison them."""
-    q, kv_layer, _, heads = _case(4, 2, 64, 4, [30], 6, seed=1)
+    q, kv_layer, _, heads = decode_case(4, 2, 64, 4, [30], 6, seed=1)
     attn = AttentionMetadata.build([1], [30], [[10**6] * 6 + list(range(1, 3))], 4, "cpu", 6)
     assert attn.decode is not None
     layer = PagedAttention(heads, 2, 64, fold_gqa_decode=False)
@@ -76,13 +54,13 @@ def test_window_never_reads_blocks_behind_it() -> None:
 
 @pytest.mark.parametrize("table,context", [([0, 99], 8), ([0, -1], 8), ([0, 1], 9), ([0, 1], 0)])
 def test_kernel_refuses_out_of_range_blocks_and_contexts(table: list[int], context: int) -> None:
-    q, kv_layer, _, _ = _case(4, 2, 64, 4, [8], None, seed=2)
+    q, kv_layer, _, _ = decode_case(4, 2, 64, 4, [8], None, seed=2)
     with pytest.raises(RuntimeError, match="paged_decode_attention"):
         cpu_kernels.paged_decode_attention(q, kv_layer, torch.tensor([table]), torch.tensor([context]), None, 0.125)
 
 
 def test_kernel_refuses_wrong_dtypes_and_layouts() -> None:
-    q, kv_layer, attn, _ = _case(4, 2, 64, 4, [8], None, seed=3)
+    q, kv_layer, attn, _ = decode_case(4, 2, 64, 4, [8], None, seed=3)
     assert attn.decode is not None
     args = (attn.decode.block_index, attn.decode.context_lens, None, 0.125)
     with pytest.raises(RuntimeError, match="float32"):

@@ -16,13 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvbridge.engine.layers import cpu_kernels  # noqa: E402
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention  # noqa: E402
-
-
-def _qkv(length: int, heads: int, kv_heads: int, head_dim: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """q, k, v as the model has them: views into one fused [L, heads + 2 kv_heads, D] tensor."""
-    gen = torch.Generator().manual_seed(seed)
-    fused = torch.randn(length, heads + 2 * kv_heads, head_dim, generator=gen) * 2
-    return fused[:, :heads], fused[:, heads:heads + kv_heads], fused[:, heads + kv_heads:]
+from tests.unit.attention_cases import fused_qkv  # noqa: E402
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,7 +51,7 @@ GRID = list(itertools.product([(4, 4), (4, 2), (9, 3), (8, 1)], [16, 64, 128],
 @pytest.mark.parametrize("heads_kv,head_dim,length", GRID)
 def test_kernel_matches_sdpa(heads_kv: tuple[int, int], head_dim: int, length: int) -> None:
     heads, kv_heads = heads_kv
-    q, k, v = _qkv(length, heads, kv_heads, head_dim, seed=length * 1000 + head_dim + heads)
+    q, k, v = fused_qkv(length, heads, kv_heads, head_dim, seed=length * 1000 + head_dim + heads)
     out = cpu_kernels.prefill_attention(q, k, v, head_dim ** -0.5)
     assert out.shape == (length, heads, head_dim) and out.is_contiguous()
     _assert_fp32_close(out, q, k, v)
@@ -65,19 +59,19 @@ def test_kernel_matches_sdpa(heads_kv: tuple[int, int], head_dim: int, length: i
 
 def test_a_long_prompt_and_large_scores() -> None:
     """Many key tiles, and scores large enough that every tile's running maximum moves."""
-    q, k, v = _qkv(600, 9, 3, 64, seed=7)
+    q, k, v = fused_qkv(600, 9, 3, 64, seed=7)
     q = q * torch.linspace(1, 8, 600)[:, None, None]
     _assert_fp32_close(cpu_kernels.prefill_attention(q, k, v, 64 ** -0.5), q, k, v)
 
 
 def test_deterministic_across_calls() -> None:
-    q, k, v = _qkv(130, 9, 3, 64, seed=3)
+    q, k, v = fused_qkv(130, 9, 3, 64, seed=3)
     first = cpu_kernels.prefill_attention(q, k, v, 0.125)
     assert all(torch.equal(first, cpu_kernels.prefill_attention(q, k, v, 0.125)) for _ in range(3))
 
 
 def test_empty_prompt() -> None:
-    q, k, v = _qkv(0, 4, 2, 16, seed=0)
+    q, k, v = fused_qkv(0, 4, 2, 16, seed=0)
     assert cpu_kernels.prefill_attention(q, k, v, 0.25).shape == (0, 4, 16)
 
 
@@ -86,7 +80,7 @@ def test_layer_uses_the_kernel_for_a_fresh_prompt(window: int | None, monkeypatc
     """PagedAttention attends a prompt that starts at position 0 with the kernel (not with a
     window, which needs a mask), and its output equals SDPA's."""
     heads, kv_heads, head_dim, block_size, length = 9, 3, 64, 16, 40
-    q, k, v = _qkv(length, heads, kv_heads, head_dim, seed=11)
+    q, k, v = fused_qkv(length, heads, kv_heads, head_dim, seed=11)
     num_blocks = 4
     kv_layer = torch.zeros(num_blocks, kv_heads, 1, 2, block_size, head_dim)[:, :, 0].permute(0, 2, 3, 1, 4)
     attn = AttentionMetadata.build([length], [length], [[0, 1, 2]], block_size, "cpu", window)
@@ -108,6 +102,6 @@ def test_layer_uses_the_kernel_for_a_fresh_prompt(window: int | None, monkeypatc
     (lambda q, k, v: (q.transpose(1, 2), k, v), "contiguous"),
 ])
 def test_kernel_refuses_bad_input(change, message: str) -> None:
-    q, k, v = _qkv(20, 4, 2, 32, seed=1)
+    q, k, v = fused_qkv(20, 4, 2, 32, seed=1)
     with pytest.raises(RuntimeError, match=message):
         cpu_kernels.prefill_attention(*change(q, k, v), 0.2)

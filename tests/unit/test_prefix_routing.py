@@ -7,7 +7,7 @@ import pytest
 
 from kvbridge.proxy.proxy import prompt_text
 from kvbridge.proxy.routing import PrefixAffinityPolicy, Upstream, make_policy
-from tests.unit.test_proxy import COMPLETION, pd_cluster
+from tests.unit.proxy_cluster import COMPLETION, pd_cluster
 
 SYSTEM = "You are a helpful assistant for a shipping company. " * 8  # ~400 characters
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvbridge.proxy.first_token import CHAT_ROUTE, eligible, plan, streamed_text
-from tests.unit.test_proxy import pd_cluster
+from tests.unit.proxy_cluster import STREAMED, offer_token, pd_cluster
 
 COMPLETIONS = "/v1/completions"
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2],
@@ -122,17 +122,6 @@ def test_usage_is_left_out_unless_the_client_asked_for_it():
 
 # ---- the path through the proxy, with stand-in P and D servers (tests/unit/proxy_upstreams.py) ----
 
-def offer_token(instance) -> None:
-    """This stand-in P names its sampled token, as a kvbridge P of an attention model does,
-    and answers with max_tokens' finish reason (its one token did not end the request)."""
-    params, completion = instance.kv_transfer_params, instance.completion
-    instance.kv_transfer_params = lambda request_id: {**params(request_id), "generated_token_ids": [17]}
-
-    def one_token(path: str, request_id: str) -> dict:
-        body = completion(path, request_id)
-        body["choices"][0]["finish_reason"] = "length"
-        return body
-    instance.completion = one_token
 
 
 async def streamed(pd, body: dict) -> tuple[int, bytes]:
@@ -140,7 +129,6 @@ async def streamed(pd, body: dict) -> tuple[int, bytes]:
         return r.status_code, await r.aread()
 
 
-STREAMED = {"model": "m", "prompt": "The capital of France is", "max_tokens": 8, "stream": True}
 
 
 async def test_d_continues_from_p_s_token_which_the_client_gets_first():

@@ -14,7 +14,7 @@ import pytest
 from kvbridge.proxy.app import build_proxy_app
 from kvbridge.proxy.proxy import RetryPolicy
 from kvbridge.proxy.routing import BreakerState, CircuitBreaker
-from tests.unit.test_proxy import COMPLETION, pd_cluster, received_by
+from tests.unit.proxy_cluster import COMPLETION, pd_cluster, received_by
 
 pytestmark = pytest.mark.timeout(60)
 ERROR = b'{"error": {"message": "engine failed", "type": "server_error", "code": 500}}'

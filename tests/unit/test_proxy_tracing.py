@@ -22,8 +22,7 @@ from kvbridge.proxy.app import build_proxy_app
 from kvbridge.proxy.proxy import RetryPolicy
 from kvbridge.tracing import Tracing, parse_traceparent
 from tests.unit.proxy_upstreams import FakeInstance, RunningServer, serve
-from tests.unit.test_proxy import COMPLETION, PD, pd_cluster, received_by
-from tests.unit.test_proxy_first_token import STREAMED, offer_token
+from tests.unit.proxy_cluster import COMPLETION, PD, STREAMED, offer_token, pd_cluster, received_by
 
 pytestmark = pytest.mark.timeout(60)
 CLIENT_TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

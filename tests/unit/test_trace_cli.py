@@ -8,7 +8,7 @@ import re
 import pytest
 
 from kvbridge.cli import main
-from tests.unit.test_trace_waterfall import T1, T2, doc, otlp_span, pd_trace
+from tests.unit.otlp_docs import T1, T2, doc, otlp_span, pd_trace
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
