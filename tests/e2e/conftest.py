@@ -23,10 +23,11 @@ import pytest
 
 from kvbridge.launcher.cluster import LocalCluster
 from tests.e2e.processes import metric
+from tests.fleet import Fleets
 
 MODEL = "SmolLM2-135M-Instruct"
 SMOLLM2_PD_ARGS = ("--num-blocks", "320", "--max-model-len", "512", "--dtype", "float32")  # fp32: the fleets beside it compare to fp32 instances
-SHARED = ("smollm2_pd",)  # the session fixtures below that stop after their last test
+SHARED = ("smollm2_pd", "fleets")  # the session fixtures below that stop after their last test
 
 
 def assert_all_blocks_free(urls: list[str], timeout_s: float = 15.0) -> None:
@@ -75,6 +76,14 @@ def smollm2_pd(tmp_path_factory):
                            extra_serve_args=SMOLLM2_PD_ARGS)
     yield shared
     shared.close()
+
+
+@pytest.fixture(scope="session")
+def fleets(tmp_path_factory):
+    """The session's fleets by spec (tests/fleet.py); the shared ones stop after the last test using this."""
+    registry = Fleets(tmp_path_factory.mktemp("logs-fleets"))
+    yield registry
+    registry.close()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -19,6 +20,12 @@ def metric(url: str, name: str, **labels: str) -> float:
                   httpx.get(url + "/metrics", timeout=10, trust_env=False).text, re.M)
     assert m, f"{sample} missing from {url}/metrics"
     return float(m.group(1))
+
+
+def metric_total(url: str, name: str) -> float:
+    """The sum of every sample of `name` on `url`/metrics, whatever its labels."""
+    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
 
 def children(pid: int) -> list[int]:
@@ -94,3 +101,15 @@ def listening(pid: int) -> set[tuple[str, int]]:
                 address, port = fields[1].rsplit(":", 1)
                 found.add((_address(address), int(port, 16)))
     return found
+
+
+UP_READY_LINE = "Ctrl-C stops everything."  # `kvbridge up` prints it once every process is healthy
+
+
+def wait_until_ready(launcher: subprocess.Popen, stdout: Path, stderr: Path, timeout_s: float = 300.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while UP_READY_LINE not in (text := stdout.read_text()):
+        assert launcher.poll() is None, f"kvbridge up exited with {launcher.returncode}:\n{stderr.read_text()}"
+        assert time.monotonic() < deadline, f"kvbridge up not ready in {timeout_s}s:\n{stderr.read_text()}"
+        time.sleep(0.2)
+    return text

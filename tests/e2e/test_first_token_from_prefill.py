@@ -25,14 +25,13 @@ import pytest
 from openai import APIError, BadRequestError, OpenAI
 
 from kvbridge.config import KVRole
-from kvbridge.launcher.cluster import DEFAULT_CLI, InstanceSpec, free_ports, http_url, serve_command
+from kvbridge.launcher.cluster import DEFAULT_CLI, free_ports, http_url
 from tests.e2e.processes import metric
-from tests.e2e.test_pd_tensor_parallel import PROMPTS as PD_PROMPTS
-from tests.e2e.test_pd_tensor_parallel import SMOLLM2, Fleet, assert_settled
+from tests.fleet import PROMPTS as PD_PROMPTS
+from tests.fleet import SMOLLM2, Fleet, FleetSpec, Member, assert_settled
 
 pytestmark = pytest.mark.timeout(600)
 PROMPTS = [*PD_PROMPTS, "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-INSTANCE_ARGS = ("--num-blocks", "64", "--max-model-len", "512")  # Fleet's, as the shared cluster's context
 CONTINUED = {"outcome": "continued"}
 FINISHED = {"outcome": "finished_at_prefill"}
 
@@ -45,22 +44,18 @@ class Answer:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, smollm2_pd):
+def fleet(fleets, smollm2_pd):
     """P and D: the session's shared cluster's (tests/e2e/conftest.py: NIXL, one thread each, a
     512-token context); the colocated instance, its proxy and the P/D proxy: the module's own."""
     shared = smollm2_pd.get()
-    fleet = Fleet(SMOLLM2, "nixl", {}, tmp_path_factory.mktemp("logs-first-token"))
+    fleet = fleets.own(FleetSpec.of(SMOLLM2, "nixl", {"c": Member(None)}))
     fleet.adopt("p", shared.urls.prefill[0])
     fleet.adopt("d", shared.urls.decode[0])
     try:
-        serve_port, proxy_port = free_ports(2)
-        fleet._spawn("c", [*DEFAULT_CLI, "serve", SMOLLM2, "--host", "127.0.0.1", "--port", str(serve_port),
-                           "--num-threads", "1", "--num-blocks", "64", "--max-model-len", "512", "--dtype", "float32"],
-                     http_url("127.0.0.1", serve_port))
-        fleet._spawn("proxy-c", [*DEFAULT_CLI, "proxy", "--decode", fleet.urls["c"], "--host", "127.0.0.1",
-                                 "--port", str(proxy_port)], http_url("127.0.0.1", proxy_port))
+        proxy_port = free_ports(1)[0]
+        fleet.spawn("proxy-c", [*DEFAULT_CLI, "proxy", "--decode", fleet.urls["c"], "--host", "127.0.0.1",
+                                "--port", str(proxy_port)], http_url("127.0.0.1", proxy_port))
         fleet.proxy("p", "d")
-        fleet.wait_healthy()
         yield fleet
     finally:
         fleet.stop()
@@ -185,20 +180,17 @@ def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_event(fleet):
     """It kills a D of its own (P is shared: it serves on). The client has P's token and D's
     stream has started when D dies; the stream must end with an error event, never a silent
     truncation."""
-    port, side_channel = free_ports(2)
-    spec = InstanceSpec("d-killed", KVRole.CONSUMER, port, side_channel, f"d-killed-{os.getpid()}", 1)
-    fleet._spawn(spec.name, serve_command(DEFAULT_CLI, SMOLLM2, spec, host="127.0.0.1", kv_backend="nixl",
-                                          num_threads=1, extra_args=list(INSTANCE_ARGS)), http_url("127.0.0.1", port))
-    fleet.wait_healthy([spec.name])
-    client = OpenAI(base_url=fleet.proxy("p", spec.name) + "/v1", api_key="unused", max_retries=0, timeout=120)
+    killed = "d-killed"
+    fleet.add(killed, Member(KVRole.CONSUMER))
+    client = OpenAI(base_url=fleet.proxy("p", killed) + "/v1", api_key="unused", max_retries=0, timeout=120)
     chunks = iter(client.completions.create(model=SMOLLM2, prompt=PROMPTS[1], max_tokens=300, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True}))
     assert next(chunks).choices[0].text  # P's token, sent by the proxy before D computed anything
     deadline = time.monotonic() + 60
-    while metric(fleet.urls[spec.name], "kvbridge_num_requests_running") == 0:  # D read P's KV and decodes
+    while metric(fleet.urls[killed], "kvbridge_num_requests_running") == 0:  # D read P's KV and decodes
         assert time.monotonic() < deadline, "D never ran the request"
         time.sleep(0.01)
-    os.kill(fleet.child(spec.name).pid, signal.SIGKILL)
+    os.kill(fleet.child(killed).pid, signal.SIGKILL)
     with pytest.raises(APIError, match="decode instance stream failed"):
         for _ in chunks:
             pass

@@ -18,13 +18,9 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.launcher.cluster import LocalCluster
 from tests.e2e.processes import metric
+from tests.fleet import LONG, MAX_TOKENS, SHORT
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_TOKENS = 8
-SHORT = "Hello there"  # fewer tokens than one block
-LONG = ("The history of the Roman Empire spans many centuries, from the founding of the city "
-        "to the fall of Constantinople. Summarise its three most important turning points, "
-        "with a date for each:")
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ from kvbridge.config import KVRole
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_BAMBA, write_synthetic_folder
 from tests.e2e.processes import metric
-from tests.e2e.test_pd_tensor_parallel import SMOLLM2, Fleet, Reference, assert_settled, complete
+from tests.fleet import SMOLLM2, Fleet, FleetSpec, Member, Reference, assert_settled, complete
 
-KERNEL = ["--block-size", "4"]
-NO_PREFIX = [*KERNEL, "--no-prefix-caching"]
+KERNEL = ("--block-size", "4")
+NO_PREFIX = (*KERNEL, "--no-prefix-caching")
 PROMPT = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
           "Constantinople. Summarise its three most important turning points:")
 
@@ -53,11 +53,11 @@ def pd_answers_like_one_engine(fleet: Fleet, model: str, want: Reference, prefil
     assert metric(d, "kvbridge_kv_recomputed_requests_total") == 0
 
 
-def test_p_tp2_to_d_tp1_over_nixl_and_the_refusal_with_prefix_caching_on(model, want, tmp_path_factory):
-    instances = {"p2": (KVRole.PRODUCER, 2, KERNEL), "d1": (KVRole.CONSUMER, 1, NO_PREFIX),
-                 "d1_prefix": (KVRole.CONSUMER, 1, KERNEL),
-                 "d1_fail": (KVRole.CONSUMER, 1, [*KERNEL, "--kv-load-failure-policy", "fail"])}
-    fleet = Fleet(model, "nixl", instances, tmp_path_factory.mktemp("logs-bamba-nixl"))
+def test_p_tp2_to_d_tp1_over_nixl_and_the_refusal_with_prefix_caching_on(model, want, fleets):
+    instances = {"p2": Member(KVRole.PRODUCER, 2, KERNEL), "d1": Member(KVRole.CONSUMER, 1, NO_PREFIX),
+                 "d1_prefix": Member(KVRole.CONSUMER, 1, KERNEL),
+                 "d1_fail": Member(KVRole.CONSUMER, 1, (*KERNEL, "--kv-load-failure-policy", "fail"))}
+    fleet = fleets.own(FleetSpec.of(model, "nixl", instances))
     try:
         pd_answers_like_one_engine(fleet, model, want, "p2", "d1")
         served = Path(model).name
@@ -79,9 +79,9 @@ def test_p_tp2_to_d_tp1_over_nixl_and_the_refusal_with_prefix_caching_on(model, 
         fleet.stop()
 
 
-def test_p_tp1_to_d_tp2_over_tcp(model, want, tmp_path_factory):
-    instances = {"p1": (KVRole.PRODUCER, 1, KERNEL), "d2": (KVRole.CONSUMER, 2, NO_PREFIX)}
-    fleet = Fleet(model, "tcp", instances, tmp_path_factory.mktemp("logs-bamba-tcp"))
+def test_p_tp1_to_d_tp2_over_tcp(model, want, fleets):
+    instances = {"p1": Member(KVRole.PRODUCER, 1, KERNEL), "d2": Member(KVRole.CONSUMER, 2, NO_PREFIX)}
+    fleet = fleets.own(FleetSpec.of(model, "tcp", instances))
     try:
         pd_answers_like_one_engine(fleet, model, want, "p1", "d2")
         assert_settled(fleet, list(instances))

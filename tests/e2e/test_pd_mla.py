@@ -20,10 +20,10 @@ from kvbridge.config import KVRole
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_DEEPSEEK_V2_MOE, write_synthetic_folder
 from tests.e2e.processes import metric
-from tests.e2e.test_pd_tensor_parallel import PROMPTS, SMOLLM2, Fleet, Reference, assert_settled, complete
+from tests.fleet import PROMPTS, SMOLLM2, FleetSpec, Member, Reference, assert_settled, complete
 
-INSTANCES = {"p1": (KVRole.PRODUCER, 1), "p2": (KVRole.PRODUCER, 2), "d1": (KVRole.CONSUMER, 1),
-             "d2": (KVRole.CONSUMER, 2)}
+INSTANCES = {"p1": Member(KVRole.PRODUCER, 1), "p2": Member(KVRole.PRODUCER, 2), "d1": Member(KVRole.CONSUMER, 1),
+             "d2": Member(KVRole.CONSUMER, 2)}
 BLOCK_SIZE = 16  # kvbridge serve's default
 
 
@@ -40,19 +40,15 @@ def want(mla_model) -> Reference:
 
 
 @pytest.fixture(scope="module", params=["nixl", "tcp"])
-def fleet(request, mla_model, tmp_path_factory):
-    fleet = Fleet(mla_model, request.param, INSTANCES, tmp_path_factory.mktemp(f"logs-mla-{request.param}"))
-    try:
-        yield fleet
-    finally:
-        fleet.stop()
+def fleet(request, mla_model, fleets):
+    return fleets.shared(FleetSpec.of(mla_model, request.param, INSTANCES))
 
 
 @pytest.mark.parametrize("prefill, decode", [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])
 def test_mla_pairings_answer_like_one_tp1_engine_and_move_one_latent_copy(fleet, mla_model, want, prefill, decode):
     arch, tok = want.loaded.arch, want.loaded.tokenizer
     latent_block_bytes = arch.num_layers * BLOCK_SIZE * arch.cache_head_size * 4  # one block, one copy
-    d_tp = INSTANCES[decode][1]
+    d_tp = INSTANCES[decode].tp
     served, url, d_url = Path(mla_model).name, fleet.proxy(prefill, decode), fleet.urls[decode]
     for prompt in PROMPTS:
         prompt = f"[MLA {prefill} to {decode}] {prompt}"

@@ -35,7 +35,7 @@ from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.launcher.cluster import ChildProcess, child_env, spawn_child, stop_children
-from tests.e2e.test_pd_cluster import LONG, MAX_TOKENS, SHORT
+from tests.fleet import LONG, MAX_TOKENS, SHORT
 from tests.netns import Host, NetnsLan
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -19,9 +19,9 @@ from kvbridge.config import KVRole
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_QWEN2_SLIDING, write_synthetic_folder
 from tests.e2e.processes import metric
-from tests.e2e.test_pd_tensor_parallel import SMOLLM2, Fleet, Reference, assert_settled, complete
+from tests.fleet import SMOLLM2, FleetSpec, Member, Reference, assert_settled, complete
 
-INSTANCES = {"p2": (KVRole.PRODUCER, 2), "d1": (KVRole.CONSUMER, 1)}
+INSTANCES = {"p2": Member(KVRole.PRODUCER, 2), "d1": Member(KVRole.CONSUMER, 1)}
 BASE = ("The history of the Roman Empire spans many centuries, from the founding of the city on the Tiber by "
         "its legendary twins, through the kings, the republic and its civil wars, to the fall of ")
 
@@ -39,12 +39,8 @@ def want(model) -> Reference:
 
 
 @pytest.fixture(scope="module", params=["nixl", "tcp"])
-def fleet(request, model, tmp_path_factory):
-    fleet = Fleet(model, request.param, INSTANCES, tmp_path_factory.mktemp(f"logs-sliding-{request.param}"))
-    try:
-        yield fleet
-    finally:
-        fleet.stop()
+def fleet(request, model, fleets):
+    return fleets.shared(FleetSpec.of(model, request.param, INSTANCES))
 
 
 def test_hybrid_pd_answers_like_one_engine_with_partial_and_full_hits_on_d(fleet, model, want):

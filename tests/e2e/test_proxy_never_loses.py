@@ -30,10 +30,10 @@ from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_fo
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.launcher.cluster import DEFAULT_CLI, free_ports, http_url, proxy_command
 from tests.e2e.processes import metric
-from tests.e2e.test_pd_tensor_parallel import SMOLLM2, Fleet, Reference, assert_settled, complete
+from tests.fleet import SMOLLM2, FleetSpec, Member, Reference, assert_settled, complete
 
-INSTANCES = {"p_a": (KVRole.PRODUCER, 1), "p_b": (KVRole.PRODUCER, 1), "d_a": (KVRole.CONSUMER, 1),
-             "d_b": (KVRole.CONSUMER, 1)}
+INSTANCES = {"p_a": Member(KVRole.PRODUCER, 1), "p_b": Member(KVRole.PRODUCER, 1), "d_a": Member(KVRole.CONSUMER, 1),
+             "d_b": Member(KVRole.CONSUMER, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +56,17 @@ def circuit(proxy: str, url: str) -> str:
     return next(u["circuit"] for kind in ("prefill", "decode") for u in report[kind] if u["url"] == url)
 
 
-def test_killed_prefill_and_decode_processes_lose_no_request(model, tmp_path_factory):
+def test_killed_prefill_and_decode_processes_lose_no_request(model, fleets):
     want = Reference(model)
     served = Path(model).name
-    fleet = Fleet(model, "nixl", INSTANCES, tmp_path_factory.mktemp("logs-never-loses"))
+    fleet = fleets.own(FleetSpec.of(model, "nixl", INSTANCES))
     try:
         port = free_ports(1)[0]
         argv = proxy_command(DEFAULT_CLI, [fleet.urls["p_a"], fleet.urls["p_b"]],
                              [fleet.urls["d_a"], fleet.urls["d_b"]], host="127.0.0.1", port=port)
         # One failure opens a breaker, probed after 2 s: the flapping D below closes it again.
         argv += ["--breaker-failures", "1", "--breaker-cooldown", "2", "--health-interval", "0.5"]
-        fleet._spawn("proxy", argv, http_url("127.0.0.1", port))
-        fleet.wait_healthy(["proxy"])
+        fleet.spawn("proxy", argv, http_url("127.0.0.1", port))
         proxy = fleet.urls["proxy"]
         prompts = [f"Request {i}: tell me about the sea and the sky." for i in range(16)]
         # 1. P a dies while requests stream through the proxy: all answer, as one engine would.
@@ -102,10 +101,8 @@ def test_killed_prefill_and_decode_processes_lose_no_request(model, tmp_path_fac
         assert metric(proxy, "kvbridge_proxy_decode_only_fallback_total") >= 1
         # 4. The killed D comes back on its address: after the cool-down one request probes it and
         # its success closes the breaker (each check sends a request: they are what probes it).
-        killed = fleet.child(busy)
-        fleet.children.remove(killed)
-        fleet._spawn(busy, killed.argv, fleet.urls[busy])
-        fleet.wait_healthy([busy])
+        killed = fleet.forget(busy)
+        fleet.spawn(busy, killed.argv, fleet.urls[busy])
 
         def probed_and_closed() -> bool:
             assert complete(proxy, served, "Request flap: hello") == want("Request flap: hello")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.launcher.cluster import free_ports
-from tests.e2e.test_up_command import wait_until_ready
+from tests.e2e.processes import wait_until_ready
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "http://127.0.0.1:8000/v1"

@@ -19,7 +19,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,18 +27,18 @@ import pytest
 from openai import OpenAI
 
 from kvbridge.chaos import ThreadServer
-from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbridge.config import CacheConfig, EngineConfig, KVRole, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.tp.cpu_bind import rank_cpus
 from kvbridge.engine.tp.tp_executor import TPExecutorError
-from kvbridge.launcher.cluster import free_ports
 from kvbridge.server.api_server import build_app
 from kvbridge.server.async_engine import AsyncEngine
 from kvbridge.spec.tp_split import TPSplitError
 from tests.e2e.processes import children, gone, listening, rank_pids
+from tests.fleet import Fleets, FleetSpec, Member
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -160,47 +159,40 @@ def test_a_dead_rank_makes_health_fail_and_requests_get_an_error_not_a_hang(tp3)
 # ---- `kvbridge serve -tp 3`, a real process ------------------------------------------------
 
 class Serve:
-    def __init__(self, tmp_path: Path, *args: str, model: str = MODEL, tp: int = 3,
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_ports(1)[0]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp_path / "serve.log"
-        argv = [sys.executable, "-m", "kvbridge.cli", "serve", model, "--port", str(self.port), "-tp", str(tp),
-                "--num-threads", "2", "--num-blocks", "64", "--max-model-len", "512", "--dtype", "float32", *args]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})})
+    """One `kvbridge serve` with its rank processes, from the tests' fleet builder (tests/fleet.py)."""
+
+    def __init__(self, fleets: Fleets, member: Member = Member(None, 3), model: str = MODEL, backend: str = "nixl",
+                 **options) -> None:
+        self.fleet = fleets.own(FleetSpec.of(model, backend, {}, num_threads=2, **options))
+        self.fleet.add("serve", member, wait=False)
+        self.child = self.fleet.child("serve")
+        self.proc, self.url = self.child.popen, self.fleet.urls["serve"]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def log(self) -> str:
+        return self.child.log_path.read_text()
 
     def wait_healthy(self) -> list[int]:
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}:\n{self.log.read_text()}"
-            assert time.monotonic() < deadline, f"serve not healthy in {WAIT_S}s:\n{self.log.read_text()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=5, trust_env=False).status_code == 200:
-                    return children(self.proc.pid)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        self.fleet.wait_healthy(["serve"], WAIT_S)
+        return children(self.proc.pid)
 
     def wait_exit(self) -> int:
         try:
             return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise AssertionError(f"serve did not exit:\n{self.log.read_text()}") from None
+            raise AssertionError(f"serve did not exit:\n{self.log()}") from None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        for pid in children(self.proc.pid):
+        ranks = children(self.proc.pid) if self.child.alive() else []
+        self.fleet.stop()
+        for pid in gone(ranks, timeout_s=10):  # a rank its server left behind (the test fails for it)
             os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_serve_tp3_answers_like_tp1_and_a_signal_leaves_no_rank_behind(tmp_path, tp1_outputs, loaded, sig):
-    serve = Serve(tmp_path)
+def test_serve_tp3_answers_like_tp1_and_a_signal_leaves_no_rank_behind(fleets, tp1_outputs, loaded, sig):
+    serve = Serve(fleets)
     try:
         ranks = serve.wait_healthy()
         assert len(ranks) >= 3, ranks  # three ranks (and perhaps multiprocessing's resource tracker)
@@ -212,7 +204,7 @@ def test_serve_tp3_answers_like_tp1_and_a_signal_leaves_no_rank_behind(tmp_path,
         serve.proc.send_signal(sig)
         # uvicorn shuts down gracefully, then re-raises SIGTERM (exit by the signal, as a
         # SIGTERMed process does); SIGINT ends as a handled KeyboardInterrupt (exit 0).
-        assert serve.wait_exit() in ((0, -signal.SIGTERM) if sig == signal.SIGTERM else (0,)), serve.log.read_text()
+        assert serve.wait_exit() in ((0, -signal.SIGTERM) if sig == signal.SIGTERM else (0,)), serve.log()
         assert gone(ranks) == []
     finally:
         serve.close()
@@ -228,7 +220,7 @@ def interface_address(name: str) -> str | None:
     return socket.inet_ntoa(packed[20:24])
 
 
-def test_a_tp_server_and_its_ranks_listen_on_loopback_only_and_name_their_tp_size(tmp_path, loaded):
+def test_a_tp_server_and_its_ranks_listen_on_loopback_only_and_name_their_tp_size(tmp_path, loaded, fleets):
     """The ranks' rendezvous (torch's TCPStore) listened on every interface (*:PORT) although it was
     given 127.0.0.1: anyone on the network could join it. Every socket of the server, of its rank
     processes (their gloo pairs, their tcp KV servers) and of its side channel is on 127.0.0.1."""
@@ -237,8 +229,8 @@ def test_a_tp_server_and_its_ranks_listen_on_loopback_only_and_name_their_tp_siz
     # naming a routable one stands for a host whose name resolves to its network address.
     routable = next((name for _, name in socket.if_nameindex() if interface_address(name) not in (None, "127.0.0.1")),
                     None)
-    serve = Serve(tmp_path, "--kv-role", "producer", "--kv-backend", "tcp", model=str(folder), tp=2,
-                  env={"GLOO_SOCKET_IFNAME": routable} if routable else None)
+    serve = Serve(fleets, Member(KVRole.PRODUCER, 2), model=str(folder), backend="tcp",
+                  env=(("GLOO_SOCKET_IFNAME", routable),) if routable else ())
     try:
         children_ = serve.wait_healthy()
         sockets = {pid: listening(pid) for pid in [serve.proc.pid, *children_]}
@@ -260,8 +252,8 @@ def test_a_tp_server_and_its_ranks_listen_on_loopback_only_and_name_their_tp_siz
         serve.close()
 
 
-def test_a_rank_killed_fails_the_engine_cleanly_and_serve_exits_nonzero(tmp_path):
-    serve = Serve(tmp_path)
+def test_a_rank_killed_fails_the_engine_cleanly_and_serve_exits_nonzero(fleets):
+    serve = Serve(fleets)
     try:
         ranks = serve.wait_healthy()
         rank_pids = [pid for pid in ranks if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
@@ -269,8 +261,8 @@ def test_a_rank_killed_fails_the_engine_cleanly_and_serve_exits_nonzero(tmp_path
         os.kill(rank_pids[-1], signal.SIGKILL)
         # No hang: the server notices, answers 503 (or is already gone), and exits non-zero.
         code = serve.wait_exit()
-        assert code != 0, serve.log.read_text()
-        assert "rank" in serve.log.read_text() and "exited" in serve.log.read_text()
+        assert code != 0, serve.log()
+        assert "rank" in serve.log() and "exited" in serve.log()
         assert gone(ranks) == []
     finally:
         serve.close()

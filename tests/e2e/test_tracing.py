@@ -29,13 +29,14 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvbridge.launcher.cluster import ChildProcess, child_env, free_ports, spawn_child, stop_children
-from tests.e2e.processes import metric
+from kvbridge.config import KVRole
+from kvbridge.launcher.cluster import ChildProcess, child_env, free_ports
+from tests.e2e.processes import metric, wait_until_ready
+from tests.fleet import FleetSpec, Member
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "SmolLM2-135M-Instruct"
-READY_LINE = "Ctrl-C stops everything."
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 STORY = ("Here is a short story about a lighthouse keeper who lived alone on a rocky island far from the "
@@ -50,7 +51,7 @@ INSIDE_GAP = 0.001  # the proxy's children may leave at most 0.1% of its root sp
 
 
 @dataclass
-class Fleet:
+class Traced:
     proxy: str  # `kvbridge up`'s proxy
     prefill: str
     decode: str
@@ -59,58 +60,39 @@ class Fleet:
     receiver: OtlpReceiver
 
 
-def _wait_healthy(url: str, child: ChildProcess | None, deadline: float) -> None:
-    while True:
-        if child is not None:
-            assert child.alive(), f"{child.name} exited:\n{child.tail()}"
-        try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{url} not healthy"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(tmp_path_factory, fleets):
+    """`kvbridge up` (its proxy, P and D) as a user runs it, plus, from the tests' fleet builder, a
+    bf16 prefill (KV D cannot use: a retry) and a proxy between it and up's decode instance."""
     logs = tmp_path_factory.mktemp("logs-tracing")
     receiver = OtlpReceiver().start()
+    tracing = ("--otlp-traces-endpoint", receiver.endpoint)
     env = child_env({**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "50"}, loopback_only=True, num_threads=1)
-    port, p2_port, p2_side, proxy2_port = free_ports(4)
-    tracing = ["--otlp-traces-endpoint", receiver.endpoint]
+    port = free_ports(1)[0]
     up_argv = [sys.executable, "-m", "kvbridge.cli", "up", "--port", str(port), "--num-threads", "1", "--dtype", "float32",
                *tracing, "--", *INSTANCE_ARGS[:4]]
     stdout, stderr = logs / "up.out", logs / "up.err"
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
         up = subprocess.Popen(up_argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
-    children: list[ChildProcess] = []
+    extra = None
     try:
-        p2 = spawn_child("prefill-bf16", [sys.executable, "-m", "kvbridge.cli", "serve", MODEL, "--port", str(p2_port),
-                                          "--kv-role", "producer", "--kv-side-channel-port", str(p2_side),
-                                          "--kv-engine-id", f"bf16-{os.getpid()}", "--dtype", "bfloat16",
-                                          "--otlp-service-name", "kvbridge-prefill-bf16", *tracing, *INSTANCE_ARGS],
-                         env, logs)
-        children.append(p2)
-        deadline = time.monotonic() + 300
-        while READY_LINE not in (text := stdout.read_text()):
-            assert up.poll() is None, f"kvbridge up exited:\n{stderr.read_text()}"
-            assert time.monotonic() < deadline, f"kvbridge up not ready:\n{stderr.read_text()}"
-            time.sleep(0.2)
+        extra = fleets.own(FleetSpec.of(MODEL, "nixl", {}, base_args=tuple(INSTANCE_ARGS),
+                                        env=(("OTEL_BSP_SCHEDULE_DELAY", "50"),)))
+        extra.add("prefill-bf16", Member(KVRole.PRODUCER, 1, ("--dtype", "bfloat16", *tracing)), wait=False)
+        text = wait_until_ready(up, stdout, stderr)
         prefill = re.search(r"prefill: (\S+)", text).group(1)
         decode = re.search(r"decode: +(\S+)", text).group(1)
-        p2_url = f"http://127.0.0.1:{p2_port}"
-        _wait_healthy(p2_url, p2, deadline)
-        proxy2 = spawn_child("proxy-faulty", [sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", p2_url,
-                                              "--decode", decode, "--port", str(proxy2_port), "--health-interval",
-                                              "600", "--otlp-service-name", "kvbridge-proxy-faulty", *tracing],
-                             env, logs)
-        children.append(proxy2)
-        proxy2_url = f"http://127.0.0.1:{proxy2_port}"
-        _wait_healthy(proxy2_url, proxy2, deadline)
-        yield Fleet(f"http://127.0.0.1:{port}", prefill, decode, proxy2_url, p2, receiver)
+        extra.wait_healthy(["prefill-bf16"])
+        proxy2_port = free_ports(1)[0]
+        extra.spawn("proxy-faulty", [sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill",
+                                     extra.urls["prefill-bf16"], "--decode", decode, "--port", str(proxy2_port),
+                                     "--health-interval", "600", "--otlp-service-name", "kvbridge-proxy-faulty",
+                                     *tracing], f"http://127.0.0.1:{proxy2_port}")
+        yield Traced(f"http://127.0.0.1:{port}", prefill, decode, extra.urls["proxy-faulty"],
+                     extra.child("prefill-bf16"), receiver)
     finally:
-        stop_children(list(reversed(children)))
+        if extra is not None:
+            extra.stop()
         if up.poll() is None:
             up.send_signal(signal.SIGTERM)
             try:
@@ -231,7 +213,7 @@ PD_STREAM_SPANS = {
     "engine.first_decode_step", "engine.decode", "instance.stream"}
 
 
-def settled(fleet: Fleet, timeout_s: float = 20.0) -> None:
+def settled(fleet: Traced, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     for url in (fleet.prefill, fleet.decode):
         while metric(url, "kvbridge_kv_cache_free_blocks") != metric(url, "kvbridge_kv_cache_total_blocks"):
@@ -240,7 +222,7 @@ def settled(fleet: Fleet, timeout_s: float = 20.0) -> None:
         assert metric(url, "kvbridge_kv_expired_leases_total") == 0, url
 
 
-def test_a_streamed_pd_request_is_one_trace_under_the_clients(fleet: Fleet) -> None:
+def test_a_streamed_pd_request_is_one_trace_under_the_clients(fleet: Traced) -> None:
     timed = traced_request(fleet.proxy, "trace-e2e-stream", stream=True,
                            traceparent=f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")
     assert timed.text
@@ -278,7 +260,7 @@ def test_a_streamed_pd_request_is_one_trace_under_the_clients(fleet: Fleet) -> N
     settled(fleet)
 
 
-def test_a_failed_read_shows_its_kind_and_the_recompute(fleet: Fleet) -> None:
+def test_a_failed_read_shows_its_kind_and_the_recompute(fleet: Traced) -> None:
     prompt = "A second story, " + PROMPT  # a prompt D has not seen: it must read all of it
     failed = traced_request(fleet.faulty_proxy, "trace-e2e-failed", stream=False, prompt=prompt)
     clean = traced_request(fleet.proxy, "trace-e2e-clean", stream=False, prompt=prompt)
@@ -294,7 +276,7 @@ def test_a_failed_read_shows_its_kind_and_the_recompute(fleet: Fleet) -> None:
     settled(fleet)
 
 
-def test_every_request_of_a_mixed_run_is_covered_by_its_spans(fleet: Fleet) -> None:
+def test_every_request_of_a_mixed_run_is_covered_by_its_spans(fleet: Traced) -> None:
     """Two measures per request. Inside the proxy's root span its children leave no gap (the proxy
     times every step; asserted on each request). Against the client's own clock, the spans cover at
     least 99% of its TTFT and end-to-end time: the rest is the client's sending and reading, and on a
@@ -335,7 +317,7 @@ def test_every_request_of_a_mixed_run_is_covered_by_its_spans(fleet: Fleet) -> N
     settled(fleet)
 
 
-def test_kvbridge_trace_prints_the_waterfall(fleet: Fleet, tmp_path: Path) -> None:
+def test_kvbridge_trace_prints_the_waterfall(fleet: Traced, tmp_path: Path) -> None:
     traced_request(fleet.proxy, "trace-e2e-cli", stream=True, prompt="A third story. " + PROMPT)
     trace_of(fleet.receiver, "trace-e2e-cli", {"proxy.relay", "kv.read", "engine.decode"})
     path = tmp_path / "traces.jsonl"
@@ -349,7 +331,7 @@ def test_kvbridge_trace_prints_the_waterfall(fleet: Fleet, tmp_path: Path) -> No
     assert "kvbridge-decode-0" in shown.stdout and "kvbridge-prefill-0" in shown.stdout
 
 
-def test_a_retry_shows_both_attempts(fleet: Fleet) -> None:
+def test_a_retry_shows_both_attempts(fleet: Traced) -> None:
     """Last: it kills the bf16 prefill. The faulty proxy has not noticed (health every 600 s)."""
     fleet.faulty_prefill.popen.send_signal(signal.SIGKILL)
     fleet.faulty_prefill.popen.wait(timeout=30)

@@ -9,25 +9,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from kvbridge.launcher.cluster import free_ports
-from tests.e2e.processes import metric
+from tests.e2e.processes import metric, wait_until_ready
 
 KEY = "sk-up-e2e"
-READY_LINE = "Ctrl-C stops everything."
-
-
-def wait_until_ready(launcher: subprocess.Popen, stdout: Path, stderr: Path, timeout_s: float = 300.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while READY_LINE not in (text := stdout.read_text()):
-        assert launcher.poll() is None, f"kvbridge up exited with {launcher.returncode}:\n{stderr.read_text()}"
-        assert time.monotonic() < deadline, f"kvbridge up not ready in {timeout_s}s:\n{stderr.read_text()}"
-        time.sleep(0.2)
-    return text
 
 
 def test_up_passes_options_to_every_instance_and_sigterm_leaves_no_process(tmp_path: Path) -> None:

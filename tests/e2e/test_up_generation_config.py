@@ -20,7 +20,7 @@ import pytest
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.launcher.cluster import free_ports
-from tests.e2e.test_up_command import wait_until_ready
+from tests.e2e.processes import wait_until_ready
 
 FOLDER_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 6}  # greedy, 6 tokens
 MODEL_DEFAULTS = {"temperature": 1.5, "max_new_tokens": 3}  # what `auto` would have given
