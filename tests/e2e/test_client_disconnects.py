@@ -377,12 +377,25 @@ def test_a_storm_cut_at_random_points_of_the_p_leg_leaves_no_lease_held(cluster,
 LONG_PROMPT = " ".join(story(500 + i, long=True) for i in range(5))  # several hundred tokens: a prefill of ~0.1 s+
 
 
-@pytest.mark.parametrize("after_s", [0.0, 0.03, 0.1, 0.3])
-def test_a_proxy_killed_during_the_p_leg_leaves_no_lease_held(cluster, tmp_path, after_s):
+async def until_running(url: str, timeout_s: float = 60.0) -> None:
+    """Until the instance at `url` runs a request (polled every few ms: an event, not a delay)."""
+    deadline = time.monotonic() + timeout_s
+    while await asyncio.to_thread(metric, url, "kvbridge_num_requests_running") == 0:
+        assert time.monotonic() < deadline, f"{url} never ran the request"
+        await asyncio.sleep(0.002)
+
+
+@pytest.mark.parametrize("cut", ["written", "0.03s", "0.1s", "d_decoding"])
+def test_a_proxy_killed_during_the_p_leg_leaves_no_lease_held(cluster, tmp_path, cut):
     """Issue 44, the proxy itself as the event: a second `kvbridge proxy` in front of the shared P
-    and D is SIGKILLed `after_s` after a long prompt's request was written to it (cut points from
-    before P admits it to past P's answer); its connections close, and whatever P had granted ends
-    at once (no expiry), by P's own release or by D's."""
+    and D is SIGKILLed at a cut point of a long prompt's request: right after it was written to the
+    proxy, 30 ms and 100 ms later (before P admits it, while P prefills it: P's prefill of this prompt
+    takes about 0.25 s here), and while D decodes it (P's answer read, the KV read: the cut waits for
+    D's running request). Its connections close, and whatever P had granted ends at once (no
+    expiry), by P's own release or by D's. No cut is a fixed time past P's answer: it could land in
+    the instants between the proxy reading P's answer and D receiving the request, where a
+    SIGKILLed proxy leaves P's lease to expire by design (docs/architecture.md, "Leases"; a 0.3 s
+    cut did, once)."""
     import signal
     import subprocess
     import sys
@@ -399,9 +412,14 @@ def test_a_proxy_killed_during_the_p_leg_leaves_no_lease_held(cluster, tmp_path,
         url = line.split()[2]
 
         async def send_and_kill() -> None:
-            body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
-            task = asyncio.ensure_future(close_after(url, body, 30))
-            await asyncio.sleep(0.01 + after_s)  # a cut point, not a synchronisation
+            # D decodes long enough (ignore_eos) for its running request to be seen
+            body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 64, "ignore_eos": True, "temperature": 0,
+                    "stream": True}
+            task = asyncio.ensure_future(close_after(url, body, 60))
+            if cut == "d_decoding":
+                await until_running(d_url(cluster))
+            else:  # a cut point, not a synchronisation
+                await asyncio.sleep({"written": 0.01, "0.03s": 0.03, "0.1s": 0.1}[cut])
             proxy.send_signal(signal.SIGKILL)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
