@@ -2,7 +2,9 @@
 processes serving a tiny random-weight DeepSeek-V2 folder with MoE (built by `transformers`
 in the test's temporary directory), a real `kvbridge proxy` per pairing, the openai client.
 
-P TP 2 -> D TP 1, P TP 1 -> D TP 2 and P TP 2 -> D TP 2, over NIXL and tcp:
+P TP 2 -> D TP 1, P TP 1 -> D TP 2 and P TP 2 -> D TP 2, over NIXL (the same reads over real tcp
+agents, every pairing: tests/integration/test_tp_reads_settle_together.py; tcp between real processes:
+test_pd_tensor_parallel.py, test_pd_hybrid_mamba.py):
 - greedy text equals one colocated TP 1 engine's;
 - P frees every rank's copy of the latent without a lease expiring (expired-lease counter 0,
   held-blocks gauge back to 0), every block is free on P and D afterwards;
@@ -39,9 +41,9 @@ def want(mla_model) -> Reference:
     return Reference(mla_model)
 
 
-@pytest.fixture(scope="module", params=["nixl", "tcp"])
-def fleet(request, mla_model, fleets):
-    return fleets.shared(FleetSpec.of(mla_model, request.param, INSTANCES))
+@pytest.fixture(scope="module")
+def fleet(mla_model, fleets):
+    return fleets.shared(FleetSpec.of(mla_model, "nixl", INSTANCES))
 
 
 @pytest.mark.parametrize("prefill, decode", [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])

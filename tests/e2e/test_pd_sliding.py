@@ -1,6 +1,7 @@
 """P/D of a hybrid model (Qwen2 mixing full-attention and sliding-window layers: two KV cache
 groups) end to end: real `kvbridge serve` processes, a real `kvbridge proxy`, the openai
-client, over NIXL and tcp; P at TP 2, D at TP 1 (sliding groups split by head like any other).
+client, over NIXL (over tcp: tests/integration/test_sliding_window_pd.py, real tcp agents); P at
+TP 2, D at TP 1 (sliding groups split by head like any other).
 
 Per pairing: a fresh prompt longer than the window (D reads every block of both groups), a
 prompt sharing its long prefix (a partial prefix hit on D: D reads only the tail), and the
@@ -38,9 +39,9 @@ def want(model) -> Reference:
     return Reference(model)
 
 
-@pytest.fixture(scope="module", params=["nixl", "tcp"])
-def fleet(request, model, fleets):
-    return fleets.shared(FleetSpec.of(model, request.param, INSTANCES))
+@pytest.fixture(scope="module")
+def fleet(model, fleets):
+    return fleets.shared(FleetSpec.of(model, "nixl", INSTANCES))
 
 
 def test_hybrid_pd_answers_like_one_engine_with_partial_and_full_hits_on_d(fleet, model, want):
