@@ -24,6 +24,7 @@ import pytest
 from kvbridge.launcher.cluster import LocalCluster
 from tests.e2e.processes import metric
 from tests.fleet import Fleets
+from tests.last_users import last_users
 
 MODEL = "SmolLM2-135M-Instruct"
 SMOLLM2_PD_ARGS = ("--num-blocks", "320", "--max-model-len", "512", "--dtype", "float32")  # fp32: the fleets beside it compare to fp32 instances
@@ -99,12 +100,7 @@ def smollm2_pd_cluster(smollm2_pd):
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Note each shared cluster's last test, after which it stops."""
-    last: dict[str, str] = {}
-    for item in session.items:
-        for name in SHARED:
-            if name in getattr(item, "fixturenames", ()):
-                last[name] = item.nodeid
-    session.config.stash[_LAST_USERS] = last
+    session.config.stash[_LAST_USERS] = last_users(session.items, SHARED)
 
 
 _LAST_USERS = pytest.StashKey[dict]()

@@ -21,6 +21,8 @@ os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
 import pytest  # noqa: E402
 
+from tests.last_users import last_users  # noqa: E402
+
 SHARED = ("shared_ray", "shared_colocated")  # the session fixtures that stop after their last test
 _open: dict[str, object] = {}  # name -> SharedRay / SharedColocated, once its fixture ran
 _LAST_USERS = pytest.StashKey[dict]()
@@ -55,12 +57,7 @@ def no_shared_ray():
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Note each shared fixture's last test (item.fixturenames holds the fixtures it uses through
     others, its module's `deployed` among them)."""
-    last: dict[str, str] = {}
-    for item in session.items:
-        for name in SHARED:
-            if name in getattr(item, "fixturenames", ()):
-                last[name] = item.nodeid
-    session.config.stash[_LAST_USERS] = last
+    session.config.stash[_LAST_USERS] = last_users(session.items, SHARED)
 
 
 @pytest.hookimpl(wrapper=True)
