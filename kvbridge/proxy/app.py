@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbridge.http_protocol import AnnouncingServer, server_config
 from kvbridge.openai_wire import MAX_BODY_BYTES, bind_socket
-from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy, RetryPolicy, openai_error
+from kvbridge.proxy.exchange import RetryPolicy, openai_error
+from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
 from kvbridge.proxy.tracing_spans import ProxyTracingMiddleware
 from kvbridge.tracing import Tracing, TracingConfig, build_tracing
@@ -45,11 +46,13 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
     """
     if health_interval_s <= 0 or health_timeout_s <= 0 or timeout_s <= 0 or connect_timeout_s <= 0:
         raise ValueError("intervals and timeouts must be positive")
-    breaker = dict(breaker_failures=breaker_failures, breaker_cooldown_s=breaker_cooldown_s)
-    prefill = (UpstreamPool(UpstreamKind.PREFILL, prefill_urls, make_policy(prefill_policy), **breaker)
-               if prefill_urls else None)
-    proxy = PDProxy(prefill,
-                    UpstreamPool(UpstreamKind.DECODE, decode_urls, make_policy(decode_policy), **breaker),
+
+    def pool(kind: UpstreamKind, urls: list[str], policy: str) -> UpstreamPool:
+        return UpstreamPool(kind, urls, make_policy(policy), breaker_failures=breaker_failures,
+                            breaker_cooldown_s=breaker_cooldown_s)
+
+    prefill = pool(UpstreamKind.PREFILL, prefill_urls, prefill_policy) if prefill_urls else None
+    proxy = PDProxy(prefill, pool(UpstreamKind.DECODE, decode_urls, decode_policy),
                     health_interval_s=health_interval_s, health_timeout_s=health_timeout_s,
                     timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                     api_key=api_key, upstream_api_key=upstream_api_key, retry=retry,

@@ -1,7 +1,7 @@
 """The proxy's pieces around one upstream exchange: how an attempt failed (`Failed`), a leg with
 no attempt left (`Exhausted`), how a leg is retried (`RetryPolicy`), an open upstream response
-(`Exchange`), and D's stream passed through to the client (`PassthroughStream`). PDProxy
-(proxy.py) decides what to do with them."""
+(`Exchange`), D's stream passed through to the client (`PassthroughStream`), and the error
+answers the proxy makes itself (`openai_error`). PDProxy (proxy.py) decides what to do with them."""
 
 from __future__ import annotations
 
@@ -12,12 +12,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from kvbridge.openai_wire import REQUEST_ID_HEADER, ErrorInfo, ErrorResponse
+from kvbridge.openai_wire import REQUEST_ID_HEADER, ErrorInfo, ErrorResponse, error_type
 from kvbridge.proxy.routing import Upstream, UpstreamPool
 
 logger = logging.getLogger("kvbridge.proxy.proxy")
+
+
+def openai_error(status: int, message: str, code: str, request_id: str | None = None) -> JSONResponse:
+    """OpenAI's error body, typed like the API server's (invalid_request_error / server_error)."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type(status), code=code)).model_dump()
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,7 @@ class PassthroughStream(StreamingResponse):
         finally:
             await self._exchange.close()
 
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from kvbridge import openai_wire as wire
 from kvbridge.kv_transfer.params import KVTransferParamsError, parse_kv_transfer_params
@@ -43,7 +44,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # server/protocol.py's CompletionRequest def
 DONE = b"data: [DONE]\n\n"
 
 
-def eligible(body: dict, route: str) -> bool:
+def eligible(body: dict[str, Any], route: str) -> bool:
     """Whether the first-token path may serve this request (a pure check on the client's body)."""
     if body.get("stream") is not True or body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
         return False
@@ -57,19 +58,19 @@ def eligible(body: dict, route: str) -> bool:
     return limit is None or (type(limit) is int and limit >= 1)
 
 
-def limited_by_context(body: dict, route: str) -> bool:
+def limited_by_context(body: dict[str, Any], route: str) -> bool:
     """Whether the request's token limit is what the context leaves (a chat without max_tokens)."""
     return requested_max_tokens(body, route) is None
 
 
-def requested_max_tokens(body: dict, route: str) -> object:
+def requested_max_tokens(body: dict[str, Any], route: str) -> object:
     """The client's token limit as sent (None: a chat request limited by the context)."""
     if route == CHAT_ROUTE:
         return body.get("max_completion_tokens") or body.get("max_tokens")
     return body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
 
 
-def stop_strings(body: dict) -> tuple[str, ...]:
+def stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if isinstance(stop, str):
         return (stop,)
@@ -85,7 +86,7 @@ def streamed_text(text: str, stops: tuple[str, ...]) -> str:
     return text[:len(text) - stop_holdback(text, stops)]
 
 
-def ends_at_prefill(body: dict, route: str, reason: object, used_tokens: int, context_len: int | None) -> bool | None:
+def ends_at_prefill(body: dict[str, Any], route: str, reason: object, used_tokens: int, context_len: int | None) -> bool | None:
     """Whether P's one token, with finish `reason`, ended the request; None when it depends on a
     context length not known (`used_tokens`: P's prompt and its token; `context_len`: P's
     max_model_len, 0 or None when unknown)."""
@@ -106,12 +107,12 @@ class Plan:
     events: bytes
     continued: list[int]
 
-    def decode_body(self, body: dict) -> dict:
+    def decode_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """The client's body for D, continuing from P's tokens (the proxy adds P's params)."""
         return {**body, CONTINUE_FIELD: self.continued}
 
 
-def plan(body: dict, route: str, answer: bytes, params: dict, context_len: int | None = None) -> Plan | None:
+def plan(body: dict[str, Any], route: str, answer: bytes, params: dict[str, object], context_len: int | None = None) -> Plan | None:
     """None when P's answer offers no token to continue from, or when P's token may have filled
     the context of a request it limits and `context_len` (P's max_model_len) is unknown: the
     ordinary path serves it."""
@@ -151,7 +152,7 @@ class _Chunks:
         self.id, self.created, self.model = response_id, created, model
         self.include_usage = include_usage
 
-    def _event(self, choices: list, usage: wire.UsageInfo | None = None) -> bytes:
+    def _event(self, choices: list[Any], usage: wire.UsageInfo | None = None) -> bytes:
         cls = wire.ChatCompletionChunk if self.chat else wire.CompletionChunk
         chunk = cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         exclude = {"kv_transfer_params"} if self.include_usage else {"kv_transfer_params", "usage"}

@@ -9,45 +9,160 @@ and children that tile it, from its first byte in to its last byte out:
   proxy.release      asking P to free a request's KV
   proxy.relay        the answer in hand -> its last byte handed to the server
 
+The request path tells a request's spans what happened (`Spans`, `LegSpans`, `AttemptSpans`:
+the proxy decides, the spans only observe); it never asks whether tracing is on. With tracing off
+every request gets `NO_SPANS`, whose legs and attempts are `NO_LEG` and `NO_ATTEMPT`: one shared
+object each, whose methods do nothing (no span object, no allocation; benchmarks/proxy_spans.py
+measures the cost either way).
+
 `ProxyTracingMiddleware` (a pure ASGI middleware, installed only when tracing is on) starts
-`proxy.request` before FastAPI dispatches the request, sees the answer's bytes go out, and ends
-the request's spans at the last one. A step starts where the one before it ended
+`proxy.request` as a `RequestSpans` before FastAPI dispatches the request, sees the answer's bytes
+go out, and ends the request's spans at the last one. A step starts where the one before it ended
 (`last_end_ns`: the request read, a route, an attempt, a backoff, P's leg), so the proxy's own
 work between two steps (the event loop's turn, recording a span) is in the next one and the
 children leave no gap; `read_body` starts with the request, the relay ends with it. The handler
-finds the request's `RequestSpans` with `request_spans(request, request_id)`: None when tracing
-is off, and then nothing here runs.
+finds the request's spans with `request_spans(request, request_id)`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from fastapi import Request
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvbridge.proxy.exchange import Exchange, Failed
 from kvbridge.proxy.routing import PrefixAffinityPolicy, Upstream, UpstreamPool
 from kvbridge.tracing import TRACEPARENT_HEADER, Tracing, format_traceparent, parse_traceparent, without_none
 from kvbridge.tracing.core import Attributes
 
-T = TypeVar("T")
 SCOPE_KEY = "kvbridge.proxy_spans"  # the ASGI scope's entry holding the request's RequestSpans
 TRACED_PATHS = ("/v1/completions", "/v1/chat/completions")
 STREAM_END = b"data: [DONE]\n\n"  # the last event of a streamed answer
 
 
-def request_spans(request: Request, request_id: str) -> RequestSpans | None:
-    """The request's spans (None: tracing off); names the request id on `proxy.request`."""
-    spans = request.scope.get(SCOPE_KEY)
-    if spans is not None:
-        spans.request.set_attribute("kvbridge.request_id", request_id)
+# ---- what the request path tells the spans ----------------------------------------------------
+class AttemptSpans(Protocol):
+    """One upstream attempt's span."""
+
+    def headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """The attempt's headers: `headers`, plus the `traceparent` naming the attempt when traced."""
+        ...
+
+    def end(self, sent: Exchange | Failed, result: object) -> None:
+        """The attempt's verdict: `sent` what the upstream answered, `result` the leg's judgement."""
+        ...
+
+
+class LegSpans(Protocol):
+    """The spans of one leg (P, D, or D alone) of a request: its routes, attempts and backoffs."""
+
+    def routed(self, pool: UpstreamPool, path: str, exclude: list[Upstream], chosen: Upstream | None) -> None:
+        """The proxy just picked `chosen` from `pool` (None: no instance), excluding `exclude`."""
+        ...
+
+    def attempt(self, upstream: Upstream, path: str, number: int) -> AttemptSpans:
+        """Attempt `number` (1-based) on `upstream` starts."""
+        ...
+
+    def backoff_ended(self, number: int, retrying: bool) -> None:
+        """The wait before attempt `number` is over (`retrying`: the attempt is to be made)."""
+        ...
+
+
+class Spans(Protocol):
+    """One client request's spans, as the request path sees them."""
+
+    def leg(self, role: str) -> LegSpans: ...
+
+    def identified(self, request_id: str) -> None:
+        """The request's id is known (named on `proxy.request`)."""
+        ...
+
+    def body_read(self) -> None:
+        """The request's body was read and parsed (or refused)."""
+        ...
+
+    def timed(self, name: str, attributes: Attributes) -> AbstractContextManager[object]:
+        """The `with` block's time as span `name` (recorded when it ends without raising)."""
+        ...
+
+    def first_token_started(self) -> None:
+        """The first-token path starts (P's answer in hand)."""
+        ...
+
+    def first_token_planned(self, planned: bool) -> None:
+        """The first-token plan was made (`planned` False: the ordinary path serves the request)."""
+        ...
+
+    def first_token_outcome(self, outcome: str) -> None:
+        """continued | finished_at_prefill | decode_failed | no_token."""
+        ...
+
+
+# ---- tracing off: the null objects ------------------------------------------------------------
+class _NoAttempt:
+    def headers(self, headers: dict[str, str]) -> dict[str, str]:
+        return headers
+
+    def end(self, sent: Exchange | Failed, result: object) -> None:
+        pass
+
+
+class _NoLeg:
+    def routed(self, pool: UpstreamPool, path: str, exclude: list[Upstream], chosen: Upstream | None) -> None:
+        pass
+
+    def attempt(self, upstream: Upstream, path: str, number: int) -> AttemptSpans:
+        return NO_ATTEMPT
+
+    def backoff_ended(self, number: int, retrying: bool) -> None:
+        pass
+
+
+class _NoSpans:
+    _untimed: AbstractContextManager[object] = nullcontext()  # reusable: it holds no state
+
+    def leg(self, role: str) -> LegSpans:
+        return NO_LEG
+
+    def identified(self, request_id: str) -> None:
+        pass
+
+    def body_read(self) -> None:
+        pass
+
+    def timed(self, name: str, attributes: Attributes) -> AbstractContextManager[object]:
+        return self._untimed
+
+    def first_token_started(self) -> None:
+        pass
+
+    def first_token_planned(self, planned: bool) -> None:
+        pass
+
+    def first_token_outcome(self, outcome: str) -> None:
+        pass
+
+
+NO_ATTEMPT: AttemptSpans = _NoAttempt()
+NO_LEG: LegSpans = _NoLeg()
+NO_SPANS: Spans = _NoSpans()
+
+
+def request_spans(request: Request, request_id: str) -> Spans:
+    """The request's spans (NO_SPANS: tracing off); a traced one names the request id on `proxy.request`."""
+    spans: Spans = request.scope.get(SCOPE_KEY, NO_SPANS)
+    spans.identified(request_id)
     return spans
 
 
+# ---- tracing on -------------------------------------------------------------------------------
 def _server(url: str) -> dict[str, object]:
     parts = urlsplit(url)
     return {"server.address": parts.hostname, "server.port": parts.port}
@@ -61,15 +176,16 @@ def _end(span: Span, end_ns: int, outcome: str, error: bool) -> None:
 
 
 class AttemptSpan:
-    """One live `proxy.attempt`; `headers` are the attempt's, naming it in `traceparent`."""
+    """One live `proxy.attempt`."""
 
-    def __init__(self, owner: RequestSpans, span: Span, headers: dict[str, str]) -> None:
+    def __init__(self, owner: RequestSpans, span: Span) -> None:
         self._owner, self.span = owner, span
-        traceparent = format_traceparent(span.get_span_context())
-        self.headers = headers if traceparent is None else {**headers, TRACEPARENT_HEADER: traceparent}
+
+    def headers(self, headers: dict[str, str]) -> dict[str, str]:
+        traceparent = format_traceparent(self.span.get_span_context())
+        return headers if traceparent is None else {**headers, TRACEPARENT_HEADER: traceparent}
 
     def end(self, sent: Exchange | Failed, result: object) -> None:
-        """The attempt's verdict: `sent` what the upstream answered, `result` the leg's judgement."""
         end_ns = time.time_ns()
         status = sent.response.status_code if isinstance(sent, Exchange) else None
         if status is not None:
@@ -83,15 +199,13 @@ class AttemptSpan:
 
 
 class Leg:
-    """The spans of one leg (P, D, or D alone) of a request: its routes, attempts and backoffs."""
+    """The spans of one traced leg: `proxy.route`, `proxy.attempt` and `proxy.backoff`."""
 
     def __init__(self, owner: RequestSpans, role: str) -> None:
         self.owner, self.role = owner, role
 
-    def pick(self, pool: UpstreamPool, path: str, exclude: list[Upstream], prompt: str) -> Upstream | None:
-        """`pool.pick`, recorded as `proxy.route`."""
-        start_ns = self.owner.last_end_ns
-        chosen = pool.pick(exclude=exclude, prompt=prompt)
+    def routed(self, pool: UpstreamPool, path: str, exclude: list[Upstream], chosen: Upstream | None) -> None:
+        """`proxy.route`, from the previous step's end."""
         attributes: dict[str, object] = {"kvbridge.role": self.role, "kvbridge.policy": pool.policy.name,
                                          "kvbridge.excluded": len(exclude)}
         if chosen is not None:
@@ -99,34 +213,29 @@ class Leg:
             if isinstance(pool.policy, PrefixAffinityPolicy):
                 attributes["kvbridge.prefix_match_blocks"] = pool.policy.last_match_blocks
         attributes["kvbridge.outcome"] = "chosen" if chosen is not None else "no_instance"
-        self.owner.record("proxy.route", start_ns, time.time_ns(), attributes)
-        return chosen
+        self.owner.record("proxy.route", self.owner.last_end_ns, time.time_ns(), attributes)
 
-    def attempt(self, upstream: Upstream, path: str, number: int, headers: dict[str, str]) -> AttemptSpan:
-        """A live `proxy.attempt` (number: 1-based), from its route's end."""
+    def attempt(self, upstream: Upstream, path: str, number: int) -> AttemptSpan:
+        """A live `proxy.attempt`, from its route's end."""
         url = upstream.url + path
         span = self.owner.tracing.start_span(
             "proxy.attempt", self.owner.context, kind=SpanKind.CLIENT, start_ns=self.owner.last_end_ns,
             attributes=without_none({
                 "kvbridge.role": self.role, "kvbridge.attempt": number, "url.full": url,
                 "http.request.method": "POST", **_server(upstream.url)}))
-        attempt = AttemptSpan(self.owner, span, headers)
+        attempt = AttemptSpan(self.owner, span)
         self.owner.open_attempts.append(attempt)
         return attempt
 
-    async def backoff(self, number: int, waiting: Awaitable[bool]) -> bool:
-        """The wait before attempt `number` (`waiting`: True when it is to be made), as `proxy.backoff`
-        from the failed attempt's end."""
-        start_ns = self.owner.last_end_ns
-        retrying = await waiting
-        self.owner.record("proxy.backoff", start_ns, time.time_ns(), {
+    def backoff_ended(self, number: int, retrying: bool) -> None:
+        """`proxy.backoff`, from the failed attempt's end (nothing of the leg ends in between)."""
+        self.owner.record("proxy.backoff", self.owner.last_end_ns, time.time_ns(), {
             "kvbridge.role": self.role, "kvbridge.attempt": number,
             "kvbridge.outcome": "retry" if retrying else "no_retry"})
-        return retrying
 
 
 class RequestSpans:
-    """One traced client request: the live `proxy.request` and what its children need."""
+    """One traced client request (`Spans`): the live `proxy.request` and what its children need."""
 
     def __init__(self, tracing: Tracing, path: str, traceparent: str | None, start_ns: int) -> None:
         self.tracing, self.start_ns = tracing, start_ns
@@ -146,7 +255,10 @@ class RequestSpans:
     def leg(self, role: str) -> Leg:
         return Leg(self, role)
 
-    def record(self, name: str, start_ns: int, end_ns: int, attributes: Attributes, *,
+    def identified(self, request_id: str) -> None:
+        self.request.set_attribute("kvbridge.request_id", request_id)
+
+    def record(self, name: str, start_ns: int, end_ns: int, attributes: Mapping[str, object], *,
                kind: SpanKind = SpanKind.INTERNAL, error: str | None = None) -> None:
         self.tracing.record(name, self.context, start_ns, end_ns, kind=kind,
                             attributes=without_none(attributes), error=error)
@@ -160,12 +272,11 @@ class RequestSpans:
         self.open_attempts.remove(attempt)
         self.last_end_ns = max(self.last_end_ns, end_ns)
 
-    async def timed(self, name: str, work: Awaitable[T], attributes: Attributes) -> T:
-        """`work`'s result, its time recorded as span `name`."""
+    @contextmanager
+    def timed(self, name: str, attributes: Attributes) -> Iterator[None]:
         start_ns = time.time_ns()
-        result = await work
+        yield
         self.record(name, start_ns, time.time_ns(), attributes)
-        return result
 
     def first_token_started(self) -> None:
         """The first-token path starts (P's answer in hand): `proxy.first_token` runs until the
@@ -231,10 +342,10 @@ class ProxyTracingMiddleware:
     """Pure ASGI: traces POSTs to the completion routes from their first byte in to the last
     byte out (the handler adds the children; see the module docstring)."""
 
-    def __init__(self, app, tracing: Tracing) -> None:
+    def __init__(self, app: ASGIApp, tracing: Tracing) -> None:
         self.app, self.tracing = app, tracing
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in TRACED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -243,7 +354,7 @@ class ProxyTracingMiddleware:
         spans = RequestSpans(self.tracing, scope["path"], traceparent, start_ns)
         scope[SCOPE_KEY] = spans
 
-        async def traced_send(message) -> None:
+        async def traced_send(message: Message) -> None:
             await send(message)
             if message["type"] == "http.response.start":
                 spans.response_started(message["status"])

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
@@ -119,7 +120,7 @@ def build_tracing(config: TracingConfig | None) -> Tracing | None:
     return Tracing(provider, config.service_name)
 
 
-def _context(parent: SpanContext | None):
+def _context(parent: SpanContext | None) -> Context | None:
     if parent is None or not parent.is_valid:
         return None
     return trace.set_span_in_context(NonRecordingSpan(parent))

@@ -52,7 +52,7 @@ class RequestTrace:
     decode_start_ns: int = 0
     decode_tokens: int = 0
     recompute_start_ns: int = 0  # D: a failed load is being recomputed (open engine.recompute)
-    recompute_attributes: dict | None = None
+    recompute_attributes: dict[str, str | int] | None = None
     finished_ns: int = 0
 
     @property

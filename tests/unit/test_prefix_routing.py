@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.proxy.proxy import prompt_text
+from kvbridge.proxy.bodies import prompt_text
 from kvbridge.proxy.routing import PrefixAffinityPolicy, Upstream, make_policy
 from tests.unit.proxy_cluster import COMPLETION, pd_cluster
 

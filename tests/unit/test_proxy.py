@@ -19,7 +19,8 @@ import pytest
 from kvbridge.config import KVRole
 from kvbridge.launcher import cluster
 from kvbridge.proxy.app import build_proxy_app
-from kvbridge.proxy.proxy import RetryPolicy, prefill_body
+from kvbridge.proxy.bodies import prefill_body
+from kvbridge.proxy.exchange import RetryPolicy
 from kvbridge.proxy.routing import LeastOutstandingPolicy, RoundRobinPolicy, Upstream, make_policy
 from tests.unit.proxy_cluster import COMPLETION, openai_client, pd_cluster, received_by
 

@@ -1,0 +1,54 @@
+"""The proxy's health checks: every instance's `/health` is probed before the proxy serves and
+then every interval (a dynamic pool's newcomers at once), and its pool marks it healthy or not
+(routing.py); selection skips the unhealthy ones."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import httpx
+
+from kvbridge.proxy.routing import Upstream, UpstreamPool
+
+logger = logging.getLogger("kvbridge.proxy.proxy")  # the name these lines logged under before the split
+
+
+class HealthChecks:
+    """Owns the health loop's task. `client`: the proxy's pooled client (once it started);
+    `headers`: what each probe sends (the upstream key)."""
+
+    def __init__(self, pools: tuple[UpstreamPool, ...], client: Callable[[], httpx.AsyncClient],
+                 headers: dict[str, str], interval_s: float, timeout_s: float) -> None:
+        self._pools, self._client, self._headers = pools, client, headers
+        self._interval_s, self._timeout_s = interval_s, timeout_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """One round now, then one every interval in the background."""
+        await self.check_once()
+        self._task = asyncio.create_task(self._loop(), name="kvbridge-proxy-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def check_once(self) -> None:
+        await asyncio.gather(*(self.probe(pool, u) for pool in self._pools for u in pool.upstreams))
+
+    async def probe(self, pool: UpstreamPool, upstream: Upstream) -> None:
+        try:
+            r = await self._client().get(upstream.url + "/health", timeout=self._timeout_s, headers=self._headers)
+            pool.set_health(upstream, r.status_code == 200, f"/health answered {r.status_code}")
+        except httpx.HTTPError as exc:
+            pool.set_health(upstream, False, f"/health failed: {exc!r}")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.check_once()
+            except Exception:  # the loop must outlive any one bad round
+                logger.exception("health check round failed")
