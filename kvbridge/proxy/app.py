@@ -18,7 +18,7 @@ from kvbridge.proxy.exchange import RetryPolicy, openai_error
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
 from kvbridge.proxy.tracing_spans import ProxyTracingMiddleware
-from kvbridge.tracing import Tracing, TracingConfig, build_tracing
+from kvbridge.tracing import Tracing, TracingConfig, program_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -134,23 +134,19 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
               first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, tracing: TracingConfig | None = None) -> int:
     """Serve the proxy until SIGINT/SIGTERM; prints its URL once bound (port 0: the OS picks)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tracer = build_tracing(tracing)
-    app = build_proxy_app(prefill_urls, decode_urls, prefill_policy, decode_policy, health_interval_s,
-                          api_key, timeout_s, upstream_api_key=upstream_api_key, retry=retry,
-                          breaker_failures=breaker_failures, breaker_cooldown_s=breaker_cooldown_s,
-                          first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
-                          first_byte_timeout_s=first_byte_timeout_s, tracing=tracer)
-    sock = bind_socket(host, port)  # connections made right after the URL is printed wait in the backlog
-    bound_port = sock.getsockname()[1]
-    url_host = f"[{host}]" if sock.family == socket.AF_INET6 else host
-    prefill = f"prefill: {' '.join(prefill_urls)}" if prefill_urls else "colocated: no prefill"
-    # printed once serving, with SIGINT/SIGTERM handled (issue 44)
-    server = AnnouncingServer(server_config(app, log_level=log_level, timeout_graceful_shutdown=5),
-                              f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: "
-                              f"{' '.join(decode_urls)})")
-    try:
+    with program_tracing(tracing) as tracer:  # shut down (spans flushed) once the server stopped
+        app = build_proxy_app(prefill_urls, decode_urls, prefill_policy, decode_policy, health_interval_s,
+                              api_key, timeout_s, upstream_api_key=upstream_api_key, retry=retry,
+                              breaker_failures=breaker_failures, breaker_cooldown_s=breaker_cooldown_s,
+                              first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
+                              first_byte_timeout_s=first_byte_timeout_s, tracing=tracer)
+        sock = bind_socket(host, port)  # connections made right after the URL is printed wait in the backlog
+        bound_port = sock.getsockname()[1]
+        url_host = f"[{host}]" if sock.family == socket.AF_INET6 else host
+        prefill = f"prefill: {' '.join(prefill_urls)}" if prefill_urls else "colocated: no prefill"
+        # printed once serving, with SIGINT/SIGTERM handled (issue 44)
+        server = AnnouncingServer(server_config(app, log_level=log_level, timeout_graceful_shutdown=5),
+                                  f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: "
+                                  f"{' '.join(decode_urls)})")
         server.run(sockets=[sock])
-    finally:
-        if tracer is not None:
-            tracer.shutdown()
     return 0

@@ -86,7 +86,8 @@ def streamed_text(text: str, stops: tuple[str, ...]) -> str:
     return text[:len(text) - stop_holdback(text, stops)]
 
 
-def ends_at_prefill(body: dict[str, Any], route: str, reason: object, used_tokens: int, context_len: int | None) -> bool | None:
+def ends_at_prefill(body: dict[str, Any], route: str, reason: object, used_tokens: int,
+                    context_len: int | None) -> bool | None:
     """Whether P's one token, with finish `reason`, ended the request; None when it depends on a
     context length not known (`used_tokens`: P's prompt and its token; `context_len`: P's
     max_model_len, 0 or None when unknown)."""
@@ -112,7 +113,8 @@ class Plan:
         return {**body, CONTINUE_FIELD: self.continued}
 
 
-def plan(body: dict[str, Any], route: str, answer: bytes, params: dict[str, object], context_len: int | None = None) -> Plan | None:
+def plan(body: dict[str, Any], route: str, answer: bytes, params: dict[str, object],
+         context_len: int | None = None) -> Plan | None:
     """None when P's answer offers no token to continue from, or when P's token may have filled
     the context of a request it limits and `context_len` (P's max_model_len) is unknown: the
     ordinary path serves it."""

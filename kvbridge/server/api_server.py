@@ -51,7 +51,7 @@ from kvbridge.server.async_engine import AsyncEngine, EngineState
 from kvbridge.server.completions import ApiError, CompletionHandlers, as_api_error, json_response, read_json
 from kvbridge.server.metrics import CONTENT_TYPE, LoadCollector, ServerMetrics
 from kvbridge.server.undelivered import usable_release_key
-from kvbridge.tracing import Tracing, TracingConfig, build_tracing
+from kvbridge.tracing import Tracing, TracingConfig, program_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -310,22 +310,21 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
     except BaseException:
         sock.close()
         raise
-    tracer = build_tracing(tracing)
-    sock.listen(2048)
-    for i, line in enumerate(startup_lines(defaults)):  # as vLLM: a warning, then the defaults
-        logger.log(logging.WARNING if i == 0 else logging.INFO, "%s", line)
-    bound_port = sock.getsockname()[1]
-    shown_host = f"[{host}]" if ":" in host else host
-    server = _Server(server_config(build_app(engine, api_key, defaults, tracer, drain_timeout_s),
-                                    log_level=log_level, timeout_graceful_shutdown=10), engine, drain_timeout_s,
-                     ready_line=f"kvbridge: serving {engine.model_name} at http://{shown_host}:{bound_port}/v1")
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled gracefully
-        pass
-    finally:
-        engine.shutdown()  # no-op when uvicorn's shutdown already did it
-        sock.close()
-        if tracer is not None:
-            tracer.shutdown()  # after the engine: its last spans (leases ended at shutdown) go too
+    # The tracer shuts down after the engine: its last spans (leases ended at shutdown) go too.
+    with program_tracing(tracing) as tracer:
+        sock.listen(2048)
+        for i, line in enumerate(startup_lines(defaults)):  # as vLLM: a warning, then the defaults
+            logger.log(logging.WARNING if i == 0 else logging.INFO, "%s", line)
+        bound_port = sock.getsockname()[1]
+        shown_host = f"[{host}]" if ":" in host else host
+        server = _Server(server_config(build_app(engine, api_key, defaults, tracer, drain_timeout_s),
+                                        log_level=log_level, timeout_graceful_shutdown=10), engine, drain_timeout_s,
+                         ready_line=f"kvbridge: serving {engine.model_name} at http://{shown_host}:{bound_port}/v1")
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled gracefully
+            pass
+        finally:
+            engine.shutdown()  # no-op when uvicorn's shutdown already did it
+            sock.close()
     return 1 if server.engine_failed else 0

@@ -13,24 +13,27 @@ not notify: unauthenticated input must cause no side effects; the lease frees th
 
 A client that disconnects aborts its request, streaming or not, so its blocks are freed.
 
-Tracing (issue 30; only when the server has a Tracing: otherwise no span object is made):
-`instance.request` (SERVER, child of the incoming `traceparent`) from handler entry until the
-answer's last byte is produced, `instance.prepare` (body read, validation, tokenisation) and
-`instance.stream` (first chunk -> last chunk) under it; the engine's spans join it through the
-RequestTrace handed to the engine (tracing/request_trace.py).
+Tracing (issue 30): `instance.request` (SERVER, child of the incoming `traceparent`) from handler
+entry until the answer's last byte is produced, `instance.prepare` (body read, validation,
+tokenisation) and `instance.stream` (first chunk -> last chunk) under it; the engine's spans join
+it through the RequestTrace handed to the engine (tracing/request_trace.py). The handler tells a
+request's span what happened and never asks whether tracing is on: without a Tracing every request
+gets `_NO_SPAN`, whose methods do nothing (no span object is made, and the engine gets no
+RequestTrace).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -101,6 +104,9 @@ class CompletionHandlers:
                  tracing: Tracing | None = None) -> None:
         self.engine = engine
         self.tracing = tracing  # None: requests are not traced
+        # The one place that asks whether tracing is on: a traced span per request, or the null one.
+        self._span: Callable[[Request, bool], _Span] = _no_span if tracing is None else functools.partial(
+            _RequestSpan, tracing)
         self.metrics = metrics
         self.defaults = defaults  # the model's sampling defaults (--generation-config)
         self.created = int(time.time())
@@ -112,7 +118,7 @@ class CompletionHandlers:
 
     async def serve(self, raw: Request, chat: bool) -> Response:
         timer = self.metrics.request_timer()  # latencies count from arrival
-        span = _RequestSpan(self.tracing, raw, chat) if self.tracing is not None else None
+        span = self._span(raw, chat)
         request_id = _request_id(raw)
         headers = {wire.REQUEST_ID_HEADER: request_id}
         kv_params: KVTransferParams | None = None
@@ -123,18 +129,14 @@ class CompletionHandlers:
             # Tokenising holds a thread for up to a second or two (a prompt near the byte
             # bound): never the event loop, which must keep answering /health and streams.
             job = await asyncio.to_thread(self._prepare, body, chat, request_id)
-            if span is not None:
-                span.prepared(kv_params, job, None)
+            span.prepared(kv_params, job)
             stream = await self._admit(request_id, job, kv_params, span)
         except Exception as exc:  # the one guard around every pre-admission rejection
             error = as_api_error(exc, request_id)
             self.metrics.record_rejected()
             if kv_params is not None and kv_params.do_remote_prefill and self.engine.has_kv_connector:
                 await self.engine.notify_kv_transfer_rejected(request_id, kv_params)
-            if span is not None:
-                if job is None:
-                    span.prepared(kv_params, None, error)
-                span.end(error.status, error.info.message, error.info.code)
+            span.refused(kv_params, error)
             return error.response(headers)
         watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
         release_key = raw.headers.get(wire.RELEASE_KEY_HEADER)
@@ -142,7 +144,7 @@ class CompletionHandlers:
         if job.request.stream:
             lease = LeaseBox(outputs=stream, leased=_leased)  # P: the stream's last chunk names leased blocks
             body_chunks = self._stream(job, stream, timer, watcher, span, lease, release_key)
-            chunks = body_chunks if span is None else span.traced_stream(body_chunks)
+            chunks = span.traced_stream(body_chunks)
             if kv_params is not None and kv_params.do_remote_decode:
                 return StreamHandOff(chunks, headers, lease, self.release_lease, request_id)
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
@@ -154,12 +156,10 @@ class CompletionHandlers:
             response = (json_response(answer, headers=headers) if leased is None else
                         HandOff(answer.model_dump_json(), headers, LeaseBox(leased), self.release_lease, request_id))
         except ApiError as error:
-            if span is not None:
-                span.end(error.status, error.info.message, error.info.code)
+            span.failed(error)
             return error.response(headers)
         except BaseException as exc:  # answered 500 by the app's handler (or cancelled)
-            if span is not None:
-                span.end(500, f"{type(exc).__name__}: {exc}", "internal_error")
+            span.end(500, f"{type(exc).__name__}: {exc}", "internal_error")
             if leased is not None:  # the answer will never be written
                 await asyncio.shield(self.release_lease(leased))
             raise
@@ -167,10 +167,9 @@ class CompletionHandlers:
             watcher.cancel()
             stream.abort()
             timer.on_abandoned()
-        if span is not None:
-            usage = answer.usage
-            span.answered(usage.completion_tokens if usage else None, answer.choices[0].finish_reason)
-            span.end(200)
+        usage = answer.usage
+        span.answered(usage.completion_tokens if usage else None, answer.choices[0].finish_reason)
+        span.end(200)
         return response
 
     # ---------------------------------------------------------------- admission
@@ -248,8 +247,8 @@ class CompletionHandlers:
         return max_tokens
 
     async def _admit(self, request_id: str, job: _Job, kv_params: KVTransferParams | None,
-                     span: _RequestSpan | None) -> RequestStream:
-        trace = RequestTrace(span.tracing, span.context) if span is not None else None
+                     span: _Span) -> RequestStream:
+        trace = span.request_trace()
         try:
             try:
                 stream = await self.engine.add_request(request_id, job.prompt_ids, job.params, kv_params,
@@ -271,8 +270,7 @@ class CompletionHandlers:
             raise ApiError(503, str(exc), code="draining") from None
         except EngineUnavailableError as exc:
             raise ApiError(503, str(exc), code="unavailable") from None
-        if span is not None:
-            span.span.set_attribute("kvbridge.request_id", stream.request_id)
+        span.admitted(stream.request_id)
         return stream
 
     # ---------------------------------------------------------------- answers
@@ -328,7 +326,7 @@ class CompletionHandlers:
                                     kv_transfer_params=wire_or_none(last.kv_transfer_params)), _leased(last)
 
     async def _stream(self, job: _Job, stream: RequestStream, timer: RequestTimer,
-                      watcher: asyncio.Task[None], span: _RequestSpan | None, lease: LeaseBox,
+                      watcher: asyncio.Task[None], span: _Span, lease: LeaseBox,
                       release_key: str | None = None) -> AsyncIterator[str]:
         """`lease`: where the finishing chunk's leased params go (P: StreamHandOff ends that lease if
         the stream does not reach its caller whole)."""
@@ -343,9 +341,8 @@ class CompletionHandlers:
                 if output.new_text or output.logprobs:
                     yield chunks.content(output)
                 if output.finished:
-                    if span is not None:
-                        span.answered(output.num_output_tokens,
-                                      output.finish_reason.value if output.finish_reason else None)
+                    span.answered(output.num_output_tokens,
+                                  output.finish_reason.value if output.finish_reason else None)
                     if (leased := _leased(output)) is not None:
                         lease.params = await self._bound(release_key, leased)
                     yield chunks.finish(output)
@@ -354,8 +351,7 @@ class CompletionHandlers:
             yield "data: [DONE]\n\n"
         except Exception as exc:
             error = exc if isinstance(exc, ApiError) else as_api_error(exc, job.response_id)
-            if span is not None:
-                span.stream_error = error
+            span.stream_failed(error)
             yield wire.sse_event(wire.ErrorResponse(error=error.info))
             yield "data: [DONE]\n\n"
         finally:
@@ -364,8 +360,86 @@ class CompletionHandlers:
             timer.on_abandoned()
 
 
+class _Span(Protocol):
+    """What the handler tells one request's span (`_RequestSpan`, or `_NO_SPAN` when tracing is off)."""
+
+    def prepared(self, kv_params: KVTransferParams | None, job: _Job) -> None:
+        """The body was read, validated and tokenised."""
+        ...
+
+    def refused(self, kv_params: KVTransferParams | None, error: ApiError) -> None:
+        """The request was refused before the engine took it (`kv_params`: as far as they were read)."""
+        ...
+
+    def request_trace(self) -> RequestTrace | None:
+        """What the engine records its spans under (None: the engine traces nothing)."""
+        ...
+
+    def admitted(self, request_id: str) -> None:
+        """The engine took the request, under `request_id`."""
+        ...
+
+    def answered(self, output_tokens: int | None, finish_reason: str | None) -> None: ...
+
+    def stream_failed(self, error: ApiError) -> None:
+        """The stream ends with `error`'s event."""
+        ...
+
+    def failed(self, error: ApiError) -> None:
+        """The request ends with `error`'s answer."""
+        ...
+
+    def end(self, status: int, error: str | None = None, error_type: str | None = None,
+            end_ns: int | None = None) -> None:
+        """The answer's last byte is produced (`error`: the request failed)."""
+        ...
+
+    def traced_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The answer's stream, as the span sees it go out (it ends the span)."""
+        ...
+
+
+class _NoSpan:
+    """The span of every request while tracing is off: does nothing."""
+
+    def prepared(self, kv_params: KVTransferParams | None, job: _Job) -> None:
+        pass
+
+    def refused(self, kv_params: KVTransferParams | None, error: ApiError) -> None:
+        pass
+
+    def request_trace(self) -> RequestTrace | None:
+        return None
+
+    def admitted(self, request_id: str) -> None:
+        pass
+
+    def answered(self, output_tokens: int | None, finish_reason: str | None) -> None:
+        pass
+
+    def stream_failed(self, error: ApiError) -> None:
+        pass
+
+    def failed(self, error: ApiError) -> None:
+        pass
+
+    def end(self, status: int, error: str | None = None, error_type: str | None = None,
+            end_ns: int | None = None) -> None:
+        pass
+
+    def traced_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        return chunks
+
+
+_NO_SPAN: _Span = _NoSpan()
+
+
+def _no_span(raw: Request, chat: bool) -> _Span:
+    return _NO_SPAN
+
+
 class _RequestSpan:
-    """The live `instance.request` span of one traced request (made only when tracing is on)."""
+    """The live `instance.request` span of one traced request (`_Span`)."""
 
     def __init__(self, tracing: Tracing, raw: Request, chat: bool) -> None:
         self.tracing = tracing
@@ -376,23 +450,45 @@ class _RequestSpan:
                                        attributes={"http.request.method": "POST", "http.route": route})
         self.context = self.span.get_span_context()
         self.stream_error: ApiError | None = None  # the error event a stream ended with
+        self._prepare_ended = False
 
-    def prepared(self, kv_params: KVTransferParams | None, job: _Job | None, error: ApiError | None) -> None:
+    def prepared(self, kv_params: KVTransferParams | None, job: _Job) -> None:
+        self._end_prepare(kv_params, len(job.prompt_ids), None)
+
+    def refused(self, kv_params: KVTransferParams | None, error: ApiError) -> None:
+        if not self._prepare_ended:
+            self._end_prepare(kv_params, None, error)
+        self.failed(error)
+
+    def _end_prepare(self, kv_params: KVTransferParams | None, prompt_tokens: int | None,
+                     error: ApiError | None) -> None:
         """`instance.prepare` ends: the body read, validated and tokenised (or refused)."""
+        self._prepare_ended = True
         role = ("decode" if kv_params.do_remote_prefill else "prefill" if kv_params.do_remote_decode
                 else "colocated") if kv_params is not None else "colocated"
         self.span.set_attribute("kvbridge.role", role)
-        prompt_tokens = len(job.prompt_ids) if job is not None else None
         if prompt_tokens is not None:
             self.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         self.tracing.record("instance.prepare", self.context, self.start_ns, time.time_ns(),
                             attributes=without_none({"kvbridge.num_tokens": prompt_tokens}),
                             error=error.info.message if error is not None else None)
 
+    def request_trace(self) -> RequestTrace | None:
+        return RequestTrace(self.tracing, self.context)
+
+    def admitted(self, request_id: str) -> None:
+        self.span.set_attribute("kvbridge.request_id", request_id)
+
     def answered(self, output_tokens: int | None, finish_reason: str | None) -> None:
         self.span.set_attributes(without_none({"gen_ai.usage.output_tokens": output_tokens,
                                                "gen_ai.response.finish_reasons": [finish_reason]
                                                if finish_reason else None}))
+
+    def stream_failed(self, error: ApiError) -> None:
+        self.stream_error = error
+
+    def failed(self, error: ApiError) -> None:
+        self.end(error.status, error.info.message, error.info.code)
 
     def end(self, status: int, error: str | None = None, error_type: str | None = None,
             end_ns: int | None = None) -> None:

@@ -5,8 +5,8 @@ and exporter (off unless an OTLP endpoint is given) and reads/writes W3C tracepa
 Ground floor: it imports only OpenTelemetry, so every layer may use it."""
 
 from kvbridge.tracing.core import (TRACEPARENT_HEADER, Tracing, TracingConfig, TracingConfigError, build_tracing,
-                                   format_traceparent, parse_traceparent, without_none)
+                                   format_traceparent, parse_traceparent, program_tracing, without_none)
 from kvbridge.tracing.request_trace import RequestTrace
 
 __all__ = ["TRACEPARENT_HEADER", "RequestTrace", "Tracing", "TracingConfig", "TracingConfigError", "build_tracing",
-           "format_traceparent", "parse_traceparent", "without_none"]
+           "format_traceparent", "parse_traceparent", "program_tracing", "without_none"]

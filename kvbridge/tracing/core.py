@@ -1,10 +1,12 @@
 """One program's tracer: the official OpenTelemetry SDK exporting over OTLP (issue 30).
 
-`build_tracing(config)` returns None when no endpoint is configured: callers keep a
-`Tracing | None` and make no span object while it is None (tracing off costs one `is None`
-test on the paths that would trace). With an endpoint it returns a `Tracing` that owns its
-TracerProvider, the batch span processor (one exporter thread) and the exporter; the program
-that built it calls `shutdown()` at exit, which flushes what is queued.
+`build_tracing(config)` returns None when no endpoint is configured. The engine keeps a
+`RequestTrace | None` per request (tracing off costs one `is None` test where the step loop would
+trace); the HTTP servers and the proxy turn it into a null span object at construction
+(server/completions.py, proxy/tracing_spans.py), so their request paths never test it. With an
+endpoint it returns a `Tracing` that owns its TracerProvider, the batch span processor (one
+exporter thread) and the exporter; the program that built it calls `shutdown()` at exit, which
+flushes what is queued (`program_tracing`: the same as a `with` block).
 
 Each server gets a Tracing of its own (never the process-global provider), so a prefill and a
 decode instance in one process (as in tests) still export under their own `service.name`.
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +121,18 @@ def build_tracing(config: TracingConfig | None) -> Tracing | None:
     logger.info("tracing: exporting spans of %s to %s (%s), sampling %g of new traces", config.service_name,
                 config.endpoint, os.environ.get(PROTOCOL_ENV, "http/protobuf"), config.sample_ratio)
     return Tracing(provider, config.service_name)
+
+
+@contextmanager
+def program_tracing(config: TracingConfig | None) -> Iterator[Tracing | None]:
+    """The program's Tracing (`build_tracing`) for the `with` block, which owns it: shut down (what
+    is queued exported) when the block ends, however it ends."""
+    tracing = build_tracing(config)
+    try:
+        yield tracing
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 def _context(parent: SpanContext | None) -> Context | None:
