@@ -101,7 +101,7 @@ class KVBridgeRunner:
             self.engine.add_request(ids[-1], prompt, params)
         outputs: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step().outputs:
                 outputs[out.request_id].extend(out.new_token_ids)
         return [outputs[rid] for rid in ids]
 

@@ -108,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
                 outputs[rid] = []
                 engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
                 live += 1
-            for out in engine.step():
+            for out in engine.step().outputs:
                 outputs[out.request_id].extend(out.new_token_ids)
                 live -= out.finished
 

@@ -68,7 +68,7 @@ def kvbridge_worker(args: argparse.Namespace) -> None:
             engine.add_request(rid, prompt, params)
             live.add(rid)
         while live:
-            for out in engine.step():
+            for out in engine.step().outputs:
                 if out.finished:
                     live.discard(out.request_id)
         return time.perf_counter() - start

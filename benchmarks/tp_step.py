@@ -175,7 +175,7 @@ class Bench:
             engine.add_request(ids[-1], [self.rng.randrange(*TOKEN_RANGE) for _ in range(prompt_len)], params)
         started: set[str] = set()
         while len(started) < batch:  # prefill (chunked if the prompts exceed a step's budget)
-            started.update(o.request_id for o in engine.step() if o.new_token_ids)
+            started.update(o.request_id for o in engine.step().outputs if o.new_token_ids)
         for _ in range(warmup):
             engine.step()
         executor = engine.runner if isinstance(engine.runner, TPExecutor) else None
@@ -185,7 +185,7 @@ class Bench:
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            outs = engine.step()
+            outs = engine.step().outputs
             times.append(time.perf_counter() - t0)
             if sum(len(o.new_token_ids) for o in outs) != batch:
                 raise RuntimeError(f"a timed step produced {sum(len(o.new_token_ids) for o in outs)} tokens, "

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+
+from prometheus_client.registry import Collector
 
 from kvbridge.config import EngineConfig, KVRole
 from kvbridge.engine.block_pool import BlockPool
@@ -20,21 +22,20 @@ from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads, k
 from kvbridge.engine.models import check_arch_tp_split
 from kvbridge.engine.output_processor import OutputProcessor
 from kvbridge.engine.outputs import REQUEST_OUTPUT_FAILED, RequestOutput
+from kvbridge.engine.pacing import NextStep, Pacer, next_step
 from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp.tp_executor import TPExecutor
-from kvbridge.kv_transfer.connector.base import KVConnectors, SchedulerConnector, WorkerConnector
-from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS
+from kvbridge.kv_transfer.connector.base import KVConnectors, SchedulerConnector, WorkerConnector, WorkerStatus
+from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams
 from kvbridge.spec.dtypes import DTYPES
 from kvbridge.spec.kv_cache_layout import logical_block_size
 from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
 from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
-
-IDLE_SLEEP_S = 0.001  # a step that did nothing (e.g. only waiting for remote KV) yields the core
 
 
 class EngineRequestError(ValueError):
@@ -48,6 +49,15 @@ class DuplicateRequestIdError(EngineRequestError):
 
 class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """What one `LLMEngine.step()` did: the outputs of the requests that made progress or finished
+    (those finished between steps first), and how soon the next step is due (engine/pacing.py)."""
+
+    outputs: list[RequestOutput]
+    next_step: NextStep
 
 
 @dataclass(frozen=True)
@@ -119,7 +129,7 @@ class LLMEngine:
         tp = self.config.tensor_parallel_size
         if tp > 1:
             check_arch_tp_split(self.arch, tp)
-            if kv is not None and kv.worker.local_agent is not None:
+            if kv is not None and kv.worker.rank_setup.local_agent is not None:
                 raise ValueError("at tensor parallel size > 1 each rank process creates its own transfer agent: "
                                  "build the connectors without a backend")
 
@@ -142,11 +152,12 @@ class LLMEngine:
         transfer agents themselves; the worker connector learns every rank's agent and layout."""
         config = self.config
         runner: ModelRunner | TPExecutor
+        setup = worker.rank_setup if worker is not None else None
         if config.tensor_parallel_size > 1:
-            runner = TPExecutor(config, self.num_blocks, worker.rank_agent_spec if worker else None)
+            runner = TPExecutor(config, self.num_blocks, setup)
             registrations = runner.registrations
         else:
-            agent = worker.local_agent if worker is not None else None
+            agent = setup.local_agent if setup is not None else None
             runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, config.cache.block_size,
                                  self.num_blocks, config.seed, agent)
             registrations = [agent.registration] if agent is not None else []
@@ -186,7 +197,7 @@ class LLMEngine:
                 f"the request needs {needed} KV blocks but the cache has only {self.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params=None, continued: Sequence[int] = (),
+                    kv_transfer_params: KVTransferParams | None = None, continued: Sequence[int] = (),
                     trace: RequestTrace | None = None) -> None:
         """Admit a request; raises EngineRequestError (and subclasses) or EngineOverloadedError.
         `continued`: D only, with a remote prefill: the tokens P sampled after the prompt, already
@@ -209,7 +220,8 @@ class LLMEngine:
         self.output_processor.add(request_id, continued, params.stop)
         self.scheduler.add_request(req)
 
-    def _validate_continued(self, generated: Sequence[int], params: SamplingParams, kv_transfer_params) -> None:
+    def _validate_continued(self, generated: Sequence[int], params: SamplingParams,
+                            kv_transfer_params: KVTransferParams | None) -> None:
         """A request that continues from a prefill instance's sampled tokens: it reads the
         prompt's KV from that prefill (not on a model with Mamba layers, whose prefill samples
         after N-1 tokens); the tokens are token ids and leave at least one token to generate."""
@@ -232,28 +244,28 @@ class LLMEngine:
         if req is not None:
             self._pending.append(self.output_processor.make_output(req, None))
 
-    def notify_kv_transfer_rejected(self, request_id: str, kv_transfer_params) -> None:
+    def notify_kv_transfer_rejected(self, request_id: str, kv_transfer_params: KVTransferParams | None) -> None:
         """D side: a request with a remote prefill was rejected before admission; tell P to
         free the blocks it holds for it. No-op without a connector."""
         if self.connectors is None:
             return
         self.connectors.scheduler.notify_rejected(request_id, kv_transfer_params)
 
-    def release_kv(self, kv_transfer_params) -> bool:
+    def release_kv(self, kv_transfer_params: KVTransferParams | None) -> bool:
         """P side: free the blocks held for a finished request at once (the proxy found no
         decode instance to read them). Idempotent; False if nothing was held or the params
         name another engine."""
         if self.connectors is None or kv_transfer_params is None:
             return False
-        worker = self.connectors.worker
-        p = kv_transfer_params
-        if p.remote_engine_id != worker.engine_id or p.remote_request_id is None:
-            return False
-        return worker.release_local(p.remote_request_id, p.lease_generation or 0)
+        return self.connectors.worker.release(kv_transfer_params)
 
-    def prometheus_collectors(self) -> list:
+    def prometheus_collectors(self) -> list[Collector]:
         """Collectors a server registers on its /metrics registry (the KV connector's)."""
-        return [self.connectors.worker.stats] if self.connectors is not None else []
+        return list(self.connectors.worker.collectors()) if self.connectors is not None else []
+
+    def worker_status(self) -> WorkerStatus:
+        """The connector's worker half's status now (an empty one without a connector)."""
+        return self.connectors.worker.status() if self.connectors is not None else WorkerStatus()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -263,20 +275,19 @@ class LLMEngine:
         connector messages in flight: the owner of the loop keeps stepping while True."""
         return (self.has_unfinished_requests() or self.scheduler.has_pending_work()
                 or (self.connectors is not None
-                    and (self.connectors.scheduler.has_pending() or self.connectors.worker.has_work())))
+                    and (self.connectors.scheduler.has_pending() or self.connectors.worker.status().has_work)))
 
     # ---- the step ------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One step: schedule -> run -> postprocess. Returns the outputs of the requests that
-        made progress or finished (those finished between steps first)."""
+    def step(self) -> EngineStep:
+        """One step: schedule -> run -> postprocess. Never sleeps: how soon the next step is due
+        comes back with the outputs, for the loop's owner to wait (engine/pacing.py)."""
         sched = self._schedule()
         result = self._run(sched)
         outputs = self._postprocess(sched, result)
         if self.scheduler.first_steps:  # traced requests' first tokens: their outputs are made
             self._record_first_steps()
-        if not sched.scheduled and not outputs and not self.transfers_in_flight():
-            time.sleep(IDLE_SLEEP_S)
-        return outputs
+        worker = self.connectors.worker.status() if self.connectors is not None else None
+        return EngineStep(outputs, next_step(bool(sched.scheduled or outputs), worker))
 
     def _record_first_steps(self) -> None:
         end = time.time_ns()
@@ -364,16 +375,6 @@ class LLMEngine:
         return bool(sched.scheduled or sched.finished_req_ids or sched.kv_rank_commands
                     or (self.connectors is not None and self.connectors.worker.needs_rank_poll()))
 
-    def transfers_in_flight(self) -> bool:
-        """KV transfers under way (loads on D, reads of this engine's blocks on P): the loop's
-        owner should step again promptly, or their completion waits for its back-off."""
-        return self.connectors is not None and self.connectors.worker.has_transfers_in_flight()
-
-    def has_rank_commands(self) -> bool:
-        """Transfer commands wait to ride the next step to the ranks (reads D planned after the
-        ranks ran): the loop's owner should step again at once, not back off."""
-        return self.connectors is not None and self.connectors.worker.has_rank_commands()
-
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """``wake`` is called from another thread when a transfer starts that needs this engine
         to step promptly (a remote reader was granted a read). It must be cheap and thread-safe."""
@@ -397,11 +398,11 @@ class LLMEngine:
             queued_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.waiting),
             oldest_arrival=min((r.arrival_time for r in waiting), default=None),
             kv_blocks_total=pool.num_usable_blocks, kv_blocks_used=pool.num_usable_blocks - pool.num_free_blocks,
-            leases_held=len(self.connectors.worker.leases) if self.connectors is not None else 0)
+            leases_held=self.worker_status().leases_held)
 
-    def lease_outcomes(self) -> dict[str, int]:
+    def lease_outcomes(self) -> Mapping[str, int]:
         """P: how many leases ended by each outcome since start (read_done, release, expired, ...)."""
-        return self.connectors.worker.stats.lease_outcomes() if self.connectors is not None else {}
+        return self.worker_status().lease_outcomes
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline helper: run prompts to completion, return their output token ids in order."""
@@ -410,9 +411,12 @@ class LLMEngine:
         for rid, p, sp in zip(ids, prompts, plist):
             self.add_request(rid, p, sp)
         result: dict[str, list[int]] = {rid: [] for rid in ids}
+        pacer = Pacer()
         while self.has_unfinished_requests():
-            for out in self.step():
+            step = self.step()
+            for out in step.outputs:
                 result[out.request_id].extend(out.new_token_ids)
+            pacer.sleep_after(step.next_step)
         return [result[rid] for rid in ids]
 
     def failure(self) -> str | None:

@@ -20,9 +20,8 @@ from typing import Sequence
 
 from kvbridge.engine.block_pool import BlockPool, KVBlock
 from kvbridge.engine.request import Request
+from kvbridge.kv_transfer.params import BlockIds
 from kvbridge.spec.kv_groups import KVCacheKind
-
-BlockIds = tuple[list[int], ...]
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,7 @@ from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
 from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankReport
-
-BlockIds = tuple[list[int], ...]
+from kvbridge.kv_transfer.params import BlockIds
 
 
 @dataclass(frozen=True)

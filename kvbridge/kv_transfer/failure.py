@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass
 
 from kvbridge.config import LoadFailurePolicy
+from kvbridge.kv_transfer.params import BlockIds
 from kvbridge.kv_transfer.stats import KVTransferStats
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
-BlockIds = tuple[list[int], ...]
 LOG_INTERVAL_S = 10.0  # at most one failure line per (peer, kind) per interval
 
 

@@ -61,12 +61,11 @@ from typing import Callable
 
 from opentelemetry.trace import SpanContext, SpanKind
 
+from kvbridge.kv_transfer.params import BlockIds
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.tracing import RequestTrace, Tracing
 
 logger = logging.getLogger("kvbridge.kv_transfer")
-
-BlockIds = tuple[list[int], ...]
 
 
 def content_digest(token_ids: Sequence[int]) -> str:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -71,7 +71,10 @@ MAX_ID_CHARS = 1024  # engine and request ids
 MAX_HOST_CHARS = 255
 _MAX_UNKNOWN_DEPTH = 32  # nesting kept in unknown_fields
 
-BlockIds = tuple[tuple[int, ...], ...]
+# Block ids, one sequence per KV cache group (group order: the model's layer groups): P's in its
+# params (tuples), an engine's own as its KV cache manager hands them out (lists). The one shape
+# for every module that passes them on; none of them changes a sequence it was given.
+BlockIds = tuple[Sequence[int], ...]
 
 _BOOL_FIELDS = ("do_remote_decode", "do_remote_prefill")
 _STR_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host")

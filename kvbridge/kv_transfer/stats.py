@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 PREFIX = "kvbridge_kv_"
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -74,7 +76,7 @@ class _LabelledHistogram:
         return family
 
 
-class KVTransferStats:
+class KVTransferStats(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.transfers = 0
@@ -144,7 +146,7 @@ class KVTransferStats:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         """prometheus_client custom-collector protocol."""
         with self._lock:
             yield CounterMetricFamily(PREFIX + "transfers", "KV reads completed", value=self.transfers)

@@ -26,6 +26,9 @@ done, released or expired), no connector message in flight. Then the owner shuts
 
 Load: after each round of its loop the engine thread publishes the engine's `EngineLoad`
 (`load()`), so a reader never waits for a step.
+
+Pace: the thread waits between steps as each step's answer asks (`EngineStep.next_step`, turned
+into a wait by engine/pacing.py's Pacer); a command ends any wait at once.
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbridge.engine.outputs import DRAIN_TIMEOUT, RequestOutput
+from kvbridge.engine.pacing import Pacer
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.tracing import RequestTrace
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
     from kvbridge.config import EngineConfig
     from kvbridge.engine.engine import EngineLoad, EngineMetrics, LLMEngine
     from kvbridge.kv_transfer.params import KVTransferParams
@@ -54,15 +60,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# While requests are in flight but steps produce nothing (chunked prefill, waiting for
-# remote KV), the thread waits this long between steps, doubling up to the maximum:
-# short against a forward pass, long enough not to burn a core while a transfer runs.
-_MIN_BACKOFF_S = 0.0005
-_MAX_BACKOFF_S = 0.01
-# With nothing in flight the thread sleeps on the queue; it re-checks the engine this
-# often anyway, in case work appeared without a command (e.g. from a connector).
-_IDLE_WAIT_S = 1.0
 
 
 class EngineState(enum.Enum):
@@ -231,7 +228,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ public API
 
-    def engine_collectors(self) -> list:
+    def engine_collectors(self) -> list[Collector]:
         """The engine's own Prometheus collectors (thread-safe objects, fixed at construction)."""
         return self._engine.prometheus_collectors()
 
@@ -402,14 +399,14 @@ class AsyncEngine:
     # ------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
-        backoff = 0.0
+        pacer = Pacer()
         try:
             while True:
                 self._check_failure()
                 if self._drain_deadline is not None:  # before an idle wait: the last step may have ended the drain
                     self._advance_drain()
                 busy = self._state is not EngineState.DEAD and self._has_work()
-                commands = self._take_commands(busy, backoff)
+                commands = self._take_commands(pacer.wait_s(busy))
                 self._check_failure()  # before admitting anything the engine can no longer serve
                 for command in commands:
                     if isinstance(command, _Stop):
@@ -421,19 +418,13 @@ class AsyncEngine:
                     self._publish_load()
                     continue
                 try:
-                    outputs = self._engine.step()
+                    step = self._engine.step()
                 except Exception as exc:  # a bug or a broken device: fail loudly, not silently
                     self._die(exc)
                     continue
-                self._dispatch(outputs)
+                self._dispatch(step.outputs)
                 self._publish_load()
-                # KV reads in flight: poll at the shortest interval, or their completion waits
-                # for the backoff (up to 10 ms, a third of an 8k-token read here). Reads planned
-                # after the ranks ran (P's check_read answer came in during the step) ride the
-                # next step: no back-off at all (it was 0.5-0.7 ms of a 7 ms read, traced).
-                cap = _MIN_BACKOFF_S if self._engine.transfers_in_flight() else _MAX_BACKOFF_S
-                ready = bool(outputs) or self._engine.has_rank_commands()
-                backoff = 0.0 if ready else min(max(2 * backoff, _MIN_BACKOFF_S), cap)
+                pacer.after(step.next_step)
         finally:
             self._stop()
 
@@ -476,10 +467,10 @@ class AsyncEngine:
             self._die(exc)
             return False
 
-    def _take_commands(self, busy: bool, backoff: float) -> list[_Command]:
+    def _take_commands(self, wait: float) -> list[_Command]:
+        """The commands queued now, after waiting up to `wait` seconds for the first one."""
         commands: list[_Command] = []
-        if not busy or backoff > 0:
-            wait = backoff if busy else _IDLE_WAIT_S
+        if wait > 0:
             if self._drain_deadline is not None and self._sinks:  # wake up for the drain's deadline
                 wait = max(0.0, min(wait, self._drain_deadline - time.monotonic()))
             try:

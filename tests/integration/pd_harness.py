@@ -45,7 +45,7 @@ def prefill(p: LLMEngine, prompt: list[int], request_id: str | None = None, time
                   parse_kv_transfer_params({"do_remote_decode": True}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for out in p.step():
+        for out in p.step().outputs:
             if out.request_id == rid and out.finished:
                 return to_wire(out.kv_transfer_params)  # as P's HTTP answer carries them
     raise TimeoutError("P did not finish the prefill")
@@ -59,7 +59,7 @@ def decode(d: LLMEngine, p: LLMEngine, prompt: list[int], params: dict, sp: Samp
     outs = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        outs += [o for o in d.step() if o.request_id == rid]
+        outs += [o for o in d.step().outputs if o.request_id == rid]
         p.step()
         if outs and outs[-1].finished:
             return outs

@@ -198,7 +198,7 @@ class World:
         if not self.p_alive:
             return
         by_p, _ = self._by_id()
-        for out in self.p.step():
+        for out in self.p.step().outputs:
             track = by_p.get(out.request_id)
             if track is not None:
                 track.p_outputs.append(out)
@@ -210,7 +210,7 @@ class World:
 
     def step_d(self) -> None:
         _, by_d = self._by_id()
-        for out in self.d.step():
+        for out in self.d.step().outputs:
             track = by_d.get(out.request_id)
             if track is not None:
                 track.d_outputs.append(out)

@@ -36,7 +36,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvbridge.engine.engine import EngineMetrics, LLMEngine
+from kvbridge.engine.engine import EngineMetrics, EngineStep, LLMEngine
 from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.request import FinishReason
@@ -79,11 +79,12 @@ class InstrumentedEngine:
         self.notified.append((request_id, params))
         self.inner.notify_kv_transfer_rejected(request_id, params)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> EngineStep:
         if self.explode:
             raise RuntimeError("injected device failure")
         outputs = []
-        for out in self.inner.step():
+        step = self.inner.step()
+        for out in step.outputs:
             if out.request_id in self._failed:
                 continue  # the abort that freed a failed request's blocks
             if out.finished and out.request_id in self.returned_params:
@@ -97,7 +98,7 @@ class InstrumentedEngine:
                 self.inner.abort_request(out.request_id)
             outputs.append(RequestOutput(out.request_id, [], "", True, FinishReason.ERROR,
                                          num_prompt_tokens=out.num_prompt_tokens, error=error))
-        return outputs
+        return EngineStep(outputs, step.next_step)
 
 
 class Instance:

@@ -84,7 +84,7 @@ def test_eight_concurrent_requests(loaded, colocated, pd):
     deadline = time.monotonic() + 120
     while d.has_unfinished_requests():
         assert time.monotonic() < deadline, "D did not finish the eight requests"
-        for o in d.step():
+        for o in d.step().outputs:
             got[o.request_id] += o.new_token_ids
         p.step()
     assert [got[f"c{i}"] for i in range(8)] == want
@@ -197,7 +197,7 @@ def test_heartbeats_keep_a_waiting_requests_lease_alive(loaded, colocated):
         got = []
 
         def step_both() -> None:
-            for o in d.step():
+            for o in d.step().outputs:
                 assert o.request_id != "hog" or not o.finished or aborted, "the local request ended first"
                 if o.request_id == "remote":
                     got.extend(o.new_token_ids)
@@ -307,12 +307,12 @@ def test_p_polls_its_ranks_for_an_unwatched_read_only_once_it_is_overdue(loaded,
     try:
         assert worker.leases.check_read(rid, gen, blocks, content_digest(prompt), watch=False) is None
         monkeypatch.setattr(worker_side, "UNWATCHED_POLL_AFTER_S", 3600.0)
-        assert not worker.needs_rank_poll() and not worker.has_transfers_in_flight()
+        assert not worker.needs_rank_poll() and not worker.status().transfers_in_flight
         monkeypatch.setattr(worker_side, "UNWATCHED_POLL_AFTER_S", 0.0)  # every read is overdue
-        assert worker.needs_rank_poll() and not worker.has_transfers_in_flight()
+        assert worker.needs_rank_poll() and not worker.status().transfers_in_flight
         monkeypatch.setattr(worker_side, "UNWATCHED_POLL_AFTER_S", 3600.0)
         assert worker.leases.check_read(rid, gen, blocks, content_digest(prompt), watch=True) is None
-        assert worker.needs_rank_poll() and worker.has_transfers_in_flight()
+        assert worker.needs_rank_poll() and worker.status().transfers_in_flight
     finally:
         assert worker.release_local(rid, gen)
     settle(p)

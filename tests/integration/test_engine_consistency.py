@@ -82,7 +82,7 @@ def test_stop_string_and_abort_free_blocks(loaded, prompts):
     outs = {}
     e.abort_request("a")
     while e.has_unfinished_requests():
-        for o in e.step():
+        for o in e.step().outputs:
             outs.setdefault(o.request_id, []).append(o)
     s_text = "".join(o.new_text for o in outs["s"])
     assert "Paris" not in s_text and outs["s"][-1].finish_reason.value == "stop"

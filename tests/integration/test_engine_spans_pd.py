@@ -58,7 +58,7 @@ def traced_decode(d, p, prompt, params) -> tuple[list, dict[str, list[ReadableSp
     deadline = time.monotonic() + 60
     while not (outs and outs[-1].finished):
         assert time.monotonic() < deadline, "D did not finish"
-        outs += [o for o in d.step() if o.request_id == "d-1"]
+        outs += [o for o in d.step().outputs if o.request_id == "d-1"]
         p.step()
     root.end()
     spans: dict[str, list[ReadableSpan]] = {}

@@ -66,7 +66,7 @@ def prefill_one(p, prompt: list[int], sp: SamplingParams) -> tuple[dict, list[in
     p.add_request(rid, prompt, one, parse_kv_transfer_params({"do_remote_decode": True}))
     outs = []
     while not (outs and outs[-1].finished):
-        outs += [o for o in p.step() if o.request_id == rid]
+        outs += [o for o in p.step().outputs if o.request_id == rid]
     return to_wire(outs[-1].kv_transfer_params), tokens(outs), "".join(o.new_text for o in outs)
 
 
@@ -79,7 +79,7 @@ def continue_on_d(p, d, prompt, params: dict, sp: SamplingParams, continued: lis
     deadline = time.monotonic() + 60
     while not (outs and outs[-1].finished):
         assert time.monotonic() < deadline, "D did not finish"
-        outs += [o for o in d.step() if o.request_id == rid]
+        outs += [o for o in d.step().outputs if o.request_id == rid]
         p.step()
     return outs
 
@@ -89,7 +89,7 @@ def colocated_run(engine, prompt, sp: SamplingParams):
     engine.add_request(rid, prompt, sp)
     outs = []
     while not (outs and outs[-1].finished):
-        outs += [o for o in engine.step() if o.request_id == rid]
+        outs += [o for o in engine.step().outputs if o.request_id == rid]
     return outs
 
 

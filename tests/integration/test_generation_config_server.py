@@ -166,7 +166,7 @@ def test_the_repetition_penalty_reaches_the_sampler() -> None:
         engine.add_request(request_id, prompt, SamplingParams(max_tokens=8, temperature=0, repetition_penalty=penalty))
         tokens = []
         while engine.has_unfinished_requests():
-            tokens += [t for out in engine.step() for t in out.new_token_ids]
+            tokens += [t for out in engine.step().outputs for t in out.new_token_ids]
         return engine.tokenizer.decode(tokens)
 
     assert greedy("plain", 1.0) == " two, one, two, one,"

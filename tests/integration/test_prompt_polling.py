@@ -11,6 +11,7 @@ only once the engine thread has done what the previous call caused (never a coun
 taken after the fact, when the step it waits for may already have happened).
 """
 
+import dataclasses
 import threading
 import time
 
@@ -18,13 +19,13 @@ import httpx
 
 from kvbridge.chaos import ThreadServer
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig
+from kvbridge.engine import pacing
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import load_model
 from kvbridge.kv_transfer.control import ControlClient
 from kvbridge.kv_transfer.lease import content_digest
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
-from kvbridge.server import async_engine
 from kvbridge.server.api_server import build_app
 from kvbridge.server.async_engine import AsyncEngine
 
@@ -62,8 +63,8 @@ class StepCounter:
 
 
 def test_a_granted_read_wakes_an_idle_prefill_engine(monkeypatch):
-    monkeypatch.setattr(async_engine, "_MIN_BACKOFF_S", 30.0)
-    monkeypatch.setattr(async_engine, "_MAX_BACKOFF_S", 30.0)
+    monkeypatch.setattr(pacing, "BACKOFF_MIN_S", 30.0)
+    monkeypatch.setattr(pacing, "BACKOFF_MAX_S", 30.0)
     loaded = load_model(MODEL)
     config = EngineConfig(cache=CacheConfig(num_blocks=32), max_model_len=256, num_threads=1,
                           kv_transfer=KVTransferConfig(role=KVRole.PRODUCER, backend="tcp", engine_id="P",
@@ -81,7 +82,7 @@ def test_a_granted_read_wakes_an_idle_prefill_engine(monkeypatch):
             "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
         assert steps.wait_quiet(0.3, WAIT_S), "the engine never settled into its back-off"
         settled = steps.count
-        assert engine.call_threadsafe(lambda e: e.transfers_in_flight()).result(timeout=WAIT_S) is False
+        assert engine.call_threadsafe(lambda e: e.worker_status().transfers_in_flight).result(timeout=WAIT_S) is False
         # The call ends the back-off wait and the loop steps once after running it: wait for
         # that step, so it cannot be mistaken below for a step the granted read caused.
         assert steps.wait_for(settled + 1, WAIT_S), "the engine did not step after a call"
@@ -95,7 +96,7 @@ def test_a_granted_read_wakes_an_idle_prefill_engine(monkeypatch):
         # The wake-up is sent while check_read is answered; `before` was taken earlier, so a
         # step that happens before check_read returns still counts.
         assert steps.wait_for(before + 1, WAIT_S), "a granted read did not wake the prefill engine"
-        assert engine.call_threadsafe(lambda e: e.transfers_in_flight()).result(timeout=WAIT_S) is True
+        assert engine.call_threadsafe(lambda e: e.worker_status().transfers_in_flight).result(timeout=WAIT_S) is True
 
         control.release(params["remote_host"], params["remote_port"], params["remote_request_id"],
                         params["lease_generation"])
@@ -104,7 +105,7 @@ def test_a_granted_read_wakes_an_idle_prefill_engine(monkeypatch):
         while held() and time.monotonic() < end:
             time.sleep(0.01)
         assert held() == 0
-        assert engine.call_threadsafe(lambda e: e.transfers_in_flight()).result(timeout=WAIT_S) is False
+        assert engine.call_threadsafe(lambda e: e.worker_status().transfers_in_flight).result(timeout=WAIT_S) is False
     finally:
         server.stop()
         engine.shutdown()
@@ -114,8 +115,8 @@ def test_commands_for_the_ranks_ride_the_next_step_without_back_off(monkeypatch)
     """D plans a read when P's check_read answer is in; when that happens after the ranks ran,
     its commands wait for the next step, which the loop must run at once: a back-off there
     was 0.5-0.7 ms of a 7 ms read. Without such commands the loop backs off (30 s here)."""
-    monkeypatch.setattr(async_engine, "_MIN_BACKOFF_S", 30.0)
-    monkeypatch.setattr(async_engine, "_MAX_BACKOFF_S", 30.0)
+    monkeypatch.setattr(pacing, "BACKOFF_MIN_S", 30.0)
+    monkeypatch.setattr(pacing, "BACKOFF_MAX_S", 30.0)
     loaded = load_model(MODEL)
     llm = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=32), max_model_len=256, num_threads=1), loaded)
     steps = StepCounter()
@@ -127,10 +128,9 @@ def test_commands_for_the_ranks_ride_the_next_step_without_back_off(monkeypatch)
         out = real_step()
         queued["steps"] = max(queued["steps"] - 1, 0)
         steps.record()
-        return out
+        return dataclasses.replace(out, next_step=pacing.NextStep.NOW) if queued["steps"] > 0 else out
     llm.step = step
     llm.has_pending_work = busy.is_set  # a step with nothing scheduled, as while D waits for P
-    llm.has_rank_commands = lambda: queued["steps"] > 0
     engine = AsyncEngine(llm)
     try:
         queued["steps"] = 3

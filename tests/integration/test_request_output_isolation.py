@@ -53,7 +53,7 @@ def run(engine, ids: list[str]) -> dict[str, list]:
     for _ in range(200):
         if all(outs[rid] and outs[rid][-1].finished for rid in ids):
             break
-        for out in engine.step():
+        for out in engine.step().outputs:
             outs[out.request_id].append(out)
     return outs
 

@@ -56,7 +56,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,9 @@ from kvbridge.engine.tp.cpu_bind import rank_cpus
 from kvbridge.engine.tp.tp_channel import StepChannel
 from kvbridge.spec.cpu_lists import CpuBindError, format_cpus
 from kvbridge.spec.tp_split import rank_shard
+
+if TYPE_CHECKING:
+    from kvbridge.kv_transfer.connector.rank_agent import RankSetup
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +189,8 @@ class TPExecutor:
     """`execute(sched)` like a ModelRunner's, over `config.tensor_parallel_size` rank processes."""
 
     def __init__(self, config: EngineConfig, num_blocks: int,
-                 agent_spec: tuple[str, str, bool] | None = None) -> None:
-        """`agent_spec` (engine id, backend name, serves reads): each rank creates a transfer
+                 rank_setup: RankSetup | None = None) -> None:
+        """`rank_setup` (the worker connector's, without a local agent): each rank creates a transfer
         agent and registers its KV shard with it; `registrations` then lists them, rank order."""
         self.tp_size = config.tensor_parallel_size
         self.step_timeout_s = config.tp_step_timeout_s
@@ -212,11 +215,11 @@ class TPExecutor:
         self._stopping = threading.Event()
         self._procs: list[Any] = []
         self._channel: StepChannel | None = None
-        self.registrations: list[Any] = []  # each rank's rank_agent.RankRegistration (with an agent_spec)
+        self.registrations: list[Any] = []  # each rank's rank_agent.RankRegistration (with a rank_setup)
         self._timings: collections.deque[TPStepTiming] = collections.deque(maxlen=_PROFILE_STEPS)
         self._timings_lock = threading.Lock()  # step_profile() may be called from another thread
         try:
-            self._start(config, num_blocks, agent_spec)
+            self._start(config, num_blocks, rank_setup)
         except BaseException:
             self._reap()
             _active.release()
@@ -278,7 +281,7 @@ class TPExecutor:
         return [p.pid for p in self._procs]
 
     # ---- internals ---------------------------------------------------------------
-    def _start(self, config: EngineConfig, num_blocks: int, agent_spec: tuple[str, str, bool] | None) -> None:
+    def _start(self, config: EngineConfig, num_blocks: int, rank_setup: RankSetup | None) -> None:
         world = self.tp_size + 1
         listener = _loopback_listener()
         store = dist.TCPStore(_HOST, listener.getsockname()[1], world, is_master=True,
@@ -287,7 +290,7 @@ class TPExecutor:
         ctx = mp.get_context("spawn")
         for rank in range(self.tp_size):
             cpus = self.rank_cpus[rank] if self.rank_cpus is not None else None
-            proc = ctx.Process(target=_rank_main, args=(config, num_blocks, rank, store.port, agent_spec, cpus),
+            proc = ctx.Process(target=_rank_main, args=(config, num_blocks, rank, store.port, rank_setup, cpus),
                                name=f"kvbridge-tp-rank-{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
@@ -408,7 +411,7 @@ def _gloo_on_loopback():
 
 
 def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int,
-               agent_spec: tuple[str, str, bool] | None, cpus: frozenset[int] | None) -> None:
+               rank_setup: RankSetup | None, cpus: frozenset[int] | None) -> None:
     """A rank process: join the group, build this rank's runner (and transfer agent), then serve
     steps until told to stop."""
     from kvbridge.engine.loader import load_model  # heavy imports after the fork-free spawn
@@ -447,13 +450,12 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
 
     runner, agent, error = None, None, None
     try:
-        if agent_spec is not None:
+        kv = config.kv_transfer
+        if rank_setup is not None and kv is not None:  # a rank setup exists only for an engine with a KV transfer config
             from kvbridge.kv_transfer.backends import create_backend
             from kvbridge.kv_transfer.connector.rank_agent import RankAgent
-            engine_id, backend_name, serves = agent_spec
-            kv = config.kv_transfer  # an agent spec exists only for an engine with a KV transfer config
-            agent = RankAgent(create_backend(backend_name, agent_name=f"{engine_id}-tp{rank}", **kv.backend_options()),
-                              serves, kv.transfer_timeout_s)
+            transfer = create_backend(rank_setup.backend, agent_name=rank_setup.agent_name(rank), **kv.backend_options())
+            agent = RankAgent(transfer, rank_setup.serves_reads, kv.transfer_timeout_s)
         loaded = load_model(config.model)
         shard = rank_shard(loaded.arch.num_heads, loaded.arch.cache_kv_heads, tp, rank)
         runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, device, config.cache.block_size,

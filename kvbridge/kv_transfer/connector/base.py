@@ -1,29 +1,31 @@
-"""Contracts of the KV connector's two halves, as the engine sees them.
+"""Contracts of the KV connector's two halves, as the engine sees them: everything `LLMEngine`
+(kvbridge/engine/) calls on a connector is declared here, and it calls nothing else.
 
 The scheduler half lives with the scheduler (no tensors, no I/O on the step
 path beyond queue operations); the worker half lives with the model runner and
 owns the transfer backend. Once per step the scheduler half builds one metadata
 object for the worker half; once per step the worker half returns one
-KVConnectorOutput to the scheduler half. Failures travel as data in that output.
+KVConnectorOutput to the scheduler half, and one WorkerStatus to the engine (how soon
+it needs the next step). Failures travel as data in that output.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from prometheus_client.registry import Collector
 
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
-
 from kvbridge.kv_transfer.connector.request_view import ConnectorRequest
 from kvbridge.kv_transfer.failure import FailureKind
+from kvbridge.kv_transfer.params import BlockIds
 
 if TYPE_CHECKING:
-    from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, RankReport
+    from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, RankReport, RankSetup
     from kvbridge.kv_transfer.params import KVTransferParams
-
-BlockIds = tuple[list[int], ...]
-
 
 @dataclass
 class KVConnectorOutput:
@@ -48,8 +50,38 @@ class KVConnectorOutput:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
+@dataclass(frozen=True)
+class WorkerStatus:
+    """The worker half's state as the engine reads it (`WorkerConnector.status`): what its
+    transfers need of the step loop, and P's leases. The engine asks once per step and paces
+    the next step by the answer (engine/pacing.py)."""
+
+    rank_commands_waiting: bool = False  # commands wait to ride the next step to the ranks: step at once
+    transfers_in_flight: bool = False  # loads on D, watched reads of held blocks on P: poll promptly
+    has_work: bool = False  # loads, control messages or leases a step must advance: keep stepping
+    leases_held: int = 0  # P: leases granted on finished requests' blocks and not ended yet
+    lease_outcomes: Mapping[str, int] = field(default_factory=dict)  # P: leases ended so far, by outcome
+
+
 class SchedulerConnector(ABC):
-    """Scheduler half. Every method is called on the engine thread."""
+    """Scheduler half. Every method is called on the engine thread, but `notify_rejected`
+    (any thread)."""
+
+    @abstractmethod
+    def validate_request(self, num_prompt_tokens: int, params: KVTransferParams | None) -> None:
+        """Called by LLMEngine.add_request before admission; changes nothing. Raises
+        KVTransferParamsError (a ValueError: the client's error, HTTP 400) for a remote prefill
+        this engine must not or cannot do. None params: nothing to check."""
+
+    @abstractmethod
+    def notify_rejected(self, request_id: str, params: KVTransferParams | None) -> None:
+        """Thread-safe. D rejected a request with a remote prefill before admission: tell P (with
+        the next step's metadata) that it may free the blocks it holds for it. No-op for params
+        without a remote prefill, or naming an untrusted peer."""
+
+    @abstractmethod
+    def has_pending(self) -> bool:
+        """Messages wait for the worker half (releases, reads): the engine must step."""
 
     @abstractmethod
     def on_new_request(self, request: ConnectorRequest) -> None:
@@ -81,7 +113,7 @@ class SchedulerConnector(ABC):
         """Called with the worker half's output before the scheduler acts on it."""
 
     @abstractmethod
-    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, "KVTransferParams | None"]:
+    def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
         """Called exactly once when a request finishes (any reason) or is aborted.
 
         Returns (delay_free, kv_transfer_params): with delay_free the scheduler keeps
@@ -104,32 +136,47 @@ class WorkerConnector(ABC):
     through its own RankAgent (rank_agent.py), driven by the commands this half returns and
     reporting back with the step's result."""
 
+    @property
     @abstractmethod
-    def register_ranks(self, ranks: Sequence["RankRegistration"]) -> None:
+    def rank_setup(self) -> RankSetup:
+        """How the engine's ranks get their transfer agents, read once when the engine starts its
+        runner: at TP 1 the engine process's own agent (`local_agent`), at TP N what each rank
+        process builds its agent from (`local_agent` None)."""
+
+    @abstractmethod
+    def register_ranks(self, ranks: Sequence[RankRegistration]) -> None:
         """Every rank's transfer agent blob and KV layout, rank order, once at start."""
 
     @abstractmethod
-    def start_load_kv(self, metadata: ConnectorMetadata | None) -> list["RankCommands"] | None:
+    def start_load_kv(self, metadata: ConnectorMetadata | None) -> list[RankCommands] | None:
         """Before the ranks run: take this step's metadata (None: the step ran without a
         connector's schedule); return one RankCommands per rank, or None when no rank has
         anything to do."""
 
-    @abstractmethod
-    def get_finished(self, reports: Sequence["RankReport"] = ()) -> KVConnectorOutput:
-        """After the ranks ran, with their reports: never raises, failures are reported as data."""
-
-    def has_transfers_in_flight(self) -> bool:
-        """Transfers whose completion this engine must poll for promptly (not back off)."""
-        return False
-
     def needs_rank_poll(self) -> bool:
-        """Must the ranks run a step that schedules nothing and carries no commands, to poll their
-        transfer agents? (At TP N each such step is a round through N + 1 processes.)"""
+        """After start_load_kv, when the step schedules nothing and carries no commands: must the
+        ranks run anyway, to poll their transfer agents? (At TP N each such step is a round through
+        N + 1 processes.)"""
         return True
 
-    def has_rank_commands(self) -> bool:
-        """Commands for the ranks are waiting for the next step: step again without backing off."""
-        return False
+    @abstractmethod
+    def get_finished(self, reports: Sequence[RankReport] = ()) -> KVConnectorOutput:
+        """After the ranks ran, with their reports: never raises, failures are reported as data."""
+
+    @abstractmethod
+    def status(self) -> WorkerStatus:
+        """This half's state now (engine thread; cheap: LLMEngine.step asks once per step, and
+        `load()` and the drain read it between steps)."""
+
+    @abstractmethod
+    def release(self, params: KVTransferParams) -> bool:
+        """P: free the blocks held for a finished request now, named by the params this engine
+        returned for it (the proxy found no decode instance to read them). Thread-safe and
+        idempotent; False if no such lease is held or the params name another engine."""
+
+    def collectors(self) -> Sequence[Collector]:
+        """Prometheus collectors of this half's counters, for a server's /metrics registry."""
+        return ()
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """Install a thread-safe callback that wakes the engine loop when a transfer starts."""

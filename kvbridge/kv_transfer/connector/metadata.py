@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbridge.kv_transfer.params import KVTransferParams
+from kvbridge.kv_transfer.params import BlockIds, KVTransferParams
 from kvbridge.tracing import RequestTrace
-
-BlockIds = tuple[list[int], ...]
 
 
 @dataclass(frozen=True)

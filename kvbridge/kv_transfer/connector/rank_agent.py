@@ -111,6 +111,21 @@ class RankRegistration:
     layout: RankLayout
 
 
+@dataclass(frozen=True)
+class RankSetup:
+    """How an engine's ranks get their transfer agents (WorkerConnector.rank_setup). At TP 1 the
+    engine process's rank uses `local_agent`; at TP N `local_agent` is None and each rank process
+    creates one: a `backend` agent named `agent_name(rank)`, serving reads when `serves_reads`."""
+
+    engine_id: str
+    backend: str  # the transfer backend's name (nixl, tcp, fake)
+    serves_reads: bool  # P: others read this engine's KV
+    local_agent: RankAgent | None = None
+
+    def agent_name(self, tp_rank: int) -> str:
+        return f"{self.engine_id}-tp{tp_rank}"
+
+
 class RankAgent:
     """One rank's transfer agent and reads. Called on the thread that steps this rank."""
 

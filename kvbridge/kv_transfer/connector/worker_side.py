@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+
+from prometheus_client.registry import Collector
 
 from kvbridge.config import KVRole, KVTransferConfig
 from kvbridge.kv_transfer.backends.base import TransferBackend
-from kvbridge.kv_transfer.connector.base import KVConnectorOutput, WorkerConnector
+from kvbridge.kv_transfer.connector.base import KVConnectorOutput, WorkerConnector, WorkerStatus
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
-from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankCommands, RankRegistration, RankReport
+from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankCommands, RankRegistration, RankReport, RankSetup
 from kvbridge.kv_transfer.connector.receiving import KVReceiver, ReceiverDeps
 from kvbridge.kv_transfer.connector.sending import KVSender
 from kvbridge.kv_transfer.failure import FailureHandler
 from kvbridge.kv_transfer.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable
+from kvbridge.kv_transfer.params import KVTransferParams
 from kvbridge.kv_transfer.read_plan.request_reads import KVGroups
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
@@ -46,7 +49,7 @@ UNWATCHED_POLL_AFTER_S = 0.02
 
 class KVBridgeWorkerConnector(WorkerConnector):
     """`backend` is the engine process's own transfer agent at TP 1; None at TP N, where each
-    rank process creates its own (`rank_agent_spec`). `side_channel`: P's (None: this engine
+    rank process creates its own (`rank_setup`). `side_channel`: P's (None: this engine
     serves no reads)."""
 
     def __init__(self, config: KVTransferConfig, engine_id: str, backend: TransferBackend | None,
@@ -59,8 +62,9 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.config = config
         self.engine_id = engine_id
         self.compat = compat  # what a peer must share with this engine to exchange KV
-        self.local_agent = (RankAgent(backend, side_channel is not None, config.transfer_timeout_s)
-                            if backend is not None else None)
+        local_agent = (RankAgent(backend, side_channel is not None, config.transfer_timeout_s)
+                       if backend is not None else None)
+        self._rank_setup = RankSetup(engine_id, config.backend, side_channel is not None, local_agent)
         self.leases = leases
         self.stats = stats
         self.side_channel = side_channel
@@ -73,16 +77,20 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self._last_backend_error_log = float("-inf")
 
     @property
+    def rank_setup(self) -> RankSetup:
+        return self._rank_setup
+
+    @property
+    def local_agent(self) -> RankAgent | None:
+        """The engine process's rank agent (TP 1), or None (TP N)."""
+        return self._rank_setup.local_agent
+
+    @property
     def backend(self) -> TransferBackend:
         """The engine process's transfer agent (TP 1 only)."""
         if self.local_agent is None:
             raise AttributeError("at tensor parallel size > 1 each rank process owns its transfer agent")
         return self.local_agent.backend
-
-    @property
-    def rank_agent_spec(self) -> tuple[str, str, bool]:
-        """(agent name prefix, backend name, serves reads): how a rank process builds its agent."""
-        return self.engine_id, self.config.backend, self.side_channel is not None
 
     @property
     def is_consumer(self) -> bool:
@@ -121,8 +129,14 @@ class KVBridgeWorkerConnector(WorkerConnector):
             out.finished_sending.update(self.sending.finished_sending())
         return out
 
+    def release(self, params: KVTransferParams) -> bool:
+        """P: free the blocks held for the request `params` name, if they name this engine."""
+        if params.remote_engine_id != self.engine_id or params.remote_request_id is None:
+            return False
+        return self.release_local(params.remote_request_id, params.lease_generation or 0)
+
     def release_local(self, request_id: str, generation: int) -> bool:
-        """P: free a request's held blocks now (e.g. the proxy could not reach any D).
+        """P: free a request's held blocks now, by P's own request id and the lease's generation.
         Thread-safe; False if no such lease is held."""
         return self.sending is not None and self.sending.release_local(request_id, generation)
 
@@ -132,10 +146,19 @@ class KVBridgeWorkerConnector(WorkerConnector):
             self._last_backend_error_log = now
             logger.error("transfer backend of %s failed on engine %s: %s", where, self.engine_id, error)
 
-    def has_transfers_in_flight(self) -> bool:
-        """D: loads under way. P: a watched read of its leased blocks granted and not yet done
-        (one that may complete only after P's agent progresses: the loop must step promptly)."""
-        return self.receiving.has_loads() or (self.sending is not None and self.sending.reads_in_flight(watched=True))
+    def status(self) -> WorkerStatus:
+        """In flight: D's loads under way, or on P a watched read of its leased blocks granted and
+        not yet done (one that may complete only after P's agent progresses: the loop must step
+        promptly). Rank commands: D's reads planned after the ranks ran (when P's check_read
+        answer came in), waiting for the next step."""
+        in_flight = self.receiving.has_loads() or (self.sending is not None and self.sending.reads_in_flight(watched=True))
+        leases = len(self.leases)
+        return WorkerStatus(rank_commands_waiting=self.receiving.has_commands(), transfers_in_flight=in_flight,
+                            has_work=self.receiving.has_work() or bool(leases), leases_held=leases,
+                            lease_outcomes=self.stats.lease_outcomes())
+
+    def collectors(self) -> Sequence[Collector]:
+        return (self.stats,)
 
     def needs_rank_poll(self) -> bool:
         """D: a read handed to a rank has not settled (its poll reports it). P: a read of its
@@ -149,19 +172,11 @@ class KVBridgeWorkerConnector(WorkerConnector):
                     and (self.sending.reads_in_flight(watched=True)
                          or self.sending.reads_in_flight(min_age_s=UNWATCHED_POLL_AFTER_S))))
 
-    def has_rank_commands(self) -> bool:
-        """Commands for the ranks wait for the next step (D: reads planned after the ranks ran,
-        when P's check_read answer came in): the loop should step again at once."""
-        return self.receiving.has_commands()
-
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """P: call ``wake`` (from the side-channel thread) when a read of leased blocks is granted,
         so that an engine loop sleeping between idle steps polls again at once."""
         if self.sending is not None:
             self.sending.set_wakeup(wake)
-
-    def has_work(self) -> bool:
-        return self.receiving.has_work() or bool(len(self.leases))
 
     def shutdown(self) -> None:
         if self._closed:
