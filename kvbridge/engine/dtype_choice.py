@@ -80,6 +80,8 @@ def model_config_dtype(model: str) -> str | None:
     except (OSError, ValueError):
         return None
     value = config.get("torch_dtype", config.get("dtype")) if isinstance(config, dict) else None
+    if not isinstance(value, str):
+        return None
     value = {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(value, value)
     return value if value in DTYPE_NAMES else None
 

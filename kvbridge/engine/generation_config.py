@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def _integer(value: Any) -> bool:
 
 
 # generation_config.json's field -> (SamplingDefaults' field, check, what the check requires)
-_FIELDS = {
+_FIELDS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "temperature": ("temperature", lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     "top_p": ("top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
     "top_k": ("top_k", lambda v: _integer(v) and v >= -1, "an integer >= -1 (0 or -1: no top-k)"),
@@ -126,7 +127,8 @@ def sampling_defaults(mode: str, model: str) -> SamplingDefaults:
         return NO_DEFAULTS
     if mode == "auto":
         if names_default_model(model):
-            return SamplingDefaults(**PUBLISHED_SAMPLING, source=PUBLISHED_SAMPLING_SOURCE)
+            return SamplingDefaults(temperature=PUBLISHED_SAMPLING["temperature"], top_p=PUBLISHED_SAMPLING["top_p"],
+                                    source=PUBLISHED_SAMPLING_SOURCE)
         folder = Path(model).expanduser()
         if folder.is_dir() and (folder / GENERATION_CONFIG_FILE).is_file():
             return read_generation_config(folder)

@@ -138,13 +138,14 @@ class KVCacheManager:
         self.prefix_hits += hit * self.block_size
         if hit == 0:
             return empty, 0
-        null = self.pool.null_block
         tables = []
         for gi, group in enumerate(self.groups):
             first = 0 if whole else group.first_needed_block(hit * self.block_size)
             found = [self.pool.get_cached_block((gi, h)) for h in hashes[first:hit]]
-            tables.append([null] * first + found)  # type: ignore[list-item]
-        return tuple(tables), hit * self.block_size  # type: ignore[return-value]
+            table = [self.pool.null_block] * first + found
+            assert all(b is not None for b in table)  # a hit is cached; a window's skipped blocks are null (reserved)
+            tables.append([b for b in table if b is not None])
+        return tuple(tables), hit * self.block_size
 
     def _window_cached(self, gi: int, group: KVCacheGroupSpec, hashes: list[int], hit: int) -> bool:
         first = group.first_needed_block(hit * self.block_size)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -64,7 +64,8 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         end = (t.data_ptr() + t.numel() * t.element_size()) // _PAGE * _PAGE
         if end <= start:
             return False
-        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+        advised: bool = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+        return advised
     except (OSError, AttributeError):
         return False
 
@@ -109,8 +110,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             advise_huge_pages(self.kv_cache)
         self.kv_cache.zero_()
-        if hasattr(self.model, "bind_kv_cache_layout"):
-            self.model.bind_kv_cache_layout(self.layout)
+        bind_layout = getattr(self.model, "bind_kv_cache_layout", None)  # a model with Mamba layers
+        if bind_layout is not None:
+            bind_layout(self.layout)
         if self.device.type == "cpu":
             cpu_kernels.available()  # build/load now, not in the first step (a warning if they cannot be)
         self.sampler = Sampler(seed)
@@ -140,7 +142,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, sample_rows = [], [], []
-        tables: list[list[list[int]]] = [[] for _ in self.windows]  # per group, per request
+        tables: list[list[Sequence[int]]] = [[] for _ in self.windows]  # per group, per request
         for s in sched.scheduled:
             n = len(s.token_ids)
             input_ids.extend(s.token_ids)
@@ -157,7 +159,7 @@ class ModelRunner:
             if mamba:  # each request's one state: its block of this group
                 metas.append(Mamba2Metadata.from_context(query_lens, context_lens, [ids[0] for ids in t], dev))
             else:
-                kernel = [self.layout.kernel_block_ids(ids) for ids in t]
+                kernel = [self.layout.kernel_block_ids(list(ids)) for ids in t]
                 metas.append(AttentionMetadata.build(query_lens, context_lens, kernel, self.kernel_block_size, dev,
                                                      window))
         attn = metas[0] if len(metas) == 1 else metas

@@ -27,6 +27,7 @@ import ctypes
 import logging
 import os
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +46,15 @@ def bound_onednn_caches(capacity: int = PRIMITIVE_CACHE_CAPACITY) -> None:
         os.environ.setdefault(name, str(capacity))
 
 
-def _load_malloc_trim():
+def _load_malloc_trim() -> Callable[[int], int] | None:
     try:
         fn = ctypes.CDLL(None).malloc_trim  # glibc; absent on musl and other C libraries
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int
-    return fn
+    trim: Callable[[int], int] = fn
+    return trim
 
 
 _malloc_trim = _load_malloc_trim()
@@ -74,7 +76,7 @@ class HeapTrimmer:
     """Calls glibc's malloc_trim(0) (every arena's free pages back to the OS) when `maybe_trim`
     finds `interval_s` passed since the last call. Does nothing without glibc or at interval 0."""
 
-    def __init__(self, interval_s: float | None = None, clock=time.monotonic) -> None:
+    def __init__(self, interval_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = trim_interval_s() if interval_s is None else interval_s
         self.clock = clock
         self.last = clock()
@@ -88,7 +90,7 @@ class HeapTrimmer:
         if not self.enabled:
             return False
         now = self.clock()
-        if now - self.last < self.interval_s:
+        if now - self.last < self.interval_s or _malloc_trim is None:
             return False
         _malloc_trim(0)
         self.last = self.clock()

@@ -21,11 +21,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvbridge.config import SchedulerConfig
+from kvbridge.engine.block_pool import KVBlock
 from kvbridge.engine.kv_cache_manager import KVCacheManager
 from kvbridge.engine.request import FinishReason, Request, RequestStatus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConnector
-from kvbridge.kv_transfer.params import KV_LOAD_FAILED
+from kvbridge.kv_transfer.params import KV_LOAD_FAILED, BlockIds
 from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -165,11 +166,12 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_local = (tuple([] for _ in self.kvm.groups), 0)
+            hits: tuple[list[KVBlock], ...] = tuple([] for _ in self.kvm.groups)
+            num_local = 0
             fresh = self.kvm.num_allocated_tokens(req.request_id) == 0
             if fresh:
                 hits, num_local = self.kvm.get_computed_blocks(req)
-            if fresh and self._wants_remote_kv(req):
+            if fresh and self.connector is not None and self._wants_remote_kv(req):
                 n_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                 if n_ext is None:
                     skipped.append(self.waiting.popleft())
@@ -213,12 +215,12 @@ class Scheduler:
         return budget
 
     def _wants_remote_kv(self, req: Request) -> bool:
-        if self.connector is None or req.request_id in self._asked_connector:
+        if req.request_id in self._asked_connector:
             return False
         self._asked_connector.add(req.request_id)
         return True
 
-    def _scheduled(self, req: Request, num_new: int, block_ids) -> ScheduledRequest:
+    def _scheduled(self, req: Request, num_new: int, block_ids: BlockIds) -> ScheduledRequest:
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + num_new]
         sample = start + num_new == req.num_tokens

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cache, cached_property
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -98,6 +99,12 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return gpt2
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge rule, "left right", as the BPE model takes it."""
+    left, _, right = merge.partition(" ")
+    return left, right
+
+
 def _backend_from_gguf(vocab: GGUFVocab) -> BackendTokenizer:
     """A byte-level BPE tokenizer equal to what Hugging Face ships for GPT-2-style vocabularies."""
     if vocab.model != "gpt2":
@@ -110,7 +117,7 @@ def _backend_from_gguf(vocab: GGUFVocab) -> BackendTokenizer:
     # slip) is respelled byte-wise, as transformers does.
     spelled = [t if set(t) <= alphabet or k in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
                else "".join(spelling[b] for b in t.encode()) for t, k in zip(vocab.tokens, types)]
-    merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    merges = [_merge_pair(m) for m in vocab.merges]
     backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges,
                                           fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = _byte_level_pre_tokenizer(vocab.pre)
@@ -162,7 +169,7 @@ def _token_content(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:

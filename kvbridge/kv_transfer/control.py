@@ -41,6 +41,7 @@ from typing import Any
 from opentelemetry.trace import SpanContext
 
 from kvbridge.kv_transfer.lease import MAX_READ_TIMEOUT_S, LeaseTable
+from kvbridge.kv_transfer.params import BlockIds
 from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.tracing import parse_traceparent
@@ -189,7 +190,7 @@ class ControlClient:
         self.read_timeout_s = read_timeout_s
         self._client = client or HandshakeClient()
 
-    def check_read(self, host: str, port: int, rid: str, gen: int, blocks: tuple[list[int], ...],
+    def check_read(self, host: str, port: int, rid: str, gen: int, blocks: BlockIds,
                    content: str, connect: bool = True, traceparent: str | None = None) -> str:
         """Returns P's incarnation (see ControlServer.incarnation). `content`: the
         content_digest of the reader's own prompt tokens; `connect`: this reader has not

@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbridge.config import LoadFailurePolicy
@@ -56,7 +57,7 @@ class FailureHandler:
     drains the queue in get_finished().
     """
 
-    def __init__(self, stats: KVTransferStats, clock=time.monotonic) -> None:
+    def __init__(self, stats: KVTransferStats, clock: Callable[[], float] = time.monotonic) -> None:
         self.stats = stats
         self._queue: "queue.SimpleQueue[LoadFailure]" = queue.SimpleQueue()
         self._clock = clock

@@ -292,8 +292,11 @@ def decode_payload(data: bytes, expected: CompatibilityInfo | bytes, expected_en
     body (DecodeError), engine id (EngineMismatch, skipped when expected_engine_id is
     None), layout against `local_layout` (LayoutMismatch, skipped when None).
     """
-    local_compat = expected if isinstance(expected, CompatibilityInfo) else None
-    expected_hash = expected.hash() if local_compat is not None else expected
+    local_compat: CompatibilityInfo | None
+    if isinstance(expected, CompatibilityInfo):
+        local_compat, expected_hash = expected, expected.hash()
+    else:
+        local_compat, expected_hash = None, expected
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandshakeDecodeError(f"payload must be bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -312,7 +315,7 @@ def decode_payload(data: bytes, expected: CompatibilityInfo | bytes, expected_en
     compat_hash, body_len = _PAYLOAD_V1.unpack_from(data, _PAYLOAD_PREFIX.size)
     if not hmac.compare_digest(compat_hash, expected_hash):
         peer = _peer_compat(data[header_len:], body_len, compat_hash) if local_compat is not None else None
-        if peer is not None:
+        if peer is not None and local_compat is not None:  # a peer's description is read only with ours
             raise HandshakeHashMismatch(f"compatibility hash mismatch: {mismatch_reason(peer, local_compat)}")
         raise HandshakeHashMismatch(
             f"compatibility hash mismatch: peer {compat_hash.hex()[:16]}, local "

@@ -64,6 +64,7 @@ from opentelemetry.trace import SpanContext, SpanKind
 from kvbridge.kv_transfer.params import BlockIds
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.tracing import RequestTrace, Tracing
+from kvbridge.tracing.core import AttributeValue
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
@@ -242,7 +243,7 @@ class LeaseTable:
         elif watch:
             self._wake()
         if start_ns and self._tracing is not None:
-            attributes = {"kvbridge.request_id": request_id, "kvbridge.lease_generation": generation,
+            attributes: dict[str, AttributeValue] = {"kvbridge.request_id": request_id, "kvbridge.lease_generation": generation,
                           "kvbridge.engine_id": self.engine_id, "kvbridge.num_blocks": sum(len(g) for g in block_ids),
                           "kvbridge.watch": watch,
                           "kvbridge.outcome": "granted" if refusal is None else refusal.kind.value}

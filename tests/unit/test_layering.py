@@ -22,6 +22,23 @@ ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
 FLOOR = {"spec": 0, "config": 0, "stop_strings": 0, "strict_json": 0, "tracing": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
          "launcher": 3, "openai_wire": 3, "http_protocol": 3, "ray": 3.5, "cli": 4, "chaos": 4, "__main__": 4}
 PROGRAMS = ("server", "proxy", "launcher")
+# What of kv_transfer the engine may import: the connector's contract. base: the two halves the
+# engine calls (and their WorkerStatus, KVConnectorOutput); metadata: the scheduler half's per-step
+# message, which rides the SchedulerOutput; rank_agent: each rank's transfer agent, its commands and
+# reports (the model runner drives it); params: kv_transfer_params and BlockIds.
+ENGINE_MAY_IMPORT = frozenset({"kvbridge.kv_transfer.connector.base", "kvbridge.kv_transfer.connector.metadata",
+                               "kvbridge.kv_transfer.connector.rank_agent", "kvbridge.kv_transfer.params"})
+# ...and the wiring, in these modules only: the factory builds the two halves and the parts they
+# share; a TP rank process creates its own transfer backend.
+ENGINE_WIRING_MAY_IMPORT = {
+    "kvbridge.engine.kv_connector_factory": frozenset({
+        "kvbridge.kv_transfer.backends", "kvbridge.kv_transfer.backends.base",
+        "kvbridge.kv_transfer.connector.scheduler_side", "kvbridge.kv_transfer.connector.worker_side",
+        "kvbridge.kv_transfer.failure", "kvbridge.kv_transfer.handshake", "kvbridge.kv_transfer.lease",
+        "kvbridge.kv_transfer.read_plan.request_reads", "kvbridge.kv_transfer.side_channel",
+        "kvbridge.kv_transfer.stats"}),
+    "kvbridge.engine.tp.tp_executor": frozenset({"kvbridge.kv_transfer.backends"}),
+}
 
 
 def modules() -> dict[str, Path]:
@@ -127,6 +144,21 @@ def reachable(start: set[str], edges: set[tuple[str, str]]) -> set[str]:
             seen.add(b)
             todo.append(b)
     return seen
+
+
+def engine_reaches_past_the_contract(edges: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The engine's imports of kv_transfer modules that neither list allows it."""
+    return {(a, b) for a, b in edges if a.startswith("kvbridge.engine") and b.startswith("kvbridge.kv_transfer")
+            and b not in ENGINE_MAY_IMPORT and b not in ENGINE_WIRING_MAY_IMPORT.get(a, frozenset())}
+
+
+def test_the_engine_imports_of_kv_transfer_only_the_connector_contract():
+    """The engine sees the KV connector through its contract (connector/base.py and the messages it
+    names); only the wiring modules reach the concrete halves and their parts."""
+    assert engine_reaches_past_the_contract(imports()) == set()
+    planted = {("kvbridge.engine.engine", "kvbridge.kv_transfer.lease"),
+               ("kvbridge.engine.scheduler", "kvbridge.kv_transfer.backends")}
+    assert engine_reaches_past_the_contract(imports() | planted) == planted
 
 
 def test_the_proxy_runs_without_the_engine():

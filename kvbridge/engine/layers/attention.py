@@ -261,15 +261,17 @@ class PagedAttention(nn.Module):
         decode = attn.decode
         if decode is not None and decode.token_index is None:
             return self._decode(q, kv_layer, decode)
-        fused = bool(attn.prefills) and cpu_kernels.bf16_prefill_applies(q) and attn.fresh_prefills is not None
+        fresh = attn.fresh_prefills if attn.prefills and cpu_kernels.bf16_prefill_applies(q) else None
+        fused = fresh is not None
         if decode is None and len(attn.prefills) == 1 and not fused:
             return self._prefill(q, k, v, kv_layer, attn.prefills[0])
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if decode is not None:
-            out.index_copy_(0, decode.token_index, self._decode(q.index_select(0, decode.token_index),
-                                                                kv_layer, decode))
-        if fused:  # every fresh prompt in one call, straight into its rows of out
-            starts, lens = attn.fresh_prefills
+            rows = decode.token_index
+            assert rows is not None  # (every token a decode: returned above)
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), kv_layer, decode))
+        if fresh is not None:  # every fresh prompt in one call, straight into its rows of out
+            starts, lens = fresh
             cpu_kernels.prefill_attention_bf16_(out, q, k, v, starts, lens, self.head_dim ** -0.5)
         for seq in attn.prefills:
             if not (fused and seq.own_kv_only):

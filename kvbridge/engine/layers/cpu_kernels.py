@@ -154,8 +154,9 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table:
                            context_lens: torch.Tensor, sliding_window: int | None, scale: float) -> torch.Tensor:
     """q [B, H, D] fp32 or bf16 CPU, kv_layer (q's dtype) [blocks, 2, block_size, kv_heads, D] (the cache's strided
     layer view), block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D]."""
-    return torch.ops.kvbridge.paged_decode_attention(q, kv_layer, block_table, context_lens,
-                                                     sliding_window or 0, scale)
+    out: torch.Tensor = torch.ops.kvbridge.paged_decode_attention(q, kv_layer, block_table, context_lens,
+                                                                  sliding_window or 0, scale)
+    return out
 
 
 PREFILL_HEAD_DIMS = range(16, 257, 16)  # head sizes prefill_attention takes
@@ -164,7 +165,8 @@ PREFILL_HEAD_DIMS = range(16, 257, 16)  # head sizes prefill_attention takes
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention over the prompt's own keys: q [L, heads, D], k and v [L, kv_heads, D] fp32
     CPU, D contiguous (any row strides), D in PREFILL_HEAD_DIMS -> [L, heads, D]."""
-    return torch.ops.kvbridge.prefill_attention(q, k, v, scale)
+    out: torch.Tensor = torch.ops.kvbridge.prefill_attention(q, k, v, scale)
+    return out
 
 
 BF16_PREFILL_HEAD_DIMS = (64, 128, 192, 256)  # head sizes prefill_attention_bf16_ takes

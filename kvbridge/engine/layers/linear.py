@@ -94,7 +94,7 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A oneDNN-prepacked copy of an fp32 or bf16 CPU weight, or None where that does not apply."""
     if (weight.device.type != "cpu" or weight.dtype not in PREPACKED_DTYPES or os.environ.get("KVBRIDGE_ONEDNN") == "0"
-            or not torch.backends.mkldnn.is_available()):
+            or not torch.backends.mkldnn.is_available()):  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return None
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None  # a CPU without AVX-512: torch's own bf16 linear
@@ -102,11 +102,13 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     # converted (`to_mkldnn()` keeps the plain layout): 1.46x faster at 16 rows, 1.16x at 64, as
     # fast from 1 row to prefill's 2048 (benchmarks/README.md, linear_vs_vllm). The hint is the
     # decode batch the layout is chosen for; any row count works.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_ROWS_HINT)
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_ROWS_HINT)
+    return packed
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
 
 
 def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -207,6 +207,7 @@ class Mamba2Mixer(nn.Module):
             y[seq.start:seq.end] = self._prefill(xbc[seq.start:seq.end], dt[seq.start:seq.end], A, conv_states,
                                                  ssm_states, seq)
         if meta.decode_slots is not None:
+            assert meta.decode_has_state is not None  # set with decode_slots
             rows = meta.decode_rows
             y_dec = self._decode(xbc if rows is None else xbc[rows], dt if rows is None else dt[rows], A,
                                  conv_states, ssm_states, meta.decode_slots, meta.decode_has_state)
@@ -214,7 +215,7 @@ class Mamba2Mixer(nn.Module):
                 y = y_dec
             else:
                 y[rows] = y_dec
-        out = self.out_proj(self._gated_norm(y.view(x.shape[0], self.intermediate), z).to(x.dtype))
+        out: torch.Tensor = self.out_proj(self._gated_norm(y.view(x.shape[0], self.intermediate), z).to(x.dtype))
         if self.all_reduce is not None:
             out = self.all_reduce(out)
         return out if self.out_bias is None else out + self.out_bias
@@ -223,7 +224,7 @@ class Mamba2Mixer(nn.Module):
         """Conv output [T, conv_dim] -> x [T, h, P], B and C [T, h, N] repeated per head (fp32)."""
         c, t = self.config, xbc.shape[0]
         gn = self.num_groups * c.state_size
-        xs, B, C = xbc.float().split([self.intermediate, gn, gn], dim=-1)
+        xs, B, C = xbc.float().split_with_sizes([self.intermediate, gn, gn], dim=-1)
         per = self.num_heads // self.num_groups
         B = B.view(t, self.num_groups, c.state_size).repeat_interleave(per, dim=1)
         C = C.view(t, self.num_groups, c.state_size).repeat_interleave(per, dim=1)

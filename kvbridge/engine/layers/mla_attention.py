@@ -60,6 +60,7 @@ class MLAPagedAttention(nn.Module):
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
         if decode is not None:
             rows = decode.token_index
+            assert rows is not None  # (every token a decode: returned above)
             out.index_copy_(0, rows, self._decode(q_nope.index_select(0, rows), q_pe.index_select(0, rows), cache,
                                                   decode, w_uk, w_uv))
         for seq in attn.prefills:

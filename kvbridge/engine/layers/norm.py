@@ -23,7 +23,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     pass (cpu_kernels, the same rounding); torch's rms_norm makes several there.
     """
     if _one_pass(x, weight):
-        return torch.ops.kvbridge.rms_norm(x, weight, eps)
+        out: torch.Tensor = torch.ops.kvbridge.rms_norm(x, weight, eps)
+        return out
     if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
@@ -33,7 +34,8 @@ def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Ten
     """residual += delta (in place), then rms_norm(residual): one pass on CPU in fp32 and bf16."""
     if residual.is_contiguous() and delta.shape == residual.shape and delta.stride(-1) == 1 and _one_pass(
             residual, weight):
-        return torch.ops.kvbridge.add_rms_norm_(residual, delta, weight, eps)
+        normed: torch.Tensor = torch.ops.kvbridge.add_rms_norm_(residual, delta, weight, eps)
+        return normed
     residual += delta
     return rms_norm(residual, weight, eps)
 

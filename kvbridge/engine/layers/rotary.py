@@ -47,6 +47,9 @@ def yarn_inv_freq(dim: int, base: float, y: YarnScaling) -> tuple[torch.Tensor, 
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers: [max_positions, head_dim] tables
+    signed_sin: torch.Tensor
+
     def __init__(self, head_dim: int, rope_theta: float, max_positions: int,
                  dtype: torch.dtype, device: torch.device, scaling: YarnScaling | None = None) -> None:
         super().__init__()
@@ -80,7 +83,8 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # (a rotation, named like the reference's; not nn.Module.apply(fn): always called on the class)
         """Rotate x [T, heads, head_dim] (any head count) by the looked-up angles."""
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 

@@ -70,16 +70,16 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     the lengths are padded to buckets and the result is the first Lq rows (the real rows see
     exactly the keys they saw before: a causal row never sees a later key, the mask hides the
     added ones). `mask_cache` keeps the padded mask for the step's other layers."""
-    kwargs = {"scale": scale, "enable_gqa": enable_gqa}
     if not pads_attention(q):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=enable_gqa)
     lq, lk = q.shape[-2], k.shape[-2]
     pq = bucket_rows(lq)
     if mask is None:
         if lq != lk:
             raise ValueError(f"causal attention without a mask needs as many queries as keys, got {lq} and {lk}")
         out = F.scaled_dot_product_attention(_pad_rows(q, pq), _pad_rows(k, pq), _pad_rows(v, pq),
-                                             is_causal=True, **kwargs)
+                                             is_causal=True, scale=scale, enable_gqa=enable_gqa)
     else:
         pk = bucket_rows(lk)
         grown = None if mask_cache is None else mask_cache.get((pq, pk))
@@ -88,5 +88,5 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
             if mask_cache is not None:
                 mask_cache[(pq, pk)] = grown
         out = F.scaled_dot_product_attention(_pad_rows(q, pq), _pad_rows(k, pk), _pad_rows(v, pk),
-                                             attn_mask=grown, **kwargs)
+                                             attn_mask=grown, scale=scale, enable_gqa=enable_gqa)
     return out[..., :lq, :]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -43,7 +44,7 @@ _DEFAULTS = {
     ModelFamily.BAMBA: {"rms_norm_eps": 1e-5, "max_position_embeddings": 262144},
 }
 # transformers' DeepseekV2Config / DeepseekV3Config defaults for the MLA and MoE keys.
-_DEEPSEEK_DEFAULTS = {
+_DEEPSEEK_DEFAULTS: dict[ModelFamily, dict[str, Any]] = {
     ModelFamily.DEEPSEEK_V2: dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                   v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=None,
                                   moe_intermediate_size=1407, first_k_dense_replace=0, routed_scaling_factor=1.0,
@@ -58,7 +59,7 @@ _DEEPSEEK_DEFAULTS = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _read_config(folder: Path) -> dict:
+def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -69,7 +70,7 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
-def _rope(config: dict, allow_yarn: bool) -> tuple[float, YarnScaling | None]:
+def _rope(config: dict[str, Any], allow_yarn: bool) -> tuple[float, YarnScaling | None]:
     """rope_theta and scaling from flat keys (transformers 4) or rope_parameters (transformers 5).
     YaRN where `allow_yarn` (the families whose parity with it is tested); other scaling refused."""
     parameters = config.get("rope_parameters") or {}
@@ -101,7 +102,7 @@ def _rope(config: dict, allow_yarn: bool) -> tuple[float, YarnScaling | None]:
         attention_factor=optional("attention_factor"), truncate=bool(scaling.get("truncate", True)))
 
 
-def _sliding_layers(config: dict, family: ModelFamily, num_layers: int) -> dict:
+def _sliding_layers(config: dict[str, Any], family: ModelFamily, num_layers: int) -> dict[str, Any]:
     """layer_types and sliding_window as transformers applies them: Mistral slides every layer
     when sliding_window is set; Qwen2/Qwen3 only with use_sliding_window, on the layers their
     layer_types name (else those from max_window_layers on)."""
@@ -122,7 +123,7 @@ def _sliding_layers(config: dict, family: ModelFamily, num_layers: int) -> dict:
     return dict(layer_types=tuple(types), sliding_window=int(window))
 
 
-def _deepseek_parts(config: dict, family: ModelFamily) -> dict:
+def _deepseek_parts(config: dict[str, Any], family: ModelFamily) -> dict[str, Any]:
     """The MLA and MoE fields of a DeepSeek-V2/V3 config."""
     d = {**_DEEPSEEK_DEFAULTS[family], **{k: v for k, v in config.items() if k in _DEEPSEEK_DEFAULTS[family]}}
     if config.get("attention_bias") or config.get("mlp_bias"):
@@ -150,7 +151,7 @@ def _deepseek_parts(config: dict, family: ModelFamily) -> dict:
     return dict(mla=mla, moe=moe, head_dim=mla.qk_head_dim)
 
 
-def _bamba_parts(config: dict) -> dict:
+def _bamba_parts(config: dict[str, Any]) -> dict[str, Any]:
     """The Mamba2 mixer and the layer types of a Bamba config: attention at attn_layer_indices,
     Mamba2 everywhere else; rotary on half of each attention head (transformers hard-codes 0.5)."""
     if config.get("attention_bias") or config.get("mlp_bias"):
@@ -166,7 +167,7 @@ def _bamba_parts(config: dict) -> dict:
     return dict(layer_types=types, mamba=Mamba2Config.from_hf(config), partial_rotary_factor=float(factor))
 
 
-def arch_from_config(config: dict) -> ModelArchConfig:
+def arch_from_config(config: dict[str, Any]) -> ModelArchConfig:
     """ModelArchConfig from a parsed config.json; ValueError for unsupported models."""
     architectures = config.get("architectures") or []
     family = next((_FAMILIES[a] for a in architectures if a in _FAMILIES), None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ _ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
 
 
 def write_synthetic_folder(folder: Path | str, tokenizer: Tokenizer, seed: int = 0, architecture: str = "llama",
-                           **geometry) -> Path:
+                           **geometry: Any) -> Path:
     """A folder of `architecture` (llama | qwen2 | mistral | deepseek_v2 | deepseek_v3) with `geometry` (its
     transformers config keys; vocab_size defaults to the tokenizer's) and random weights drawn
     from `seed`. Returns the folder."""

@@ -59,7 +59,8 @@ def check_arch_tp_split(arch: ModelArchConfig, tp_size: int) -> None:
 
 
 def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
-                shard: RankShard | None = None, all_reduce: Callable | None = None) -> CausalLM:
+                shard: RankShard | None = None,
+                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CausalLM:
     """An eval-mode model for arch on device, weights allocated in dtype but not yet loaded.
     With a TP `shard`, only that rank's part, summing partial outputs with `all_reduce`."""
     families: dict[ModelFamily, type[CausalLM]] = {

@@ -29,7 +29,7 @@ from kvbridge.engine.layers.mamba2 import Mamba2Metadata, Mamba2Mixer, mamba2_we
 from kvbridge.engine.layers.norm import RMSNorm
 from kvbridge.engine.layers.rotary import RotaryEmbedding
 from kvbridge.engine.layers.weights import Embedding, WeightSlot, load_slots, whole
-from kvbridge.engine.models.base import CausalLM
+from kvbridge.engine.models.base import CausalLM, LayerList
 from kvbridge.engine.models.llama import (HeadAndPrepack, LlamaAttention, LlamaMLP, attention_weight_slots,
                                           mlp_weight_slots)
 from kvbridge.spec.kv_cache_layout import KVCacheLayout
@@ -65,13 +65,15 @@ class BambaModel(nn.Module):
         super().__init__()
         types = arch.layer_types or ("full_attention",) * arch.num_layers
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(BambaDecoderLayer(arch, t == "mamba", dtype, device, shard, all_reduce)
-                                    for t in types)
+        self.layers = LayerList(BambaDecoderLayer(arch, t == "mamba", dtype, device, shard, all_reduce)
+                                for t in types)
         self.final_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
 
 
 class BambaForCausalLM(HeadAndPrepack, CausalLM):
     """Bamba over a hybrid KV cache: call `bind_kv_cache_layout` before the first forward."""
+
+    model: BambaModel
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
                  shard: RankShard | None = None, all_reduce: AllReduce | None = None) -> None:
@@ -100,8 +102,10 @@ class BambaForCausalLM(HeadAndPrepack, CausalLM):
         self.layout = layout
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Sequence[GroupMetadata],
-                kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                attn: Sequence[GroupMetadata], kv_cache: torch.Tensor) -> torch.Tensor:
+        # (a hybrid model takes one metadata per KV cache group, Mamba's too: the model runner
+        # passes the sequence whenever a model has more than one group)
         """Hidden states after the final norm, [T, hidden]; `attn`: one metadata per KV cache group."""
         if self.layout is None:
             raise RuntimeError("bind_kv_cache_layout first")
@@ -124,7 +128,8 @@ class BambaForCausalLM(HeadAndPrepack, CausalLM):
                     raise ValueError(f"KV cache group {group} holds attention layers: it needs an AttentionMetadata")
                 h = h + layer.self_attn(x, cos, sin, kv_cache[:, :, slot].permute(0, 2, 3, 1, 4), meta)
             h = h + layer.feed_forward(layer.pre_ff_layernorm(h))
-        return self.model.final_layernorm(h)
+        out: torch.Tensor = self.model.final_layernorm(h)
+        return out
 
     @torch.inference_mode()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -145,6 +150,7 @@ class BambaForCausalLM(HeadAndPrepack, CausalLM):
             if layer.mamba is not None:
                 slots.update(mamba2_weight_slots(layer.mamba, f"{p}mamba."))
             else:
+                assert layer.self_attn is not None  # every layer is Mamba or attention
                 slots.update(attention_weight_slots(layer.self_attn, self.arch, self.shard, f"{p}self_attn."))
             slots.update(mlp_weight_slots(layer.feed_forward, self.arch, self.shard, f"{p}feed_forward."))
             slots[f"{p}input_layernorm.weight"] = whole(layer.input_layernorm.weight)

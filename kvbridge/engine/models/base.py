@@ -4,12 +4,28 @@ runner uses it."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from typing import Generic, TypeVar, cast
 
 import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.weights import WeightSlot
 from kvbridge.spec.model_config import ModelArchConfig
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+class LayerList(torch.nn.ModuleList, Generic[M]):
+    """An nn.ModuleList of one kind of layer, iterated as that kind (the state dict is a
+    ModuleList's: `layers.0.`, `layers.1.`, ...)."""
+
+    def __init__(self, layers: Iterable[M]) -> None:
+        super().__init__(layers)
+
+    def __iter__(self) -> Iterator[M]:
+        return cast(Iterator[M], super().__iter__())  # every item was given as an M
 
 
 class CausalLM(torch.nn.Module, ABC):

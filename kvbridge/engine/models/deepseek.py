@@ -40,7 +40,7 @@ from kvbridge.engine.layers.mla_attention import MLAPagedAttention
 from kvbridge.engine.layers.norm import RMSNorm
 from kvbridge.engine.layers.rotary import RotaryEmbedding, yarn_mscale
 from kvbridge.engine.layers.weights import Embedding, WeightSlot, load_slots, whole
-from kvbridge.engine.models.base import CausalLM
+from kvbridge.engine.models.base import CausalLM, LayerList
 from kvbridge.spec.model_config import MLAConfig, ModelArchConfig, MoEConfig
 from kvbridge.spec.tp_split import RankShard, even_split, rank_shard
 
@@ -62,7 +62,7 @@ def deinterleave_rows(rows: int, rope_dim: int, group: int, offset: int) -> torc
 def softmax_scale(arch: ModelArchConfig) -> float:
     mla = arch.mla
     assert mla is not None
-    scale = mla.qk_head_dim ** -0.5
+    scale: float = mla.qk_head_dim ** -0.5
     y = arch.rope_scaling
     if y is not None and y.mscale_all_dim:
         scale *= yarn_mscale(y.factor, y.mscale_all_dim) ** 2
@@ -70,6 +70,13 @@ def softmax_scale(arch: ModelArchConfig) -> float:
 
 
 class MLAAttention(nn.Module):
+    q_proj: Linear | None  # without a query LoRA
+    q_a_proj: Linear | None  # with one: q_a_proj -> q_a_layernorm -> q_b_proj
+    q_a_layernorm: RMSNorm | None
+    q_b_proj: Linear | None
+    w_uk: torch.Tensor  # buffers derived from kv_b_proj (refresh_derived)
+    w_uv: torch.Tensor
+
     def __init__(self, arch: ModelArchConfig, mla: MLAConfig, dtype: torch.dtype, device: torch.device,
                  shard: RankShard, all_reduce: AllReduce | None) -> None:
         super().__init__()
@@ -111,6 +118,7 @@ class MLAAttention(nn.Module):
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q[..., :mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:]
@@ -135,7 +143,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(silu_and_mul(gate_up))
+        out: torch.Tensor = self.down_proj(silu_and_mul(gate_up))
+        return out
 
 
 class DenseMLP(nn.Module):
@@ -236,7 +245,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.self_attn = MLAAttention(arch, arch.mla, dtype, device, shard, all_reduce)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.mlp: nn.Module
+        self.mlp: MoE | DenseMLP
         if arch.moe is not None and arch.moe.is_moe_layer(layer):
             self.mlp = MoE(arch, arch.moe, dtype, device, shard.tp_size, all_reduce)
         else:
@@ -254,8 +263,8 @@ class DeepseekModel(nn.Module):
                  all_reduce: AllReduce | None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(arch, i, dtype, device, shard, all_reduce)
-                                    for i in range(arch.num_layers))
+        self.layers = LayerList(DeepseekDecoderLayer(arch, i, dtype, device, shard, all_reduce)
+                                for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
 
 
@@ -287,12 +296,14 @@ class DeepseekForCausalLM(CausalLM):
         cos, sin = self.rotary.lookup(positions)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv_cache[:, :, i].permute(0, 2, 3, 1, 4), attn)
-        return self.model.norm(h)
+        out: torch.Tensor = self.model.norm(h)
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            logits: torch.Tensor = self.lm_head(hidden)
+            return logits.float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     @torch.inference_mode()
@@ -329,6 +340,7 @@ class DeepseekForCausalLM(CausalLM):
             if a.q_proj is not None:
                 slots[f"{p}self_attn.q_proj.weight"] = WeightSlot(a.q_proj.weight, 0, heads * qk, q_src, q_rot)
             else:
+                assert a.q_a_proj is not None and a.q_a_layernorm is not None and a.q_b_proj is not None
                 slots[f"{p}self_attn.q_a_proj.weight"] = whole(a.q_a_proj.weight)
                 slots[f"{p}self_attn.q_a_layernorm.weight"] = whole(a.q_a_layernorm.weight)
                 slots[f"{p}self_attn.q_b_proj.weight"] = WeightSlot(a.q_b_proj.weight, 0, heads * qk, q_src, q_rot)

@@ -16,6 +16,7 @@ whole Hugging Face tensors and copies each rank's slice.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from kvbridge.engine.layers.linear import Linear, packed_linear, prepack_weight
 from kvbridge.engine.layers.norm import RMSNorm, add_rms_norm_, rms_norm
 from kvbridge.engine.layers.rotary import RotaryEmbedding
 from kvbridge.engine.layers.weights import Embedding, WeightSlot, load_slots, whole
-from kvbridge.engine.models.base import CausalLM
+from kvbridge.engine.models.base import CausalLM, LayerList
 from kvbridge.spec.kv_groups import layer_groups, layer_slots
 from kvbridge.spec.model_config import ModelArchConfig
 from kvbridge.spec.tp_split import RankShard, even_split, rank_shard
@@ -36,6 +37,9 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP 
 
 
 class LlamaAttention(nn.Module):
+    qk_norm_weight: torch.Tensor  # a buffer (with qk_norm)
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                  fold_gqa_decode: bool, shard: RankShard, all_reduce: AllReduce | None) -> None:
         super().__init__()
@@ -108,7 +112,9 @@ class LlamaDecoderLayer(nn.Module):
         norm = self.input_layernorm
         x = norm(h) if pending is None else add_rms_norm_(h, pending, norm.weight, norm.eps)
         delta = self.self_attn(x, cos, sin, kv_layer, attn)
-        return self.mlp(add_rms_norm_(h, delta, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps))
+        out: torch.Tensor = self.mlp(add_rms_norm_(h, delta, self.post_attention_layernorm.weight,
+                                                   self.post_attention_layernorm.eps))
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -118,9 +124,16 @@ class LlamaModel(nn.Module):
                  fold_gqa_decode: bool, shard: RankShard, all_reduce: AllReduce | None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype, device, fold_gqa_decode, shard, all_reduce)
-                                    for _ in range(arch.num_layers))
+        self.layers = LayerList(LlamaDecoderLayer(arch, dtype, device, fold_gqa_decode, shard, all_reduce)
+                                for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+
+
+class EmbeddingBody(Protocol):
+    """A model body with token embeddings (`model.embed_tokens`)."""
+
+    @property
+    def embed_tokens(self) -> Embedding: ...
 
 
 class HeadAndPrepack:
@@ -128,7 +141,7 @@ class HeadAndPrepack:
     `Linear` layers: logits through the head (tied: the embedding, prepacked), and the prepacking
     `load_weights` ends with."""
 
-    model: nn.Module
+    model: EmbeddingBody
     lm_head: Linear | None
     _packed_head: torch.Tensor | None
 
@@ -136,13 +149,14 @@ class HeadAndPrepack:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            logits: torch.Tensor = self.lm_head(hidden)
+            return logits.float()
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head, None).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def _prepack(self) -> None:
-        for module in self.modules():  # type: ignore[attr-defined]
+        for module in self.modules():  # type: ignore[attr-defined]  # a mixin of nn.Module subclasses
             if isinstance(module, Linear):
                 module.prepack()
         self._packed_head = prepack_weight(self.model.embed_tokens.weight) if self.lm_head is None else None
@@ -155,6 +169,8 @@ class LlamaForCausalLM(HeadAndPrepack, CausalLM):
     fold_gqa_decode: see `PagedAttention`; None picks per device (True on CUDA).
     shard, all_reduce: this rank's heads and the sum over TP ranks (None: one rank, the whole model).
     """
+
+    model: LlamaModel
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
                  fold_gqa_decode: bool | None = None, shard: RankShard | None = None,

@@ -22,7 +22,9 @@ else can join (its store listens on loopback, its port known only to them).
 
 from __future__ import annotations
 
+import functools
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,7 +43,7 @@ class StepChannel:
             raise ValueError(f"frame_bytes must exceed the {_HEADER}-byte header")
         self.rank, self.world_size, self.frame_bytes = rank, world_size, frame_bytes
         self._frame = torch.zeros(frame_bytes, dtype=torch.uint8)
-        self._frame_view = memoryview(self._frame.numpy())
+        self._frame_view = self._frame.numpy().data
         # The engine process receives every rank's frame (its own slot is sent and ignored).
         self._gathered = [torch.zeros(frame_bytes, dtype=torch.uint8) for _ in range(world_size)] \
             if rank == 0 else None
@@ -76,8 +78,8 @@ class StepChannel:
         dist.gather(self._frame, self._gathered, dst=0)
         out: list[Any] = [None]
         for src in range(1, self.world_size):
-            view = memoryview(self._gathered[src].numpy())
-            out.append(self._unpack(view, lambda rest, src=src: dist.recv(rest, src=src, tag=_REST_TAG)))
+            view = self._gathered[src].numpy().data
+            out.append(self._unpack(view, functools.partial(_receive_rest, src=src)))
         return out
 
     # ---- framing ---------------------------------------------------------------------
@@ -91,7 +93,7 @@ class StepChannel:
             return None
         return torch.frombuffer(bytearray(memoryview(data)[head:]), dtype=torch.uint8)
 
-    def _unpack(self, frame: memoryview, receive_rest) -> Any:
+    def _unpack(self, frame: memoryview, receive_rest: Callable[[torch.Tensor], object]) -> Any:
         """The message in `frame`, receiving the rest of a long one with `receive_rest(tensor)`."""
         size = int.from_bytes(frame[:_HEADER], "little")
         if size <= self.capacity:
@@ -99,3 +101,8 @@ class StepChannel:
         rest = torch.empty(size - self.capacity, dtype=torch.uint8)
         receive_rest(rest)
         return pickle.loads(bytes(frame[_HEADER:]) + rest.numpy().tobytes())
+
+
+def _receive_rest(rest: torch.Tensor, src: int) -> None:
+    """The rest of a long message from rank `src`, after its frame."""
+    dist.recv(rest, src=src, tag=_REST_TAG)

@@ -56,6 +56,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -284,7 +285,8 @@ class TPExecutor:
     def _start(self, config: EngineConfig, num_blocks: int, rank_setup: RankSetup | None) -> None:
         world = self.tp_size + 1
         listener = _loopback_listener()
-        store = dist.TCPStore(_HOST, listener.getsockname()[1], world, is_master=True,
+        # torch.distributed imports TCPStore from its C module without re-exporting it by name
+        store = dist.TCPStore(_HOST, listener.getsockname()[1], world, is_master=True,  # type: ignore[attr-defined]
                               timeout=datetime.timedelta(seconds=_START_TIMEOUT_S), wait_for_workers=False,
                               master_listen_fd=listener.detach())  # the store owns (and closes) it
         ctx = mp.get_context("spawn")
@@ -320,6 +322,7 @@ class TPExecutor:
                 assert self._channel is not None
                 self._channel.broadcast(command)
                 outputs = self._channel.gather()
+                assert outputs is not None  # the engine process is rank 0: it receives every rank's reply
             except Exception as exc:
                 self._fail(self._explain(exc))
                 raise TPExecutorError(self._failure) from exc
@@ -396,7 +399,7 @@ def _loopback_listener() -> socket.socket:
 
 
 @contextlib.contextmanager
-def _gloo_on_loopback():
+def _gloo_on_loopback() -> Iterator[None]:
     """While it is open, the engine process's new gloo groups listen on loopback
     (GLOO_SOCKET_IFNAME; the value before is restored after)."""
     before = os.environ.get("GLOO_SOCKET_IFNAME")
@@ -423,7 +426,7 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
     world = tp + 1
     configure_torch_threads(max(1, config.num_threads // tp))
     os.environ["GLOO_SOCKET_IFNAME"] = _HOST_INTERFACE  # every gloo group of this rank listens on loopback
-    store = dist.TCPStore(_HOST, store_port, world, is_master=False,
+    store = dist.TCPStore(_HOST, store_port, world, is_master=False,  # type: ignore[attr-defined]  # (as above)
                           timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
     dist.init_process_group("gloo", store=store, rank=rank + 1, world_size=world, timeout=_COLLECTIVE_TIMEOUT)
     device = config.device

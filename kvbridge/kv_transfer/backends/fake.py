@@ -302,7 +302,8 @@ class FakeBackend(TransferBackend):
 
     def _owned(self, handle: XferHandle) -> _FakeRead:
         self._check_live(handle)
-        return handle.native
+        read: _FakeRead = handle.native
+        return read
 
     def _parse_metadata(self, metadata: bytes) -> str:
         try:

@@ -155,7 +155,8 @@ class _Cursor:
         return self._data[self._pos - n:self._pos]
 
     def u32(self) -> int:
-        return struct.unpack("!I", self.take(4))[0]
+        value: int = struct.unpack("!I", self.take(4))[0]
+        return value
 
     def blob(self) -> bytes:
         return self.take(self.u32())

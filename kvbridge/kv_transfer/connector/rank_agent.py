@@ -36,10 +36,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvbridge.kv_transfer.backends.base import MemoryRegion, TransferBackend, TransferState, XferHandle
 from kvbridge.kv_transfer.failure import FailureKind
 from kvbridge.kv_transfer.handshake import RankLayout
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("kvbridge.kv_transfer")
 
@@ -145,7 +149,7 @@ class RankAgent:
         self._reported: set[str] = set()  # live xfer ids already settled (polled no more)
         self._closed = False
 
-    def register(self, kv_cache, block_size: int, tp_rank: int, tp_size: int, kv_heads: range,
+    def register(self, kv_cache: torch.Tensor, block_size: int, tp_rank: int, tp_size: int, kv_heads: range,
                  blocks_per_logical: int = 1) -> RankRegistration:
         """Register this rank's KV cache ([kernel blocks, its kv heads, ...], contiguous; a logical
         block is `blocks_per_logical` consecutive kernel blocks of `block_size` tokens) with the agent."""

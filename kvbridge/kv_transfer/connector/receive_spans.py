@@ -23,6 +23,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from kvbridge.kv_transfer.connector.metadata import RecvSpec
 from kvbridge.kv_transfer.connector.rank_agent import ReadResult
 from kvbridge.tracing import RequestTrace, format_traceparent
+from kvbridge.tracing.core import AttributeValue
 
 
 class _Read(Protocol):
@@ -79,7 +80,7 @@ class LoadSpans:
                                                                "server.port": s.remote.port})
         return format_traceparent(self.check.get_span_context())
 
-    def check_answered(self, _future: Future) -> None:
+    def check_answered(self, _future: Future[object]) -> None:
         """Done callback of the check_read (control thread): when P's answer came."""
         self.check_end_ns = time.time_ns()
 
@@ -106,7 +107,7 @@ class LoadSpans:
             tracing.record("kv.read", parent, r.started_ns, r.settled_ns or time.time_ns(), attributes={
                 "kvbridge.tp_rank": read.local_rank, "kvbridge.remote_rank": read.remote_rank,
                 "kvbridge.bytes": read.nbytes, "kvbridge.descriptors": read.ndescs, "kvbridge.backend": backend,
-                "kvbridge.outcome": "ok" if r.ok else r.kind.value}, error=None if r.ok else r.cause)
+                "kvbridge.outcome": r.kind.value if r.kind is not None else "ok"}, error=None if r.ok else r.cause)
         span = self.load
         span.set_attribute("kvbridge.outcome", outcome)
         span.set_attribute("kvbridge.num_reads", len(reads))
@@ -134,7 +135,7 @@ def _traced_message(trace: RequestTrace, name: str, send: Callable[..., None], h
     """Send a read-done or release (on the control thread) and record it as `name` under the
     request's span."""
     start_ns = time.time_ns()
-    attributes = {"kvbridge.remote_request_id": rid, "kvbridge.lease_generation": gen, "server.address": host,
+    attributes: dict[str, AttributeValue] = {"kvbridge.remote_request_id": rid, "kvbridge.lease_generation": gen, "server.address": host,
                   "server.port": port}
     try:
         send(host, port, rid, gen)

@@ -47,7 +47,7 @@ import logging
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from kvbridge.config import KVTransferConfig
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput
@@ -62,7 +62,7 @@ from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, H
 from kvbridge.kv_transfer.handshake_manager import HandshakeManager
 from kvbridge.kv_transfer.lease import CONTENT_MISMATCH
 from kvbridge.kv_transfer.read_plan.block_mapping import BlockMappingError
-from kvbridge.kv_transfer.read_plan.request_reads import KVGroups, request_descs
+from kvbridge.kv_transfer.read_plan.request_reads import Descs, KVGroups, request_descs
 from kvbridge.kv_transfer.read_plan.tp_mapping import (RankBlocks, RankKV, ReadPlan, ReleaseNotice, TPMappingError,
                                                        check_pairing, plan_request_reads, request_salt)
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
@@ -139,7 +139,7 @@ class _Peer:
 class _Recv:
     spec: RecvSpec
     phase: _Phase
-    futures: list[Future]  # HANDSHAKE: one per P rank asked so far; CHECK: the lease check
+    futures: list[Future[Any]]  # HANDSHAKE: one per P rank asked so far; CHECK: the lease check
     created: float  # parked (ReceiverDeps.timer; kvbridge_kv_load_seconds)
     started: float  # READ: the reads were planned (ReceiverDeps.timer; until then, created)
     peer: _Peer | None = None
@@ -200,7 +200,7 @@ class KVReceiver:
         self._wired: set[tuple[str, int, int]] = set()
         self._recvs: dict[str, _Recv] = {}
         self._done_recv: set[str] = set()
-        self._side_requests: list[tuple[str, Future]] = []  # (what, future) of releases and heartbeats
+        self._side_requests: list[tuple[str, Future[object]]] = []  # (what, future) of releases and heartbeats
 
     def register_ranks(self, ranks: tuple[RankRegistration, ...], handshakes: bool) -> None:
         """This engine's ranks, in order; `handshakes`: this engine receives (a consumer), so it
@@ -297,7 +297,8 @@ class KVReceiver:
             recv.spans = LoadSpans(spec, spec.trace)
         self._note_handshake_wait(recv)
 
-    def _side_request(self, what: str, fn, *args, trace: RequestTrace | None = None) -> None:
+    def _side_request(self, what: str, fn: Callable[..., None], *args: object,
+                      trace: RequestTrace | None = None) -> None:
         """Send P a message on the control thread; `trace`: the request's, for a read-done or a
         release (its kv.read_done / kv.release span)."""
         try:
@@ -376,6 +377,7 @@ class KVReceiver:
             self._handshake_done(recv, HandshakeFailureKind.LAYOUT_MISMATCH.value, cause)
             self._fail(rid, recv, FailureKind.HANDSHAKE, f"{HandshakeFailureKind.LAYOUT_MISMATCH.value}: {cause}")
             return
+        assert self._handshakes is not None, "a consumer connector receives only after register_ranks"
         if len(metas) < p_tp:  # rank 0 named P's TP size: fetch the other ranks' payloads
             recv.futures += [self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, r)
                              for r in range(len(metas), p_tp)]
@@ -476,6 +478,7 @@ class KVReceiver:
                 return
             recv.rehandshaken = True
             recv.phase = _Phase.HANDSHAKE
+            assert self._handshakes is not None  # it asked P's ranks before
             recv.futures = [self._handshakes.ensure(s.remote.engine_id or None, s.remote.host, s.remote.port, 0)]
             self._note_handshake_wait(recv)
             return
@@ -504,7 +507,7 @@ class KVReceiver:
             self._xfers[xfer_id] = rid
         self._settle_reads(rid, recv)  # a notification-only request has no reads: settled now
 
-    def _plan_reads(self, s: RecvSpec, peer: _Peer) -> tuple[ReadPlan, dict[tuple[int, int], tuple[list, list]]]:
+    def _plan_reads(self, s: RecvSpec, peer: _Peer) -> tuple[ReadPlan, Descs]:
         """The request's plan, and {(D rank, P rank): (local descs, remote descs)} of its
         reads over every group's blocks (request_reads.py: the only place reads come from)."""
         plan = self._plan(s, peer)
@@ -529,16 +532,15 @@ class KVReceiver:
         if recv.abandoned is not None:  # a bug struck while reads were in flight: some may never have started
             self._fail(rid, recv, *recv.abandoned)
             return
-        failed = [r for r in reads if not r.result.ok]
+        failed = [(r, r.result.kind, r.result.cause) for r in reads if r.result is not None and r.result.kind is not None]
         if failed:
-            first = failed[0]
-            if first.result.kind is FailureKind.HANDSHAKE:  # a rank could not add P's agent
+            first, kind, cause = failed[0]
+            if kind is FailureKind.HANDSHAKE:  # a rank could not add P's agent
                 self.stats.record_handshake(0.0, "add_remote_agent")
-            if first.result.kind in (FailureKind.HANDSHAKE, FailureKind.TRANSFER_TIMEOUT):
+            if kind in (FailureKind.HANDSHAKE, FailureKind.TRANSFER_TIMEOUT):
                 self._drop_peer(recv.spec.remote)  # a timed-out rank removed P's agent: P may be gone
-            self._fail(rid, recv, first.result.kind,
-                       f"{first.result.cause} (D rank {first.local_rank} from P rank {first.remote_rank}; "
-                       f"{len(failed)} of {len(recv.reads)} reads failed)")
+            self._fail(rid, recv, kind, f"{cause} (D rank {first.local_rank} from P rank {first.remote_rank}; "
+                                        f"{len(failed)} of {len(recv.reads)} reads failed)")
             return
         self.stats.record_transfer(self._timer() - recv.started, sum(r.nbytes for r in reads),
                                    sum(r.ndescs for r in reads))

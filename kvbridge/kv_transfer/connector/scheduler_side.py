@@ -154,6 +154,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             self._release(request.request_id, p, request.trace)
             return
         first_new = num_local_computed // self.block_size
+        assert p.remote_block_ids is not None  # params with a remote prefill name P's blocks (params.py)
         # D reads only what it lacks: its new blocks, filled from the matching tail of P's
         # (the worker pairs them in kernel blocks once the handshake gave P's ratio:
         # block_mapping.apply_prefix_caching). A Mamba group's one state is always new.

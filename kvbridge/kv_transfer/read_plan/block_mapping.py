@@ -133,6 +133,7 @@ def logical_to_kernel_block_ids(block_ids: Sequence[Sequence[int]], *, group_kin
     ratio = local_ratio if local_ratio is not None else remote_ratio
     side = "local" if local_ratio is not None else "remote"
     _check_ratio(f"{side}_ratio", ratio)
+    assert ratio is not None  # one of the two was given (checked above)
     kinds = _kinds(group_kinds)
     groups = _groups(side, block_ids, len(kinds))
     return [_expand(ids, ratio, kind) for ids, kind in zip(groups, kinds)]
