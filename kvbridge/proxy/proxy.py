@@ -261,6 +261,7 @@ class PDProxy:
 
     # ---- one method per outcome of P's leg ----------------------------------------------
     async def _prefill_then_decode(self, call: ClientRequest, prefill: UpstreamPool) -> Response:
+        """P/D mode: P's leg, then the method for its outcome (or 499 when the client left first)."""
         outcome = await _unless(call.gone, self._prefill(call, prefill))
         if outcome is None or call.gone.is_set():
             return await self._gone_before_decode(outcome, call)

@@ -106,7 +106,7 @@ class Spans(Protocol):
 
 
 # ---- tracing off: the null objects ------------------------------------------------------------
-class _NoAttempt:
+class _NoAttempt(AttemptSpans):
     def headers(self, headers: dict[str, str]) -> dict[str, str]:
         return headers
 
@@ -114,7 +114,7 @@ class _NoAttempt:
         pass
 
 
-class _NoLeg:
+class _NoLeg(LegSpans):
     def routed(self, pool: UpstreamPool, path: str, exclude: list[Upstream], chosen: Upstream | None) -> None:
         pass
 
@@ -125,7 +125,7 @@ class _NoLeg:
         pass
 
 
-class _NoSpans:
+class _NoSpans(Spans):
     _untimed: AbstractContextManager[object] = nullcontext()  # reusable: it holds no state
 
     def leg(self, role: str) -> LegSpans:
@@ -175,7 +175,7 @@ def _end(span: Span, end_ns: int, outcome: str, error: bool) -> None:
     span.end(end_time=end_ns)
 
 
-class AttemptSpan:
+class AttemptSpan(AttemptSpans):
     """One live `proxy.attempt`."""
 
     def __init__(self, owner: RequestSpans, span: Span) -> None:
@@ -198,7 +198,7 @@ class AttemptSpan:
         self._owner.attempt_ended(self, end_ns)
 
 
-class Leg:
+class Leg(LegSpans):
     """The spans of one traced leg: `proxy.route`, `proxy.attempt` and `proxy.backoff`."""
 
     def __init__(self, owner: RequestSpans, role: str) -> None:
@@ -234,7 +234,7 @@ class Leg:
             "kvbridge.outcome": "retry" if retrying else "no_retry"})
 
 
-class RequestSpans:
+class RequestSpans(Spans):
     """One traced client request (`Spans`): the live `proxy.request` and what its children need."""
 
     def __init__(self, tracing: Tracing, path: str, traceparent: str | None, start_ns: int) -> None:

@@ -399,7 +399,7 @@ class _Span(Protocol):
         ...
 
 
-class _NoSpan:
+class _NoSpan(_Span):
     """The span of every request while tracing is off: does nothing."""
 
     def prepared(self, kv_params: KVTransferParams | None, job: _Job) -> None:
@@ -438,7 +438,7 @@ def _no_span(raw: Request, chat: bool) -> _Span:
     return _NO_SPAN
 
 
-class _RequestSpan:
+class _RequestSpan(_Span):
     """The live `instance.request` span of one traced request (`_Span`)."""
 
     def __init__(self, tracing: Tracing, raw: Request, chat: bool) -> None:
