@@ -6,9 +6,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when the command runs: the CLI starts without them
+    import httpx
+
+    from kvbridge.tracing.waterfall import SpanRecord, TraceError
 
 
-def add_trace_command(sub, positive_int) -> None:
+def add_trace_command(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                      positive_int: Callable[[str], int]) -> None:
     """`kvbridge trace` on the CLI's subparsers; positive_int is the CLI's argument type."""
     trace = sub.add_parser(
         "trace", help="print one request's trace as a waterfall (OTLP JSON file or a Jaeger trace store)",
@@ -102,7 +110,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
     return 0
 
 
-def _trace_store_spans(a: argparse.Namespace):
+def _trace_store_spans(a: argparse.Namespace) -> list[SpanRecord] | TraceError:
     """The spans of the wanted trace from a Jaeger API v3 trace store, or a TraceError. By request
     id: FindTraces (`GET /api/v3/traces`, the spans of --service carrying the id, started in the last
     --lookback seconds), then the whole trace by id (`GET /api/v3/traces/{id}`), which holds the other
@@ -135,7 +143,7 @@ def _trace_store_spans(a: argparse.Namespace):
         return wf.TraceError(f"the trace store at {base} is unreachable: {type(exc).__name__}: {exc}")
 
 
-def _store_answer(response, base: str, not_found: str):
+def _store_answer(response: httpx.Response, base: str, not_found: str) -> list[SpanRecord] | TraceError:
     from kvbridge.tracing import waterfall as wf
     if response.status_code == 404:
         return wf.TraceError(f"{not_found} at {base}")

@@ -95,8 +95,8 @@ def parse_otlp_json(text: str) -> list[SpanRecord] | TraceError:
                 return TraceError(f"line {number}: not JSON ({exc})")
     spans: list[SpanRecord] = []
     seen: set[tuple[str, str]] = set()
-    for number, document in documents:
-        where = f"line {number}: " if number is not None else ""
+    for line_number, document in documents:
+        where = f"line {line_number}: " if line_number is not None else ""
         try:
             found = spans_from_document(document)
         except _Bad as exc:
@@ -134,7 +134,7 @@ def spans_from_document(document: Any) -> list[SpanRecord]:
     return spans
 
 
-def _span(raw: dict, service: str) -> SpanRecord:
+def _span(raw: dict[str, Any], service: str) -> SpanRecord:
     name = raw.get("name", "")
     if not isinstance(name, str):
         raise _Bad(f"span name {_show(name)} is not a string")
@@ -159,7 +159,7 @@ def _span(raw: dict, service: str) -> SpanRecord:
                       error=message if is_error else None, events=events)
 
 
-def _event(raw: dict, span: str) -> SpanEvent:
+def _event(raw: dict[str, Any], span: str) -> SpanEvent:
     name = raw.get("name") or ""
     if not isinstance(name, str):
         raise _Bad(f"span {_show(span)}: event name {_show(name)} is not a string")
@@ -273,13 +273,13 @@ def _or_empty(value: Any) -> Any:
     return [] if value is None else value
 
 
-def _dict(value: Any, what: str) -> dict:
+def _dict(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _Bad(f"{what}: expected an object, got {type(value).__name__}")
     return value
 
 
-def _list(value: Any, what: str) -> list:
+def _list(value: Any, what: str) -> list[Any]:
     if not isinstance(value, list):
         raise _Bad(f"{what}: expected a list, got {type(value).__name__}")
     return value
@@ -444,7 +444,7 @@ class Waterfall:
         return sorted({r.span.service for r in self.span_rows})
 
 
-def _order(span: SpanRecord) -> tuple:
+def _order(span: SpanRecord) -> tuple[int, int, str, str]:
     return (span.start_ns, -span.end_ns, span.name, span.span_id)
 
 
@@ -504,7 +504,7 @@ def build_waterfall(spans: Sequence[SpanRecord]) -> Waterfall:
             row_note = note if item is top_span else None
             rows.append(SpanRow(item, depth, item.start_ns - start, orphan=row_note is not None, note=row_note,
                                 children_uncovered_ns=sum(g.duration_ns for g in gaps) if kids else None))
-            items: list[tuple[tuple, SpanRecord | Gap]] = [(_order(k), k) for k in kids]
+            items: list[tuple[tuple[int | str, ...], SpanRecord | Gap]] = [(_order(k), k) for k in kids]
             items += [((g.start_ns, 1), g) for g in gaps]
             ordered = [child for _, child in sorted(items, key=lambda pair: pair[0][:2])]
             stack.extend((child, depth + 1) for child in reversed(ordered))
