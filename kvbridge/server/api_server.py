@@ -33,6 +33,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
+from types import FrameType
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -75,7 +76,8 @@ class _Instance:
 
 
 def _instance(raw: Request) -> _Instance:
-    return raw.app.state.instance
+    instance: _Instance = raw.app.state.instance  # build_app put it there
+    return instance
 
 
 async def _check_api_key(raw: Request) -> None:
@@ -262,7 +264,7 @@ class _Server(AnnouncingServer):
         self.drain_timeout_s = drain_timeout_s
         self.engine_failed = False
 
-    def handle_exit(self, sig: int, frame) -> None:  # uvicorn's signal handler (SIGINT, SIGTERM)
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:  # uvicorn's signal handler (SIGINT, SIGTERM)
         if sig == signal.SIGTERM and not self.should_exit and self.engine.begin_drain(self.drain_timeout_s):
             return  # not captured: uvicorn re-raises captured signals on its way out, and a drain exits 0
         super().handle_exit(sig, frame)

@@ -30,10 +30,10 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -45,7 +45,7 @@ from pydantic import BaseModel, ValidationError
 from kvbridge import openai_wire as wire
 from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedError, EngineRequestError
 from kvbridge.engine.generation_config import SamplingDefaults
-from kvbridge.engine.outputs import DRAIN_TIMEOUT, RequestOutput
+from kvbridge.engine.outputs import DRAIN_TIMEOUT, RequestOutput, TokenLogprob
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.params import KVTransferParams, KVTransferParamsError, parse_kv_transfer_params, wire_or_none
@@ -196,8 +196,8 @@ class CompletionHandlers:
         elif isinstance(request.prompt, str):
             self._check_prompt_bytes(request.prompt, "prompt")
             prompt_ids = tokenizer.encode(request.prompt, add_special_tokens=True)
-        else:
-            prompt_ids = list(request.prompt)
+        else:  # token ids: CompletionRequest's validator leaves a text or one list of ids
+            prompt_ids = list(cast(list[int], request.prompt))
         max_tokens = self._check_length(request, len(prompt_ids))
         try:
             params = request.to_sampling_params(max_tokens, self.defaults)
@@ -300,7 +300,7 @@ class CompletionHandlers:
                        ) -> tuple[wire.CompletionResponse | wire.ChatCompletionResponse, KVTransferParams | None]:
         """The whole answer, and the params of the lease it names (P with kv_transfer_params)."""
         text: list[str] = []
-        logprobs = []
+        logprobs: list[TokenLogprob] = []
         last: RequestOutput | None = None
         async for last in stream:
             timer.on_output(last)
@@ -312,22 +312,22 @@ class CompletionHandlers:
         reason = last.finish_reason.value if last.finish_reason else None
         token_text = self.engine.tokenizer.token_text
         if job.chat:
-            lp = p.chat_logprobs(logprobs, token_text) if job.params.logprobs is not None else None
-            choice = wire.ChatChoice(message=wire.ChatMessageOut(content="".join(text)), logprobs=lp,
-                                  finish_reason=reason)
+            chat_lp = p.chat_logprobs(logprobs, token_text) if job.params.logprobs is not None else None
+            chat_choice = wire.ChatChoice(message=wire.ChatMessageOut(content="".join(text)), logprobs=chat_lp,
+                                          finish_reason=reason)
             return wire.ChatCompletionResponse(id=job.response_id, created=job.created,
-                                            model=self.engine.model_name, choices=[choice],
-                                            usage=usage, kv_transfer_params=wire_or_none(last.kv_transfer_params)
-                                            ), _leased(last)
+                                               model=self.engine.model_name, choices=[chat_choice],
+                                               usage=usage, kv_transfer_params=wire_or_none(last.kv_transfer_params)
+                                               ), _leased(last)
         lp = p.completion_logprobs(logprobs, token_text, 0) if job.params.logprobs is not None else None
         choice = wire.CompletionChoice(text="".join(text), logprobs=lp, finish_reason=reason)
         return wire.CompletionResponse(id=job.response_id, created=job.created,
-                                    model=self.engine.model_name, choices=[choice], usage=usage,
-                                    kv_transfer_params=wire_or_none(last.kv_transfer_params)), _leased(last)
+                                       model=self.engine.model_name, choices=[choice], usage=usage,
+                                       kv_transfer_params=wire_or_none(last.kv_transfer_params)), _leased(last)
 
     async def _stream(self, job: _Job, stream: RequestStream, timer: RequestTimer,
                       watcher: asyncio.Task[None], span: _Span, lease: LeaseBox,
-                      release_key: str | None = None) -> AsyncIterator[str]:
+                      release_key: str | None = None) -> AsyncGenerator[str, None]:
         """`lease`: where the finishing chunk's leased params go (P: StreamHandOff ends that lease if
         the stream does not reach its caller whole)."""
         chunks = _ChunkMaker(job, self.engine)
@@ -394,7 +394,7 @@ class _Span(Protocol):
         """The answer's last byte is produced (`error`: the request failed)."""
         ...
 
-    def traced_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    def traced_stream(self, chunks: AsyncGenerator[str, None]) -> AsyncIterator[str]:
         """The answer's stream, as the span sees it go out (it ends the span)."""
         ...
 
@@ -427,7 +427,7 @@ class _NoSpan(_Span):
             end_ns: int | None = None) -> None:
         pass
 
-    def traced_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    def traced_stream(self, chunks: AsyncGenerator[str, None]) -> AsyncIterator[str]:
         return chunks
 
 
@@ -499,7 +499,7 @@ class _RequestSpan(_Span):
             self.span.set_status(Status(StatusCode.ERROR, error))
         self.span.end(end_time=end_ns)
 
-    async def traced_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def traced_stream(self, chunks: AsyncGenerator[str, None]) -> AsyncIterator[str]:
         """The answer's stream, timed: `instance.stream` from the first chunk produced to the last
         one written; the request's span ends with it (ERROR if the stream ended with an error
         event, or the client left before the end)."""
@@ -550,12 +550,12 @@ class _ChunkMaker:
                            **extra)
 
     def content(self, output: RequestOutput) -> str:
-        want = self.job.params.logprobs is not None and output.logprobs
+        logprobs = output.logprobs if self.job.params.logprobs is not None else None
         if self.job.chat:
-            lp = p.chat_logprobs(output.logprobs, self.token_text) if want else None
+            chat_lp = p.chat_logprobs(logprobs, self.token_text) if logprobs else None
             return self._chunk([wire.ChatStreamChoice(delta=wire.DeltaMessage(content=output.new_text),
-                                                   logprobs=lp, finish_reason=None)])
-        lp = p.completion_logprobs(output.logprobs, self.token_text, self.text_offset) if want else None
+                                                      logprobs=chat_lp, finish_reason=None)])
+        lp = p.completion_logprobs(logprobs, self.token_text, self.text_offset) if logprobs else None
         self.text_offset += len(output.new_text)
         return self._chunk([wire.CompletionChoice(text=output.new_text, logprobs=lp,
                                                finish_reason=None)])
@@ -580,7 +580,7 @@ def _request_id(raw: Request) -> str:
     """The caller's X-Request-Id when it is sane (the P/D proxy sends one id to P and D),
     else a fresh one."""
     given = raw.headers.get(wire.REQUEST_ID_HEADER)
-    if wire.usable_request_id(given):
+    if given is not None and wire.usable_request_id(given):
         return given
     return uuid.uuid4().hex
 

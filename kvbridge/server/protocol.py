@@ -14,7 +14,7 @@ than ignored. A sampling field left out (None) takes the model's default (--gene
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -99,7 +99,7 @@ class _Request(BaseModel):
 
     @field_validator("stream_options")
     @classmethod
-    def _options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo):
+    def _options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
         if value is not None and not info.data.get("stream", False):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
@@ -144,7 +144,7 @@ class CompletionRequest(_Request):
             value = value[0]
         if not value:
             raise ValueError("prompt must not be empty")
-        return value
+        return cast("str | list[int]", value)  # the field's types: a text, or one list of token ids
 
     @field_validator("echo")
     @classmethod
