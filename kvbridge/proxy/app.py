@@ -57,7 +57,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                     api_key=api_key, upstream_api_key=upstream_api_key, retry=retry,
                     first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
-                    first_byte_timeout_s=first_byte_timeout_s, tracing=tracing)
+                    first_byte_timeout_s=first_byte_timeout_s)
     return proxy_app(proxy, tracing)
 
 
@@ -77,7 +77,9 @@ def proxy_app(proxy: PDProxy, tracing: Tracing | None = None) -> FastAPI:
     # anyone, key or not.
     app = FastAPI(title="kvbridge P/D proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy
-    if tracing is not None:  # starts proxy.request before FastAPI dispatches the request
+    # Where the proxy chooses, once, between traced requests and NO_SPANS (tracing_spans.py): the
+    # middleware starts proxy.request before FastAPI dispatches the request and hands it to the handler.
+    if tracing is not None:
         app.add_middleware(ProxyTracingMiddleware, tracing=tracing)
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:

@@ -50,7 +50,6 @@ from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.releases import Releases, UnreadAnswers
 from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
 from kvbridge.proxy.tracing_spans import Spans
-from kvbridge.tracing import Tracing
 
 # RetryPolicy and openai_error are named here too: the CLI and the Ray ingress import them from here.
 __all__ = ["BAD_KEY_MESSAGE", "FIRST_BYTE_TIMEOUT_S", "ClientRequest", "PDProxy", "Prefilled", "RetryPolicy",
@@ -103,14 +102,12 @@ class PDProxy:
                  api_key: str | None, upstream_api_key: str | None, retry: RetryPolicy = RetryPolicy(),
                  seed: int | None = None, first_token_from_prefill: bool = True,
                  max_body_bytes: int = MAX_BODY_BYTES, first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S,
-                 tracing: Tracing | None = None,
                  wrap_transport: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None) -> None:
         """`wrap_transport`: wraps the upstream connections' transport (tests inject faults there).
-        `tracing`: the app's tracer (app.py installs its middleware; the handler only sees `Spans`)."""
+        Tracing is the app's (app.py): a request's spans come in its ASGI scope (`request_spans`)."""
         if max_body_bytes < 1 or first_byte_timeout_s <= 0:
             raise ValueError("max_body_bytes and first_byte_timeout_s must be positive")
         self.prefill, self.decode = prefill, decode
-        self.tracing = tracing
         self.max_body_bytes = max_body_bytes
         self.first_byte_timeout_s = first_byte_timeout_s
         self.first_token_from_prefill = first_token_from_prefill
