@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
 # tracing: OpenTelemetry tracers and trace context, used by every layer.
 # ray: the Ray Serve application runs the proxy's router and engine instances (launcher's
 # command lines): above the programs, below the CLI.
-FLOOR = {"spec": 0, "config": 0, "stop_strings": 0, "strict_json": 0, "tracing": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
+FLOOR = {"spec": 0, "config": 0, "kv_events": 0, "stop_strings": 0, "strict_json": 0, "tracing": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
          "launcher": 3, "openai_wire": 3, "http_protocol": 3, "ray": 3.5, "cli": 4, "chaos": 4, "__main__": 4}
 PROGRAMS = ("server", "proxy", "launcher")
 # What of kv_transfer the engine may import: the connector's contract. base: the two halves the
