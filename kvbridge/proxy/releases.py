@@ -46,7 +46,7 @@ class AttemptKeys(Protocol):
         ...
 
 
-class _NoKeys:
+class _NoKeys(AttemptKeys):
     def sign(self, upstream: Upstream, headers: dict[str, str]) -> dict[str, str]:
         return headers
 
@@ -57,7 +57,7 @@ class _NoKeys:
 NO_KEYS: AttemptKeys = _NoKeys()
 
 
-class UnreadAnswers:
+class UnreadAnswers(AttemptKeys):
     """One P leg's release keys (server/undelivered.py): each attempt sends a fresh random key; an
     attempt whose answer was not read whole (the leg was cancelled, the connection broke) may have
     left a lease on its P that nobody will learn of, and the key lets the proxy end it. A leg
