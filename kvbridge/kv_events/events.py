@@ -3,8 +3,8 @@ vLLM's encodings.
 
 Matched against vLLM 0.33.0 (the PyPI wheel, commit g4ba787ec9), `vllm/distributed/kv_events.py`:
 
-- `EventBatch` is an array-like msgspec struct, `[ts, events, data_parallel_rank]` (the rank is
-  omitted when None, omit_defaults).
+- `EventBatch` is an array-like msgspec struct, `[ts, events, data_parallel_rank]`, always three
+  elements (msgspec writes every field of an array-like struct: None is nil).
 - Each event is a tagged struct (`tag=True`: the tag is the class name, under the key "type"),
   encoded since vLLM PR #42892 as a msgpack MAP: `{"type": "BlockStored", "block_hashes": ...}`,
   fields in declaration order, fields with defaults left out while they hold their default.
@@ -168,6 +168,8 @@ _RAW_BATCH = msgspec.msgpack.Decoder(_RawBatch)
 _MAP_EVENT = msgspec.msgpack.Decoder(KVEvent)
 _ARRAY_EVENT = msgspec.msgpack.Decoder(Union[_ArrayStored, _ArrayRemoved, _ArrayCleared])
 _ANY = msgspec.msgpack.Decoder()
+# msgspec's errors, and a ValueError (UnicodeDecodeError) for a string that is not UTF-8.
+_BAD = (msgspec.MsgspecError, ValueError, RecursionError)
 
 
 def encode_batch(batch: EventBatch) -> bytes:
@@ -180,7 +182,7 @@ def decode_batch(payload: bytes) -> DecodedBatch | Undecodable:
     skipped and named in `skipped` (the others are kept, in order)."""
     try:
         batch = _MAP_BATCH.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _BAD:
         return _decode_event_by_event(payload)
     encoding = Encoding.MAP if batch.events else Encoding.EMPTY
     return DecodedBatch(batch.ts, tuple(batch.events), batch.data_parallel_rank, encoding)
@@ -189,7 +191,7 @@ def decode_batch(payload: bytes) -> DecodedBatch | Undecodable:
 def _decode_event_by_event(payload: bytes) -> DecodedBatch | Undecodable:
     try:
         raw = _RAW_BATCH.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except _BAD as e:
         return Undecodable(str(e))
     events: list[KVEvent] = []
     skipped: list[SkipKind] = []
@@ -208,11 +210,11 @@ def _decode_event_by_event(payload: bytes) -> DecodedBatch | Undecodable:
 def _decode_event(item: msgspec.Raw) -> tuple[KVEvent | None, Encoding | None, SkipKind | None]:
     try:
         return _MAP_EVENT.decode(item), Encoding.MAP, None
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _BAD:
         pass
     try:
         return _from_array(_ARRAY_EVENT.decode(item)), Encoding.ARRAY, None
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _BAD:
         pass
     return None, None, _skip_kind(item)
 
@@ -221,7 +223,7 @@ def _skip_kind(item: msgspec.Raw) -> SkipKind:
     """An event with a tag we do not know is a newer vLLM's; anything else is invalid."""
     try:
         value = _ANY.decode(item)
-    except msgspec.DecodeError:
+    except _BAD:
         return SkipKind.INVALID
     tag = value.get("type") if isinstance(value, dict) else value[0] if isinstance(value, list) and value else None
     known = {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
