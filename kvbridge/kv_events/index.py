@@ -197,6 +197,12 @@ class FleetIndex:
             return InstanceView(self._status(st), {g: len(s) for g, s in st.groups.items()},
                                 st.last_seq, st.complete, dict(st.problems))
 
+    def held_blocks(self, instance: str) -> dict[int, frozenset[int]]:
+        """A copy of the instance's entries, per group (for checks and debugging: O(blocks))."""
+        with self._lock:
+            st = self._instances.get(instance)
+            return {} if st is None else {g: frozenset(s) for g, s in st.groups.items()}
+
     def instances(self) -> list[str]:
         with self._lock:
             return list(self._instances)
