@@ -243,6 +243,70 @@ def _from_array(event: _ArrayStored | _ArrayRemoved | _ArrayCleared) -> KVEvent:
     return AllBlocksCleared()
 
 
+# ---- the router's fast path: only what the index keeps -----------------------------------
+# Decoding a batch into these skips token ids, extra keys and the rest (about half the cost of a
+# full decode); hashes must be ints (vLLM's default). Anything else goes the full way.
+
+
+class StoredHashes(msgspec.Struct, gc=False, tag="BlockStored", frozen=True):
+    """A BlockStored as the index sees it."""
+
+    block_hashes: list[int]
+    block_size: int
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class RemovedHashes(msgspec.Struct, gc=False, tag="BlockRemoved", frozen=True):
+    """A BlockRemoved as the index sees it."""
+
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+HashEvent = Union[StoredHashes, RemovedHashes, AllBlocksCleared]
+
+
+class _HashBatch(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    ts: float
+    events: list[HashEvent]
+    data_parallel_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class HashBatch:
+    """A payload as the index applies it: hashes in their int form, in order."""
+
+    events: tuple[HashEvent, ...]
+    skipped: tuple[SkipKind, ...] = ()
+
+
+_HASH_BATCH = msgspec.msgpack.Decoder(_HashBatch)
+
+
+def decode_hashes(payload: bytes) -> HashBatch | Undecodable:
+    """`decode_batch` for the index: the same events (either encoding, bytes hashes folded by
+    `external_hash`), less what the index does not keep. Never raises."""
+    try:
+        return HashBatch(tuple(_HASH_BATCH.decode(payload).events))
+    except _BAD:
+        pass
+    decoded = decode_batch(payload)
+    if isinstance(decoded, Undecodable):
+        return decoded
+    return HashBatch(tuple(_hashes_of(e) for e in decoded.events), decoded.skipped)
+
+
+def _hashes_of(event: KVEvent) -> HashEvent:
+    if isinstance(event, BlockStored):
+        return StoredHashes([external_hash(h) for h in event.block_hashes], event.block_size, event.medium,
+                            event.group_idx)
+    if isinstance(event, BlockRemoved):
+        return RemovedHashes([external_hash(h) for h in event.block_hashes], event.medium, event.group_idx)
+    return event
+
+
 def external_hash(block_hash: ExternalBlockHash) -> int:
     """The int a block hash is keyed by: an int as is (masked to 64 bits), bytes as vLLM turns
     a digest into an int (big-endian, low 64 bits: vLLM's maybe_convert_block_hash)."""

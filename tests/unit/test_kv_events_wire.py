@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.kv_events.events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Encoding, KVEventBatch, SkipKind,
-    Undecodable, decode_batch, encode_batch, external_hash)
+    AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Encoding, HashBatch, KVEventBatch, RemovedHashes,
+    SkipKind, StoredHashes, Undecodable, decode_batch, decode_hashes, encode_batch, external_hash)
 from tests.unit import kv_events_vllm_reference as ref
 
 STORED = dict(block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=list(range(32)),
@@ -133,3 +133,32 @@ def test_external_hash_is_vllms_int_form():
     digest = bytes(range(32))
     assert external_hash(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
     assert external_hash(2**64 + 5) == 5 and external_hash(9) == 9
+
+
+def test_the_index_decoding_keeps_the_same_hashes_from_either_encoding():
+    """decode_hashes (the router's fast path) and decode_batch agree on every fixture; bytes hashes
+    and positional arrays take the full path and come out in the int form."""
+    batches = [ref.MapKVEventBatch(ts=1.0, events=[theirs for _, theirs in CASES.values()], data_parallel_rank=0),
+               ref.ArrayKVEventBatch(ts=1.0, events=[ref.ArrayBlockRemoved(**REMOVED), ref.ArrayAllBlocksCleared()])]
+    for batch in batches:
+        raw = msgspec.msgpack.encode(batch)
+        full, lean = decode_batch(raw), decode_hashes(raw)
+        assert isinstance(full, DecodedBatch) and isinstance(lean, HashBatch)
+        assert len(full.events) == len(lean.events)
+        for event, hashes in zip(full.events, lean.events):
+            if isinstance(event, AllBlocksCleared):
+                assert hashes == event
+            else:
+                assert isinstance(hashes, (StoredHashes, RemovedHashes))
+                assert hashes.block_hashes == [external_hash(h) for h in event.block_hashes]
+                assert (hashes.medium, hashes.group_idx) == (event.medium, event.group_idx)
+    assert isinstance(decode_hashes(b"\xc1"), Undecodable)
+    skipped = decode_hashes(msgspec.msgpack.encode([1.0, [{"type": "BlockMoved"}, {"type": "AllBlocksCleared"}]]))
+    assert isinstance(skipped, HashBatch) and skipped.skipped == (SkipKind.UNKNOWN_TYPE,)
+    assert skipped.events == (AllBlocksCleared(),)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_the_index_decoding_never_raises_either(payload):
+    assert isinstance(decode_hashes(payload), (HashBatch, Undecodable))
