@@ -14,12 +14,15 @@ timeout), then `close`. The subscriber owns both sockets.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import zmq
 
 from kvbridge.kv_events.index import FleetIndex, Outcome
 from kvbridge.kv_events.publisher import END_SEQ, SEQ_BYTES
+
+logger = logging.getLogger(__name__)
 
 
 class EventSubscriber:
@@ -32,6 +35,9 @@ class EventSubscriber:
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_s = replay_timeout_s
         self._max_per_call = max_per_call
+        self.replays = 0  # replay requests sent
+        self.replays_failed = 0
+        self.socket_errors = 0
         self._sub = self._ctx.socket(zmq.SUB)
         self._dealer: zmq.Socket[bytes] | None = None
         try:
@@ -42,20 +48,24 @@ class EventSubscriber:
         except BaseException:
             self.close()
             raise
-        self.replays = 0  # replay requests sent
-        self.replays_failed = 0
 
     def run_once(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for a message, ingest those waiting (at most max_per_call),
-        running a replay when the index asks for one. Returns the messages ingested."""
-        if not self._sub.poll(int(timeout_s * 1000)):
-            return 0
+        running a replay when the index asks for one. Returns the messages ingested. A socket
+        error is logged (once) and counted in `socket_errors`, never raised: the caller's loop goes on."""
         n = 0
-        while n < self._max_per_call and self._sub.poll(0):
-            result = self._index.ingest(self.instance, self._sub.recv_multipart(flags=zmq.NOBLOCK))
-            n += 1
-            if result.outcome is Outcome.NEEDS_REPLAY and result.replay_from is not None:
-                self._replay(result.replay_from)
+        try:
+            if not self._sub.poll(int(timeout_s * 1000)):
+                return 0
+            while n < self._max_per_call and self._sub.poll(0):
+                result = self._index.ingest(self.instance, self._sub.recv_multipart(flags=zmq.NOBLOCK))
+                n += 1
+                if result.outcome is Outcome.NEEDS_REPLAY and result.replay_from is not None:
+                    self._replay(result.replay_from)
+        except zmq.ZMQError as e:
+            self.socket_errors += 1
+            if self.socket_errors == 1:
+                logger.warning("kv events from %s: socket error %s (logged once)", self.instance, e)
         return n
 
     def close(self) -> None:

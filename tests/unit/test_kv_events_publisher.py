@@ -331,3 +331,9 @@ def test_bad_configs_name_the_field_and_the_problem(text, message):
     with pytest.raises(ValueError) as err:
         parse_kv_events_config(text)
     assert str(err.value).startswith("--kv-events-config: ") and message.split("--kv-events-config: ")[-1] in str(err.value)
+
+
+def test_a_socket_error_in_the_subscriber_loop_is_counted_not_raised(publisher):
+    subscriber = EventSubscriber("d0", FleetIndex(model_root("m"), BS), publisher.endpoint, publisher.replay_endpoint)
+    subscriber.close()
+    assert subscriber.run_once(0.01) == 0 and subscriber.socket_errors == 1
