@@ -12,6 +12,11 @@ Threads: `publish` is called by one producer (the engine's loop) and only enqueu
 the publisher's own owns both sockets: it sends, keeps the replay buffer, answers replay
 requests, and closes the sockets when it ends.
 
+Heartbeats (kvbridge's, off unless `heartbeat_s` is given): after `heartbeat_s` without a batch
+the thread sends an empty one (a valid EventBatch, its own seq). A router then tells an idle
+instance from a dead one, and sees a lost last batch as a gap at the next heartbeat instead of
+at the next event, whenever that comes.
+
 Back-pressure, as vLLM: the queue holds `max_queue_size` batches and `publish` waits for room.
 vLLM waits forever; here the wait is bounded (`put_timeout_s`), each full queue met is counted,
 and a batch still without room is dropped, counted, and its sequence number skipped, so every
@@ -96,11 +101,12 @@ class ZmqEventPublisher(EventPublisher):
 
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0,
                  context: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 put_timeout_s: float = 0.1, idle_poll_s: float = 0.02) -> None:
+                 put_timeout_s: float = 0.1, idle_poll_s: float = 0.02, heartbeat_s: float | None = None) -> None:
         self._rank = data_parallel_rank
         self._topic = config.topic.encode("utf-8")
         self._put_timeout_s = put_timeout_s
         self._idle_poll_s = idle_poll_s
+        self._heartbeat_s = heartbeat_s
         self._queue: queue.Queue[EventBatch] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._lock = threading.Lock()  # the counters the producer writes and stats() reads
@@ -162,6 +168,7 @@ class ZmqEventPublisher(EventPublisher):
     # ---- the thread: owns the sockets -----------------------------------------
     def _run(self) -> None:
         seq = 0
+        last_send = time.monotonic()
         try:
             while True:
                 self._serve_replays()
@@ -170,11 +177,14 @@ class ZmqEventPublisher(EventPublisher):
                 try:
                     batch = self._queue.get(timeout=self._idle_poll_s)
                 except queue.Empty:
-                    continue
+                    if self._heartbeat_s is None or time.monotonic() - last_send < self._heartbeat_s:
+                        continue
+                    batch = EventBatch(ts=time.time(), events=[], data_parallel_rank=self._rank)
                 with self._lock:
                     seq, self._skipped = seq + self._skipped, 0
                 self._send(seq, encode_batch(batch))
                 seq += 1
+                last_send = time.monotonic()
         except Exception:  # a bug here must not take the engine down: log, stop publishing
             logger.exception("kv events: publisher thread failed; events stop")
         finally:

@@ -15,6 +15,7 @@ timeout), then `close`. The subscriber owns both sockets.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import zmq
@@ -67,6 +68,12 @@ class EventSubscriber:
             if self.socket_errors == 1:
                 logger.warning("kv events from %s: socket error %s (logged once)", self.instance, e)
         return n
+
+    def run_until(self, stop: threading.Event, poll_s: float = 0.1) -> None:
+        """The subscriber thread's loop: `run_once` until `stop` is set (noticed within poll_s plus
+        one replay's timeout). Does not close: the owner does, after joining the thread."""
+        while not stop.is_set():
+            self.run_once(poll_s)
 
     def close(self) -> None:
         self._sub.close(linger=0)

@@ -337,3 +337,31 @@ def test_a_socket_error_in_the_subscriber_loop_is_counted_not_raised(publisher):
     subscriber = EventSubscriber("d0", FleetIndex(model_root("m"), BS), publisher.endpoint, publisher.replay_endpoint)
     subscriber.close()
     assert subscriber.run_once(0.01) == 0 and subscriber.socket_errors == 1
+
+
+def test_heartbeats_keep_an_idle_instance_heard_and_its_seqs_moving():
+    pub = ZmqEventPublisher(config(), heartbeat_s=0.05)
+    index = FleetIndex(model_root("m"), BS)
+    subscriber = EventSubscriber("d0", index, pub.endpoint, pub.replay_endpoint, topic="kv")
+    try:
+        until(lambda: (index.view("d0").last_seq or 0) >= 3, lambda: subscriber.run_once(0.1))
+        assert index.status("d0") is InstanceStatus.LIVE and index.view("d0").blocks == {}
+    finally:
+        subscriber.close()
+        assert pub.shutdown(timeout_s=2.0).clean
+
+
+def test_a_subscriber_thread_runs_until_stopped(publisher):
+    index = FleetIndex(model_root("m"), BS)
+    subscriber = EventSubscriber("d0", index, publisher.endpoint, publisher.replay_endpoint, topic="kv")
+    stop = threading.Event()
+    thread = threading.Thread(target=subscriber.run_until, args=(stop, 0.02), daemon=True)
+    thread.start()
+    try:
+        until(lambda: 7 in index.held_blocks("d0").get(0, frozenset()),
+              lambda: (publisher.publish(batch(7)), stop.wait(0.02)))
+    finally:
+        stop.set()
+        thread.join(timeout=2.0)
+        subscriber.close()
+    assert not thread.is_alive()
