@@ -162,3 +162,9 @@ def test_the_index_decoding_keeps_the_same_hashes_from_either_encoding():
 @given(st.binary(max_size=200))
 def test_the_index_decoding_never_raises_either(payload):
     assert isinstance(decode_hashes(payload), (HashBatch, Undecodable))
+
+
+def test_a_vllm_consumer_decodes_kvbridges_batches_with_vllms_own_structs():
+    ours = KVEventBatch(ts=9.0, events=[ours for ours, _ in CASES.values()], data_parallel_rank=1)
+    theirs = msgspec.msgpack.Decoder(ref.MapKVEventBatch).decode(encode_batch(ours))
+    assert theirs == ref.MapKVEventBatch(ts=9.0, events=[t for _, t in CASES.values()], data_parallel_rank=1)
