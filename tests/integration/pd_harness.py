@@ -10,6 +10,7 @@ from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig,
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel
+from kvbridge.engine.pacing import Pacer
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
@@ -69,9 +70,9 @@ def decode(d: LLMEngine, p: LLMEngine, prompt: list[int], params: dict, sp: Samp
 def settle(*engines: LLMEngine, timeout_s: float = 10.0) -> None:
     """Step every engine until none has pending work (leases released, messages reaped)."""
     deadline = time.monotonic() + timeout_s
+    pacers = [Pacer() for _ in engines]  # an idle engine waits as the serving loop's would, not spinning
     while any(e.has_pending_work() for e in engines) and time.monotonic() < deadline:
-        for e in engines:
-            e.step()
+        time.sleep(min(pacer.after(e.step().next_step) for e, pacer in zip(engines, pacers)))
 
 
 def tokens(outs) -> list[int]:
