@@ -107,10 +107,13 @@ class ZmqEventPublisher(EventPublisher):
         self._put_timeout_s = put_timeout_s
         self._idle_poll_s = idle_poll_s
         self._heartbeat_s = heartbeat_s
-        self._queue: queue.Queue[EventBatch] = queue.Queue(maxsize=config.max_queue_size)
+        # (seqs to skip before it, batch): a dropped batch's seq is skipped right where it was
+        # dropped, after everything queued before it, so no subscriber applies a later batch on
+        # top of a hole it cannot see.
+        self._queue: queue.Queue[tuple[int, EventBatch]] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._lock = threading.Lock()  # the counters the producer writes and stats() reads
-        self._skipped = 0  # seqs to skip before the next send (batches dropped, queue full)
+        self._pending_skip = 0  # batches dropped since the last one queued (their seqs to skip)
         self._counts: dict[str, int] = {}
         self._closing = threading.Event()
         self._drain_until = 0.0  # set by shutdown(): the thread sends what is queued until then
@@ -129,20 +132,23 @@ class ZmqEventPublisher(EventPublisher):
             return PublishResult.CLOSED
         if batch.data_parallel_rank is None:
             batch = msgspec.structs.replace(batch, data_parallel_rank=self._rank)
+        with self._lock:
+            item, self._pending_skip = (self._pending_skip, batch), 0
         try:
-            self._queue.put_nowait(batch)
+            self._queue.put_nowait(item)
             return PublishResult.QUEUED
         except queue.Full:
             self._count("queue_full")
         try:
-            self._queue.put(batch, timeout=self._put_timeout_s)
+            self._queue.put(item, timeout=self._put_timeout_s)
             return PublishResult.QUEUED
         except queue.Full:
             with self._lock:
-                self._skipped += 1
+                self._pending_skip += item[0] + 1
             self._count("dropped_queue_full")
-            logger.warning("kv events: queue full (%d batches), a batch dropped; subscribers will "
-                           "see a sequence gap", self._queue.maxsize)
+            if self.stats().dropped_queue_full == 1:  # once; the counter says how often
+                logger.warning("kv events: queue full (%d batches), a batch dropped; subscribers see a "
+                               "sequence gap (logged once)", self._queue.maxsize)
             return PublishResult.DROPPED_QUEUE_FULL
 
     def shutdown(self, timeout_s: float = 1.0) -> ShutdownResult:
@@ -175,13 +181,14 @@ class ZmqEventPublisher(EventPublisher):
                 if self._closing.is_set() and (self._queue.empty() or time.monotonic() > self._drain_until):
                     return
                 try:
-                    batch = self._queue.get(timeout=self._idle_poll_s)
+                    skip, batch = self._queue.get(timeout=self._idle_poll_s)
                 except queue.Empty:
                     if self._heartbeat_s is None or time.monotonic() - last_send < self._heartbeat_s:
                         continue
+                    with self._lock:  # the queue is empty: drops so far come after all it held
+                        skip, self._pending_skip = self._pending_skip, 0
                     batch = EventBatch(ts=time.time(), events=[], data_parallel_rank=self._rank)
-                with self._lock:
-                    seq, self._skipped = seq + self._skipped, 0
+                seq += skip
                 self._send(seq, encode_batch(batch))
                 seq += 1
                 last_send = time.monotonic()
