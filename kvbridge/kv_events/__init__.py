@@ -9,5 +9,5 @@ and the fleet index the router keeps (issue 47).
 - index.py: the router's per-instance, per-group index of held blocks; gaps, replay, staleness.
 - subscriber.py: one instance's SUB + replay DEALER feeding the index.
 
-Ground floor: imports nothing of kvbridge (the engine publishes, the proxy indexes).
+Ground floor: imports only spec/ (the engine publishes, the proxy indexes).
 """

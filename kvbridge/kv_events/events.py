@@ -29,6 +29,8 @@ from typing import Any, Union
 
 import msgspec
 
+from kvbridge.spec.kv_groups import KVCacheKind
+
 # vLLM's ExternalBlockHash: bytes | int.
 ExternalBlockHash = Union[int, bytes]
 MEDIUM_GPU = "GPU"
@@ -305,6 +307,16 @@ def _hashes_of(event: KVEvent) -> HashEvent:
     if isinstance(event, BlockRemoved):
         return RemovedHashes([external_hash(h) for h in event.block_hashes], event.medium, event.group_idx)
     return event
+
+
+# BlockStored.kv_cache_spec_kind of each kvbridge KV cache group kind: vLLM 0.33's
+# KVCacheSpecKind values (vllm/v1/kv_cache_interface.py).
+SPEC_KIND: dict[KVCacheKind, str] = {
+    KVCacheKind.FULL_ATTENTION: "full_attention",
+    KVCacheKind.MLA: "mla_attention",
+    KVCacheKind.SLIDING_WINDOW: "sliding_window",
+    KVCacheKind.MAMBA: "mamba",
+}
 
 
 def external_hash(block_hash: ExternalBlockHash) -> int:

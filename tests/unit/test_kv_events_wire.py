@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from kvbridge.kv_events.events import (
     AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Encoding, HashBatch, KVEventBatch, RemovedHashes,
-    SkipKind, StoredHashes, Undecodable, decode_batch, decode_hashes, encode_batch, external_hash)
+    SPEC_KIND, SkipKind, StoredHashes, Undecodable, decode_batch, decode_hashes, encode_batch, external_hash)
+from kvbridge.spec.kv_groups import KVCacheKind
 from tests.unit import kv_events_vllm_reference as ref
 
 STORED = dict(block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=list(range(32)),
@@ -168,3 +169,12 @@ def test_a_vllm_consumer_decodes_kvbridges_batches_with_vllms_own_structs():
     ours = KVEventBatch(ts=9.0, events=[ours for ours, _ in CASES.values()], data_parallel_rank=1)
     theirs = msgspec.msgpack.Decoder(ref.MapKVEventBatch).decode(encode_batch(ours))
     assert theirs == ref.MapKVEventBatch(ts=9.0, events=[t for _, t in CASES.values()], data_parallel_rank=1)
+
+
+VLLM_SPEC_KINDS = {"full_attention", "mla_attention", "sliding_window", "sliding_window_mla", "mamba",
+                   "chunked_local_attention", "sink_full_attention", "encoder_only_attention", "cross_attention",
+                   "unknown"}  # vLLM 0.33's KVCacheSpecKind values
+
+
+def test_every_kvbridge_group_kind_has_a_vllm_spec_kind():
+    assert set(SPEC_KIND) == set(KVCacheKind) and set(SPEC_KIND.values()) <= VLLM_SPEC_KINDS
