@@ -48,7 +48,9 @@ class OutputProcessor:
         """Detokenise the request's new tokens; return a stop string that now appears, if any
         (the text is then cut before it, or after it with include_stop_str_in_output)."""
         st = self._streams[req.request_id]
-        stops = req.sampling_params.stop
+        sp = req.sampling_params
+        # as vLLM: stop strings count only once more than min_tokens tokens were generated
+        stops = sp.stop if len(req.output_token_ids) > sp.min_tokens else ()
         start_search = max(0, len(st.text) - max((len(s) for s in stops), default=0))
         for tok in req.output_token_ids[st.pushed_tokens:]:
             st.text += st.detok.push(tok)

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, repetition penalty, min-p, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, repetition penalty, logit bias, min tokens, min-p, top-k, top-p,
+per-request seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -66,15 +67,21 @@ class Sampler:
         """logits: [N, vocab] on any device, one row per request. `sampled_before`: per row,
         the request's output tokens so far (its generator's offset; all 0 if None).
         `penalty_token_ids`: per row, the tokens a repetition penalty discourages (the prompt's
-        and output's), read for rows whose params have one. Logprobs are the model's, before it."""
+        and output's), read for rows whose params have one. Then logit_bias and min_tokens
+        (`shape_logits`). Logprobs are the model's, before any of them (vLLM's default)."""
         logits = logits.float().cpu()
         raw = logits
-        penalised = [row for row, sp in enumerate(params) if sp.penalises_repetition]
-        if penalised and penalty_token_ids is not None:
-            logits = logits.clone()
-            for row in penalised:
-                apply_repetition_penalty(logits[row], penalty_token_ids[row], params[row].repetition_penalty)
         before = sampled_before if sampled_before is not None else [0] * len(request_ids)
+        # One pass over the rows finds those whose logits change (none for most steps: no copy then).
+        adjusted = [row for row, sp in enumerate(params) if sp.penalises_repetition or sp.shapes_logits]
+        if adjusted:
+            logits = logits.clone()
+            for row in adjusted:
+                sp = params[row]
+                if sp.penalises_repetition and penalty_token_ids is not None:
+                    apply_repetition_penalty(logits[row], penalty_token_ids[row], sp.repetition_penalty)
+                if sp.shapes_logits:
+                    shape_logits(logits[row], sp, before[row])
         out = SamplerOutput()
         # argmax over the greedy rows only (2.6 ms at 64 rows of a 49,152-entry vocabulary here).
         greedy_rows = [row for row, sp in enumerate(params) if sp.greedy]
@@ -180,6 +187,23 @@ def apply_repetition_penalty(row: torch.Tensor, token_ids: Sequence[int], penalt
     # A subnormal penalty overflows even float64: the largest float64 instead (ties at the top).
     wide[seen] = torch.where(values > 0, values / penalty, values * penalty).clamp(-_FLOAT64_MAX, _FLOAT64_MAX)
     row.copy_(wide - wide.max())
+
+
+def shape_logits(row: torch.Tensor, sp: SamplingParams, generated: int) -> None:
+    """vLLM's logit_bias and min_tokens, in place on one row of logits: each biased token's logit
+    gets its bias added; while fewer than `sp.min_tokens` tokens were generated (`generated`: the
+    request's output tokens so far, a prefill's first token included), the stop token ids (the
+    server folds the end-of-generation ids in) are made impossible. Ids past the row are skipped
+    (the server refuses them before admission)."""
+    vocab = row.numel()
+    if sp.logit_bias:
+        ids = torch.tensor([t for t, _ in sp.logit_bias if t < vocab], dtype=torch.long)
+        biases = torch.tensor([b for t, b in sp.logit_bias if t < vocab], dtype=row.dtype)
+        row.index_add_(0, ids, biases)
+    if generated < sp.min_tokens:
+        stops = [t for t in sp.stop_token_ids if 0 <= t < vocab]
+        if stops:
+            row[torch.tensor(stops, dtype=torch.long)] = float("-inf")
 
 
 INVERSE_CDF_CHUNK = 1024  # vocabulary entries summed per chunk (49,152 = 48 chunks)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+# logit_bias values are clamped to this magnitude (OpenAI's range, vLLM's clamp).
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token; None: none
     include_stop_str_in_output: bool = False
+    # Until this many tokens were generated, stop_token_ids cannot be sampled (vLLM's min_tokens;
+    # the server folds the model's end-of-generation ids into stop_token_ids unless ignore_eos).
+    min_tokens: int = 0
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias, clamped to
+    # +-MAX_LOGIT_BIAS); logprobs stay the model's, as vLLM returns them by default.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -45,6 +53,10 @@ class SamplingParams:
             raise ValueError(f"seed must fit in 64 bits ({SEED_MIN} to {SEED_MAX}), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if any(t < 0 or not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS) for t, b in self.logit_bias):
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases within +-{MAX_LOGIT_BIAS}")
 
     @property
     def greedy(self) -> bool:
@@ -53,3 +65,8 @@ class SamplingParams:
     @property
     def penalises_repetition(self) -> bool:
         return self.repetition_penalty != 1.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before sampling (logit_bias or min_tokens)."""
+        return bool(self.logit_bias) or self.min_tokens > 0

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server of one kvbridge instance: the app, its routes, its lifecycle.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streaming or not, served by
-completions.py), GET /v1/models, /health (200 healthy, 503 draining, shutting down or dead),
+completions.py), POST /tokenize and /detokenize (vLLM's), GET /v1/models, /health (200 healthy, 503 draining, shutting down or dead),
 /metrics and /kvbridge/load (the engine's load, for a router or an autoscaler), POST
 /kvbridge/release_kv (P: free a request's held blocks) and /kvbridge/drain. `build_app` makes
 the FastAPI app of an engine; `run_server` loads the model, serves it with uvicorn until
@@ -107,6 +107,14 @@ def _model_card(instance: _Instance) -> wire.ModelCard:
     engine = instance.engine
     return wire.ModelCard(id=engine.model_name, created=instance.handlers.created,
                        max_model_len=engine.max_model_len)
+
+
+async def _tokenize(raw: Request) -> Response:
+    return await _instance(raw).handlers.tokenize(raw)
+
+
+async def _detokenize(raw: Request) -> Response:
+    return await _instance(raw).handlers.detokenize(raw)
 
 
 @_v1.get("/models")
@@ -240,6 +248,9 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
                       dependencies=[Depends(_check_api_key)], include_in_schema=False)
     app.add_api_route("/kvbridge/drain", _drain, methods=["POST"],
                       dependencies=[Depends(_check_api_key)], include_in_schema=False)
+    # vLLM's paths (no /v1); guarded by the API key when there is one (vLLM leaves them open)
+    app.add_api_route("/tokenize", _tokenize, methods=["POST"], dependencies=[Depends(_check_api_key)])
+    app.add_api_route("/detokenize", _detokenize, methods=["POST"], dependencies=[Depends(_check_api_key)])
     app.add_api_route("/kvbridge/load", _load, methods=["GET"], include_in_schema=False)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _prometheus, methods=["GET"])

@@ -30,10 +30,10 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -59,6 +59,7 @@ logger = logging.getLogger("kvbridge.server.api_server")  # the name the server 
 # How long a release key may name a lease (or a release that overtook its answer): far longer
 # than a proxy takes to give up on an attempt; ending an ended lease is a no-op.
 RELEASE_KEY_TTL_S = 600.0
+T = TypeVar("T")
 
 
 
@@ -95,6 +96,7 @@ class _Job:
     # Tokens a prefill instance sampled, which the proxy streamed with the role chunk: the
     # answer continues from them (LLMEngine.add_request's `continued`).
     continued: tuple[int, ...] = ()
+    index: int = 0  # the prompt's place in a completion's list: its choice's index
 
 
 class CompletionHandlers:
@@ -128,9 +130,16 @@ class CompletionHandlers:
             kv_params = _parse_kv_params(body)
             # Tokenising holds a thread for up to a second or two (a prompt near the byte
             # bound): never the event loop, which must keep answering /health and streams.
-            job = await asyncio.to_thread(self._prepare, body, chat, request_id)
+            jobs = await asyncio.to_thread(self._prepare, body, chat, request_id)
+            if len(jobs) > 1 and kv_params is not None:
+                raise ApiError(400, "a list of prompts cannot take kv_transfer_params: send one prompt per "
+                               "prefill/decode request (the proxy splits lists)", param="prompt")
+            job = jobs[0]
             span.prepared(kv_params, job)
-            stream = await self._admit(request_id, job, kv_params, span)
+            if len(jobs) > 1:
+                streams = await self._admit_all(request_id, jobs, span)
+            else:
+                stream = await self._admit(request_id, job, kv_params, span)
         except Exception as exc:  # the one guard around every pre-admission rejection
             error = as_api_error(exc, request_id)
             self.metrics.record_rejected()
@@ -138,7 +147,9 @@ class CompletionHandlers:
                 await self.engine.notify_kv_transfer_rejected(request_id, kv_params)
             span.refused(kv_params, error)
             return error.response(headers)
-        watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
+        if len(jobs) > 1:
+            return await self._serve_list(raw, jobs, streams, timer, span, headers)
+        watcher = asyncio.create_task(_abort_on_disconnect(raw, [stream]))
         release_key = raw.headers.get(wire.RELEASE_KEY_HEADER)
         release_key = release_key if usable_release_key(release_key) else None
         if job.request.stream:
@@ -174,8 +185,10 @@ class CompletionHandlers:
 
     # ---------------------------------------------------------------- admission
 
-    def _prepare(self, body: dict[str, Any], chat: bool, request_id: str) -> _Job:
-        """Validates and tokenises; runs on a worker thread."""
+    def _prepare(self, body: dict[str, Any], chat: bool, request_id: str) -> list[_Job]:
+        """Validates and tokenises: one job per prompt (a chat, or a completion's one prompt: one
+        job; a completion's list: one per entry, in order). Nothing is admitted unless every prompt
+        passed. Runs on a worker thread."""
         model_cls = p.ChatCompletionRequest if chat else p.CompletionRequest
         try:
             request = model_cls.model_validate(body)
@@ -184,6 +197,17 @@ class CompletionHandlers:
         if request.model is not None and request.model != self.engine.model_name:
             raise ApiError(404, f"The model `{request.model}` does not exist.",
                            param="model", code="model_not_found")
+        vocab = self.engine.tokenizer.vocab_size
+        for field, ids in request.token_id_fields().items():
+            check_token_ids(ids, vocab, field)
+        prompts = self._prompt_ids(request)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        created = int(time.time())
+        return [_Job(chat, request, ids, self._params(request, len(ids)), prefix + request_id, created,
+                     tuple(request.continue_from_token_ids or ()), index) for index, ids in enumerate(prompts)]
+
+    def _prompt_ids(self, request: p.CompletionRequest | p.ChatCompletionRequest) -> list[list[int]]:
+        """Each prompt's token ids (a chat's through its template), checked against the vocabulary."""
         tokenizer = self.engine.tokenizer
         if isinstance(request, p.ChatCompletionRequest):
             try:
@@ -192,23 +216,31 @@ class CompletionHandlers:
             except ValueError as exc:
                 raise ApiError(400, f"invalid messages: {exc}", param="messages") from None
             self._check_prompt_bytes(text, "messages")
-            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-        elif isinstance(request.prompt, str):
-            self._check_prompt_bytes(request.prompt, "prompt")
-            prompt_ids = tokenizer.encode(request.prompt, add_special_tokens=True)
-        else:  # token ids: CompletionRequest's validator leaves a text or one list of ids
-            prompt_ids = list(cast(list[int], request.prompt))
-        max_tokens = self._check_length(request, len(prompt_ids))
+            return [tokenizer.encode(text, add_special_tokens=False)]
+        out = []
+        for prompt in request.prompts:
+            if isinstance(prompt, str):
+                self._check_prompt_bytes(prompt, "prompt")
+                out.append(tokenizer.encode(prompt, add_special_tokens=True))
+            else:
+                check_token_ids(prompt, tokenizer.vocab_size, "prompt")
+                out.append(list(prompt))
+        return out
+
+    def _params(self, request: p.CompletionRequest | p.ChatCompletionRequest, num_prompt: int) -> SamplingParams:
+        """The sampling params of one prompt of `request` (its length decides max_tokens' default)."""
+        max_tokens = self._check_length(request, num_prompt)
+        if request.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                           f"got {request.min_tokens}", param="min_tokens")
         try:
             params = request.to_sampling_params(max_tokens, self.defaults)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         if not params.ignore_eos:  # end-of-turn tokens besides eos (e.g. <|endoftext|>)
-            stops = set(params.stop_token_ids) | set(tokenizer.stop_token_ids)
+            stops = set(params.stop_token_ids) | set(self.engine.tokenizer.stop_token_ids)
             params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stops)))
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        return _Job(chat, request, prompt_ids, params, prefix + request_id, int(time.time()),
-                    tuple(request.continue_from_token_ids or ()))
+        return params
 
     def _check_prompt_bytes(self, text: str, param: str) -> None:
         size = len(text.encode("utf-8"))
@@ -320,10 +352,144 @@ class CompletionHandlers:
                                                usage=usage, kv_transfer_params=wire_or_none(last.kv_transfer_params)
                                                ), _leased(last)
         lp = p.completion_logprobs(logprobs, token_text, 0) if job.params.logprobs is not None else None
-        choice = wire.CompletionChoice(text="".join(text), logprobs=lp, finish_reason=reason)
+        choice = wire.CompletionChoice(index=job.index, text="".join(text), logprobs=lp, finish_reason=reason)
         return wire.CompletionResponse(id=job.response_id, created=job.created,
                                        model=self.engine.model_name, choices=[choice], usage=usage,
                                        kv_transfer_params=wire_or_none(last.kv_transfer_params)), _leased(last)
+
+    # ---------------------------------------------------------------- /tokenize and /detokenize
+
+    async def tokenize(self, raw: Request) -> Response:
+        """vLLM's POST /tokenize: a prompt (with the model's special tokens unless told otherwise) or
+        chat messages (through the chat template) as token ids, their count and max_model_len."""
+        try:
+            body = await read_json(raw)
+            answer = await asyncio.to_thread(self._tokenize, body)
+        except Exception as exc:
+            return as_api_error(exc, _request_id(raw)).response()
+        return json_response(answer)
+
+    def _tokenize(self, body: dict[str, Any]) -> p.TokenizeResponse:
+        model_cls: type[p.TokenizeChatRequest | p.TokenizeCompletionRequest] = (
+            p.TokenizeChatRequest if "messages" in body else p.TokenizeCompletionRequest)
+        try:
+            request = model_cls.model_validate(body)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        self._check_model(request.model)
+        tokenizer = self.engine.tokenizer
+        if isinstance(request, p.TokenizeChatRequest):
+            try:
+                text = tokenizer.apply_chat_template([m.as_template_message() for m in request.messages],
+                                                     add_generation_prompt=request.add_generation_prompt)
+            except ValueError as exc:
+                raise ApiError(400, f"invalid messages: {exc}", param="messages") from None
+            param = "messages"
+        else:
+            text, param = request.prompt, "prompt"
+        self._check_prompt_bytes(text, param)
+        ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        strs = [tokenizer.token_text(t) for t in ids] if request.return_token_strs else None
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, raw: Request) -> Response:
+        """vLLM's POST /detokenize: token ids as text (special tokens kept)."""
+        try:
+            body = await read_json(raw)
+            try:
+                request = p.DetokenizeRequest.model_validate(body)
+            except ValidationError as exc:
+                raise _validation_error(exc) from None
+            self._check_model(request.model)
+            check_token_ids(request.tokens, self.engine.tokenizer.vocab_size, "tokens")
+            text = await asyncio.to_thread(self.engine.tokenizer.decode, request.tokens, False)
+        except Exception as exc:
+            return as_api_error(exc, _request_id(raw)).response()
+        return json_response(p.DetokenizeResponse(prompt=text))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    # ---------------------------------------------------------------- a completion's list of prompts
+
+    async def _admit_all(self, request_id: str, jobs: list[_Job], span: _Span) -> list[RequestStream]:
+        """Admits each prompt of a list as its own engine request, `<request id>-<index>` (vLLM's
+        naming); if one is refused, those admitted are aborted and the refusal raised."""
+        streams: list[RequestStream] = []
+        try:
+            for job in jobs:
+                streams.append(await self._admit(f"{request_id}-{job.index}", job, None, span))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+    async def _serve_list(self, raw: Request, jobs: list[_Job], streams: list[RequestStream],
+                          first_timer: RequestTimer, span: _Span, headers: dict[str, str]) -> Response:
+        """The answer to a completion's list of prompts: one choice per prompt with its index and
+        the usage summed, whole or as one stream of every prompt's chunks as they come (vLLM's
+        semantics). One prompt's failure fails the request: the others are aborted."""
+        timers = [first_timer] + [self.metrics.request_timer() for _ in jobs[1:]]
+        watcher = asyncio.create_task(_abort_on_disconnect(raw, streams))
+        if jobs[0].request.stream:
+            chunks = self._stream_list(jobs, streams, timers, watcher, span)
+            return StreamingResponse(span.traced_stream(chunks), media_type="text/event-stream", headers=headers)
+        try:
+            answers = await _all_or_none([self._collect(job, stream, timer)
+                                          for job, stream, timer in zip(jobs, streams, timers)])
+        except ApiError as error:
+            span.failed(error)
+            return error.response(headers)
+        except BaseException as exc:  # answered 500 by the app's handler (or cancelled)
+            span.end(500, f"{type(exc).__name__}: {exc}", "internal_error")
+            raise
+        finally:
+            watcher.cancel()
+            for stream, timer in zip(streams, timers):
+                stream.abort()
+                timer.on_abandoned()
+        parts = [cast(wire.CompletionResponse, answer) for answer, _ in answers]
+        usage = _summed([a.usage for a in parts if a.usage is not None])
+        merged = parts[0].model_copy(update={"choices": [a.choices[0] for a in parts], "usage": usage,
+                                             "kv_transfer_params": None})
+        span.answered(usage.completion_tokens, parts[0].choices[0].finish_reason)
+        span.end(200)
+        return json_response(merged, headers=headers)
+
+    async def _stream_list(self, jobs: list[_Job], streams: list[RequestStream], timers: list[RequestTimer],
+                           watcher: asyncio.Task[None], span: _Span) -> AsyncGenerator[str, None]:
+        """Every prompt's chunks as its engine request yields them, each choice with its index; the
+        usage chunk (when asked) sums them all; one [DONE]. An error ends the whole stream."""
+        makers = [_ChunkMaker(job, self.engine) for job in jobs]
+        finished: list[RequestOutput] = []
+        try:
+            async with aclosing(_merged(streams)) as outputs:
+                async for index, output in outputs:
+                    timers[index].on_output(output)
+                    if output.finished:
+                        _raise_if_failed(output)
+                    if output.new_text or output.logprobs:
+                        yield makers[index].content(output)
+                    if output.finished:
+                        finished.append(output)
+                        yield makers[index].finish(output)
+            usage = usage_of(finished)
+            span.answered(usage.completion_tokens, None)
+            if jobs[0].request.include_usage_chunk:
+                yield makers[0].usage_of(usage)
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            error = exc if isinstance(exc, ApiError) else as_api_error(exc, jobs[0].response_id)
+            span.stream_failed(error)
+            yield wire.sse_event(wire.ErrorResponse(error=error.info))
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            for stream, timer in zip(streams, timers):
+                stream.abort()
+                timer.on_abandoned()
 
     async def _stream(self, job: _Job, stream: RequestStream, timer: RequestTimer,
                       watcher: asyncio.Task[None], span: _Span, lease: LeaseBox,
@@ -557,20 +723,22 @@ class _ChunkMaker:
                                                       logprobs=chat_lp, finish_reason=None)])
         lp = p.completion_logprobs(logprobs, self.token_text, self.text_offset) if logprobs else None
         self.text_offset += len(output.new_text)
-        return self._chunk([wire.CompletionChoice(text=output.new_text, logprobs=lp,
-                                               finish_reason=None)])
+        return self._chunk([wire.CompletionChoice(index=self.job.index, text=output.new_text, logprobs=lp,
+                                                  finish_reason=None)])
 
     def finish(self, output: RequestOutput) -> str:
         reason = output.finish_reason.value if output.finish_reason else None
         extra = {"kv_transfer_params": wire_or_none(output.kv_transfer_params)} if output.kv_transfer_params else {}
         if self.job.chat:
             return self.delta(wire.DeltaMessage(), reason, **extra)
-        return self._chunk([wire.CompletionChoice(text="", logprobs=None, finish_reason=reason)],
-                           **extra)
+        return self._chunk([wire.CompletionChoice(index=self.job.index, text="", logprobs=None,
+                                                  finish_reason=reason)], **extra)
 
     def usage(self, output: RequestOutput) -> str:
-        return self._chunk([], usage=wire.UsageInfo.of(
-            output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens))
+        return self.usage_of(usage_of([output]))
+
+    def usage_of(self, usage: wire.UsageInfo) -> str:
+        return self._chunk([], usage=usage)
 
 
 # -------------------------------------------------------------------- helpers
@@ -597,6 +765,68 @@ async def read_json(raw: Request) -> dict[str, Any]:
         return wire.parse_json_object(data)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_json") from None
+
+
+def usage_of(outputs: list[RequestOutput]) -> wire.UsageInfo:
+    """The usage of finished outputs together (a list's prompts: summed, as vLLM)."""
+    return wire.UsageInfo.of(sum(o.num_prompt_tokens for o in outputs), sum(o.num_output_tokens for o in outputs),
+                             sum(o.num_cached_tokens for o in outputs))
+
+
+def _summed(usages: list[wire.UsageInfo]) -> wire.UsageInfo:
+    return wire.UsageInfo.of(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                             sum(u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+                                 for u in usages))
+
+
+async def _all_or_none(work: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every result, in order; at the first exception the rest are cancelled and it is raised."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise cast(BaseException, task.exception())
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(index, output) of every stream, as they come; closing it stops reading them all."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | int] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        finally:
+            queue.put_nowait(index)  # this stream ended
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if isinstance(item, int):
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def check_token_ids(ids: list[int], vocab: int, param: str) -> None:
+    """400 naming `param` when an id is outside the vocabulary (vLLM's check and status)."""
+    bad = sorted({t for t in ids if not 0 <= t < vocab})
+    if bad:
+        shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+        raise ApiError(400, f"token_id(s) [{shown}] in {param} contain out-of-vocab token ids. "
+                       f"Vocabulary size: {vocab}", param=param)
 
 
 def _parse_kv_params(body: dict[str, Any]) -> KVTransferParams | None:
@@ -645,12 +875,13 @@ def _raise_if_failed(output: RequestOutput) -> None:
         raise ApiError(503, "the request was aborted before it completed", code="aborted")
 
 
-async def _abort_on_disconnect(raw: Request, stream: RequestStream) -> None:
-    """Abort the request when the client goes away. The body has been read, so the next
-    ASGI message is the disconnect."""
+async def _abort_on_disconnect(raw: Request, streams: list[RequestStream]) -> None:
+    """Abort the request (each of a list's) when the client goes away. The body has been read, so
+    the next ASGI message is the disconnect."""
     while True:
         message = await raw.receive()
         if message["type"] == "http.disconnect":
-            logger.info("request %s: client disconnected, aborting", stream.request_id)
-            stream.abort()
+            for stream in streams:
+                logger.info("request %s: client disconnected, aborting", stream.request_id)
+                stream.abort()
             return

@@ -7,8 +7,12 @@ Requests are validated strictly (a string is not an int, a bool is not a number)
 unknown fields are ignored, because OpenAI clients send extras. Every check a client
 can fail is a pydantic validator, so the server turns all of them into one HTTP 400.
 Features that would change what the client gets back and that kvbridge does not
-implement (n > 1, echo, presence and frequency penalties, logit_bias, tools) are refused rather
-than ignored. A sampling field left out (None) takes the model's default (--generation-config).
+implement (n > 1, best_of > 1, echo, suffix, presence and frequency penalties, tools) are refused
+rather than ignored. A sampling field left out (None) takes the model's default (--generation-config).
+A completion's `prompt` takes OpenAI's four forms (a text, a list of texts, a list of token ids, a
+list of token-id lists): `CompletionRequest.prompts` lists them, one choice each. Token ids (the
+prompt's, logit_bias', stop_token_ids') are checked against the vocabulary where it is known
+(`check_token_ids`, completions.py). /tokenize and /detokenize take vLLM's bodies.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvbridge.engine.generation_config import SamplingDefaults
 from kvbridge.engine.outputs import TokenLogprob
-from kvbridge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from kvbridge.engine.sampling_params import MAX_LOGIT_BIAS, SEED_MAX, SEED_MIN, SamplingParams
 from kvbridge.openai_wire import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 MAX_LOGPROBS = 20  # SamplingParams' limit
 MAX_STOP_STRINGS = 16
 COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when neither it nor the model gives one (OpenAI's)
+# Prompts in one completions request at most: each is an engine request (and, through the proxy,
+# a P/D path of its own); the body cap alone would let one request queue a million.
+MAX_PROMPTS = 1024
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -54,6 +61,7 @@ class _Request(BaseModel):
     stop_token_ids: list[TokenId] | None = None  # extension
     include_stop_str_in_output: bool = False  # extension
     ignore_eos: bool = False  # extension
+    min_tokens: int = Field(default=0, ge=0)  # extension: no stop token (nor stop string) before this many
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -82,10 +90,23 @@ class _Request(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            digits = key.removeprefix("-")  # a negative id is an integer: refused as out of vocabulary
+            if not digits.isascii() or not digits.isdigit() or len(digits) > 10:
+                raise ValueError(f"Found token_id `{key}` in logit_bias but token_id must be an integer "
+                                 "or string representing an integer")
         return value
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, each bias clamped to +-100 (OpenAI's range, vLLM's clamp)."""
+        return tuple(sorted((int(k), min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, b)))
+                            for k, b in (self.logit_bias or {}).items()))
+
+    def token_id_fields(self) -> dict[str, list[int]]:
+        """The token ids of each field that names some (checked against the vocabulary)."""
+        return {"logit_bias": [t for t, _ in self.logit_bias_pairs], "stop_token_ids": list(self.stop_token_ids or ())}
 
     @field_validator("stop")
     @classmethod
@@ -117,7 +138,8 @@ class _Request(BaseModel):
             repetition_penalty=_given(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             seed=self.seed, stop=tuple(stops),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output)
+            logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens, logit_bias=self.logit_bias_pairs)
 
 
 def _given(value: Any, default: Any, neutral: Any) -> Any:
@@ -126,7 +148,7 @@ def _given(value: Any, default: Any, neutral: Any) -> Any:
 
 
 class CompletionRequest(_Request):
-    """POST /v1/completions. `prompt` is text or token ids; a batch of exactly one is unwrapped."""
+    """POST /v1/completions. `prompt` in OpenAI's four forms; `prompts` lists them, one per choice."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(default=None, ge=1)  # None: the model's default, else COMPLETION_MAX_TOKENS
@@ -137,14 +159,22 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("only one prompt per request is supported")
-            value = value[0]
+    def _sane_prompts(cls, value: Any) -> Any:
         if not value:
             raise ValueError("prompt must not be empty")
-        return cast("str | list[int]", value)  # the field's types: a text, or one list of token ids
+        if is_prompt_list(value):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request are supported, got {len(value)}")
+            if not all(value):
+                raise ValueError("prompt must not contain an empty prompt")
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: one for a text or a list of token ids, else one per list entry."""
+        prompt = self.prompt
+        return list(cast("list[str] | list[list[int]]", prompt)) if is_prompt_list(prompt) else [
+            cast("str | list[int]", prompt)]
 
     @field_validator("echo")
     @classmethod
@@ -234,6 +264,63 @@ class ChatCompletionRequest(_Request):
     def to_sampling_params(self, max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, defaults)
+
+
+def is_prompt_list(prompt: object) -> bool:
+    """Whether a completion's `prompt` is a list of prompts (texts or token-id lists), not one."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
+# ---------------------------------------------------------------- /tokenize and /detokenize
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's TokenizeCompletionRequest)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with messages (vLLM's TokenizeChatRequest), through the chat template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _no_continue_final(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("continue_final_message is not supported")
+        return value
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---------------------------------------------------------------- logprob conversion
