@@ -1,6 +1,12 @@
 """The proxy's health checks: every instance's `/health` is probed before the proxy serves and
 then every interval (a dynamic pool's newcomers at once), and its pool marks it healthy or not
-(routing.py); selection skips the unhealthy ones."""
+(routing.py); selection skips the unhealthy ones.
+
+An instance that refuses the connection or answers non-200 (dead, draining, its engine failed)
+leaves selection at that probe. One that answers late is busy, not dead: it leaves only after
+MISSED_PROBES_TO_DROP late answers in a row (a hung one is gone within that many intervals plus
+timeouts); any answer starts the count over. Dropping the only D on one late /health turned a
+loaded fleet into 503s for everyone."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import httpx
 from kvbridge.proxy.routing import Upstream, UpstreamPool
 
 logger = logging.getLogger("kvbridge.proxy.proxy")  # the name these lines logged under before the split
+MISSED_PROBES_TO_DROP = 3
 
 
 class HealthChecks:
@@ -41,9 +48,22 @@ class HealthChecks:
     async def probe(self, pool: UpstreamPool, upstream: Upstream) -> None:
         try:
             r = await self._client().get(upstream.url + "/health", timeout=self._timeout_s, headers=self._headers)
-            pool.set_health(upstream, r.status_code == 200, f"/health answered {r.status_code}")
+        except httpx.TimeoutException:
+            upstream.missed_probes += 1
+            if upstream.missed_probes >= MISSED_PROBES_TO_DROP:
+                pool.set_health(upstream, False, f"/health did not answer within {self._timeout_s:g} s, "
+                                                 f"{upstream.missed_probes} times in a row")
+            elif upstream.healthy:
+                logger.info("%s instance %s answered no /health within %g s (%d of %d before it is dropped)",
+                            pool.kind.value, upstream.url, self._timeout_s, upstream.missed_probes,
+                            MISSED_PROBES_TO_DROP)
+            return
         except httpx.HTTPError as exc:
+            upstream.missed_probes = 0
             pool.set_health(upstream, False, f"/health failed: {exc!r}")
+            return
+        upstream.missed_probes = 0
+        pool.set_health(upstream, r.status_code == 200, f"/health answered {r.status_code}")
 
     async def _loop(self) -> None:
         while True:

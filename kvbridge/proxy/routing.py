@@ -95,6 +95,7 @@ class Upstream:
 
     `healthy` is False until the first health probe answers 200.
     `outstanding` counts requests sent to it whose response is not closed yet.
+    `missed_probes`: late /health answers in a row (health.py drops it after a few).
     `context_len`: its max_model_len as its /v1/models said (0: it did not say); None until it
     answered the proxy's question, and again once it is dropped as unhealthy (it may come back
     with another).
@@ -106,6 +107,7 @@ class Upstream:
     outstanding: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     context_len: int | None = None
+    missed_probes: int = 0  # /health probes in a row that timed out (health.py)
 
 
 class SelectionPolicy(ABC):
