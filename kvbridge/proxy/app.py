@@ -108,6 +108,14 @@ def proxy_app(proxy: PDProxy, tracing: Tracing | None = None) -> FastAPI:
     app.add_api_route("/v1/completions", route, methods=["POST"])
     app.add_api_route("/v1/chat/completions", route, methods=["POST"])
 
+    async def tokenization(request: Request) -> Response:
+        response = await proxy.tokenization(request, request.url.path)
+        proxy.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    app.add_api_route("/tokenize", tokenization, methods=["POST"])
+    app.add_api_route("/detokenize", tokenization, methods=["POST"])
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if not proxy.authorized(request):

@@ -34,8 +34,16 @@ def error_code(answer: Response) -> str | None:
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The body sent to P: one token, no streaming, one sample, asking P to keep the KV."""
+    """The body sent to P: one token, no streaming, one sample, asking P to keep the KV. P samples
+    the first token, so it applies what shapes it: logit_bias as sent, and min_tokens as 1 when the
+    client's is a positive int (P's token is then no stop token; a min_tokens P cannot judge, not an
+    int, goes as sent, for P to refuse as D would)."""
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "best_of")}
+    min_tokens = body.get("min_tokens")
+    if type(min_tokens) is int and min_tokens > 0:
+        out["min_tokens"] = 1
+    elif min_tokens is not None and not (type(min_tokens) is int and min_tokens == 0):
+        out["min_tokens"] = min_tokens
     out.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1

@@ -119,6 +119,10 @@ class PassthroughStream(StreamingResponse):
         finally:
             await self._exchange.close()
 
+    async def close(self) -> None:
+        """Close D's response without sending it (a prompt list's sibling failed): D aborts."""
+        await self._exchange.close()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)

@@ -41,7 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from kvbridge.kv_transfer.params import KV_LOAD_FAILED
 from kvbridge.openai_wire import MAX_BODY_BYTES, REQUEST_ID_HEADER, parse_json_object, usable_request_id
-from kvbridge.proxy import first_token, tracing_spans
+from kvbridge.proxy import first_token, prompt_lists, tracing_spans
 from kvbridge.proxy.bodies import error_code, forwardable, kv_transfer_params, prefill_body, prompt_text, read_body
 from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy, openai_error
 from kvbridge.proxy.health import HealthChecks
@@ -62,6 +62,7 @@ T = TypeVar("T")
 # admitted the request): a stopped or hung one fails the attempt rather than holding it for the
 # whole timeout. Admission waits for the engine's current step and tokenises the prompt: seconds.
 FIRST_BYTE_TIMEOUT_S = 30.0
+COMPLETIONS_ROUTE = "/v1/completions"
 UPSTREAM_KEEPALIVE_S = 2.0
 BAD_KEY_MESSAGE = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
 
@@ -221,6 +222,8 @@ class PDProxy:
         try:  # the watcher must stop before a StreamingResponse listens to the client itself
             if self.prefill is None:
                 return await self._decode_alone(call)
+            if route == COMPLETIONS_ROUTE and (bodies := prompt_lists.split(body)) is not None:
+                return await self._prompt_list(call, self.prefill, bodies)
             return await self._prefill_then_decode(call, self.prefill)
         finally:
             watcher.cancel()
@@ -271,6 +274,34 @@ class PDProxy:
                 return outcome
             case _:
                 assert_never(outcome)
+
+    async def _prompt_list(self, call: ClientRequest, prefill: UpstreamPool, bodies: list[dict[str, Any]]) -> Response:
+        """A completion's list of prompts: each its own P/D path (`<id>-<index>`), the answers merged;
+        one prompt's failure is the answer, and stops the others as a client leaving would
+        (prompt_lists.py)."""
+        if len(bodies) == 1:
+            return await self._prefill_then_decode(ClientRequest(
+                call.route, bodies[0], call.headers, call.request_id, call.spans, call.gone), prefill)
+        parts = [ClientRequest(call.route, b, {**call.headers, REQUEST_ID_HEADER: f"{call.request_id}-{i}"},
+                               f"{call.request_id}-{i}", call.spans, asyncio.Event()) for i, b in enumerate(bodies)]
+        relay = asyncio.create_task(_relay_gone(call.gone, [part.gone for part in parts]))
+        tasks = [asyncio.create_task(self._prefill_then_decode(part, prefill)) for part in parts]
+        try:
+            answers, failure = await _first_failure_stops_the_rest(tasks, parts)
+        finally:
+            relay.cancel()
+        if failure is not None or call.gone.is_set():
+            await asyncio.gather(*(prompt_lists.close(a) for a in answers), return_exceptions=True)
+            if failure is None:
+                return Response(status_code=499)
+            logger.info("request %s: a prompt of its list failed (%d): the list fails", call.request_id,
+                        failure.status_code)
+            return failure
+        if call.body.get("stream") is True:
+            options = call.body.get("stream_options")
+            include_usage = isinstance(options, dict) and options.get("include_usage") is True
+            return prompt_lists.MergedStream(answers, call.request_id, include_usage)
+        return prompt_lists.merge_whole(answers, call.request_id)
 
     async def _gone_before_decode(self, outcome: PrefillOutcome | None, call: ClientRequest) -> Response:
         """The client left before any D was asked: P's KV, if P granted some, is released at once
@@ -439,6 +470,27 @@ class PDProxy:
             return answer
         return self.legs.server_error(UpstreamKind.DECODE, answer) or answer
 
+    async def tokenization(self, request: Request, path: str) -> Response:
+        """vLLM's /tokenize or /detokenize, forwarded to a healthy instance (decode first, then prefill;
+        the next one when one cannot be reached); its answer, status and body, goes back as is. Every
+        instance serves the same model, so any one answers for all."""
+        request_id = request.headers.get(REQUEST_ID_HEADER)
+        request_id = request_id if request_id is not None and usable_request_id(request_id) else f"kvb-{uuid.uuid4().hex}"
+        body = await self._read_request(request, request_id, tracing_spans.NO_SPANS)
+        if isinstance(body, Response):
+            return body
+        headers = {REQUEST_ID_HEADER: request_id, **self._auth_headers(request)}
+        for upstream in [u for pool in reversed(self.pools) for u in pool.healthy()]:
+            try:
+                r = await self.client().post(upstream.url + path, json=body, headers=headers,
+                                             timeout=self.short_timeout)
+            except httpx.HTTPError as exc:
+                logger.warning("request %s: %s on %s failed: %r", request_id, path, upstream.url, exc)
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
+                            headers={REQUEST_ID_HEADER: request_id})
+        return openai_error(503, f"no healthy instance answered {path}", "no_healthy_instance", request_id)
+
     async def models(self, request: Request) -> Response:
         """/v1/models as the first healthy D that answers it reports."""
         for upstream in self.decode.healthy():
@@ -449,6 +501,54 @@ class PDProxy:
                 continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return openai_error(503, "no healthy decode instance answered /v1/models", "no_healthy_instance")
+
+
+async def _relay_gone(gone: asyncio.Event, parts: list[asyncio.Event]) -> None:
+    """Set every part's event once `gone` is set (the client left: every prompt of its list stops)."""
+    await gone.wait()
+    for part in parts:
+        part.set()
+
+
+async def _first_failure_stops_the_rest(tasks: list[asyncio.Task[Response]], parts: list[ClientRequest],
+                                        ) -> tuple[list[Response], Response | None]:
+    """Every task's answer, in order, and the first error answer (None: none). Once one answers an
+    error (or raises), the others' clients are 'gone': each stops as a request whose client left
+    (P's KV released, D's connection closed) and answers 499. Cancelled itself, it stops them all
+    the same before it ends."""
+
+    def bad(task: asyncio.Task[Response]) -> bool:
+        return task.cancelled() or task.exception() is not None or prompt_lists.failed(task.result())
+
+    def stop_all() -> None:
+        for part in parts:
+            part.gone.set()
+
+    first: Response | None = None
+    try:
+        pending: set[asyncio.Task[Response]] = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(bad(task) for task in done):
+                stop_all()
+                if first is None:  # the failure that stopped the rest (theirs are 499s)
+                    first = next((t.result() for t in tasks if t in done and not t.cancelled()
+                                  and t.exception() is None and prompt_lists.failed(t.result())), None)
+    except BaseException:
+        stop_all()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close_answers(tasks)
+        raise
+    broken = [task for task in tasks if task.cancelled() or task.exception() is not None]
+    if broken:
+        await _close_answers(tasks)
+        broken[0].result()  # raises its exception (a bug: the app answers 500)
+    return [task.result() for task in tasks], first
+
+
+async def _close_answers(tasks: list[asyncio.Task[Response]]) -> None:
+    answers = [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
+    await asyncio.gather(*(prompt_lists.close(a) for a in answers), return_exceptions=True)
 
 
 async def _watch_disconnect(request: Request, gone: asyncio.Event) -> None:

@@ -389,7 +389,7 @@ def test_models_health_and_metrics(inst: Instance) -> None:
     ("/v1/completions", {"prompt": "Hi", "temperature": 7}, "temperature"),
     ("/v1/completions", {"prompt": 42}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),  # batches are not supported
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),  # a batch holding an empty prompt
     ("/v1/completions", {"prompt": [-1]}, "prompt"),
     ("/v1/completions", {"prompt": "Hi", "n": 2}, "n"),
     ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),

@@ -39,7 +39,8 @@ async def test_prefill_gets_one_token_unstreamed_request_asking_to_keep_kv():
             await r.aread()
         assert pd.prefill[0].received[0].body == {
             "model": "m", "prompt": "The capital of France is", "temperature": 0.0, "max_tokens": 1,
-            "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}}
+            "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True},
+            "min_tokens": 1}  # P samples the first token: no stop token while min_tokens > 0
 
 
 async def test_decode_gets_original_body_plus_prefill_kv_transfer_params():
