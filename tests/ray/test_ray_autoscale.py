@@ -26,7 +26,7 @@ SHORT_PROMPTS = ["Tell me a long story about a dragon.", "Write a poem about the
 SCALE_FROM_ZERO_TIMEOUT_S = 300.0  # a replica's start on two loaded cores, with room
 AUTOSCALING = app.Autoscaling(prefill_target_queued_tokens=256, prefill_target_wait_s=0.5, decode_target_running=4,
                               decode_target_kv_usage=0.9, metrics_interval_s=0.5, look_back_period_s=2.0,
-                              upscale_delay_s=1.0, downscale_delay_s=5.0)
+                              upscale_delay_s=1.0, downscale_delay_s=15.0)
 
 
 def running(role: str) -> int:
