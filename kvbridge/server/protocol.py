@@ -74,6 +74,31 @@ class _Request(BaseModel):
     # the proxy already streamed: the answer continues from them (engine.add_request `continued`)
     continue_from_token_ids: list[TokenId] | None = None
 
+    # Structured output and prompt logprobs are still to come (issue 48): refused, never ignored.
+    response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # vLLM extension
+    guided_json: Any = None  # vLLM extensions, the older and newer names of structured output
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError("only response_format {\"type\": \"text\"} is supported (structured output is "
+                             "not implemented yet)")
+        return value
+
+    @field_validator("prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+    @classmethod
+    def _not_yet(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported yet")
+        return value
+
     @field_validator("n")
     @classmethod
     def _only_one_choice(cls, value: int) -> int:

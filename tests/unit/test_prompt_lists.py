@@ -160,3 +160,19 @@ async def test_one_prompt_failing_fails_the_list_and_stops_the_others() -> None:
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         await asyncio.wait_for(pd.prefill[1].disconnected_while_held.wait(), 10)  # its P leg was stopped
         assert not pd.decode[0].received
+
+
+# ---- what is still to come is refused, never ignored ------------------------------------------------------
+@pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}),
+                                          ("response_format", {"type": "json_schema", "json_schema": {}}),
+                                          ("prompt_logprobs", 1), ("guided_json", {}), ("guided_regex", "a+"),
+                                          ("guided_choice", ["a"]), ("guided_grammar", "g"),
+                                          ("structured_outputs", {"json": {}}), ("echo", True), ("n", 2),
+                                          ("best_of", 2)])
+def test_what_is_still_to_come_is_refused_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ValidationError, match=field):
+        CompletionRequest.model_validate({"prompt": "x", field: value})
+
+
+def test_a_text_response_format_is_the_default_and_accepted() -> None:
+    CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "text"}})
