@@ -1,0 +1,75 @@
+"""Issue 48, part 1, against `kvbridge up`'s cluster (real proxy, P and D processes, NIXL, the
+default model) with the official openai client: a completion's list of prompts, as lm-eval sends a
+batch, answers each prompt as that prompt alone does (streamed and not, texts and token ids), usage
+summed; logit_bias and min_tokens hold through P/D; /tokenize and /detokenize through the proxy.
+The shared cluster's fixture checks every block back on P and D and no lease expired."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from kvbridge.launcher.cluster import LocalCluster
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "The best way to learn is"]
+GREEDY: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+
+pytestmark = pytest.mark.timeout(480)
+
+
+def client(c: LocalCluster) -> OpenAI:
+    return OpenAI(base_url=c.urls.proxy + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_four_answers_each_prompt_as_alone(smollm2_pd_cluster: LocalCluster, stream: bool) -> None:
+    c = smollm2_pd_cluster
+    alone = [client(c).completions.create(prompt=p, **GREEDY) for p in PROMPTS]
+    if stream:
+        texts: dict[int, str] = {}
+        for chunk in client(c).completions.create(prompt=PROMPTS, stream=True, **GREEDY):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+        assert [texts[i] for i in range(4)] == [a.choices[0].text for a in alone]
+        return
+    batch = client(c).completions.create(prompt=PROMPTS, **GREEDY)
+    assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_token_id_lists_via_tokenize_equal_the_texts(smollm2_pd_cluster: LocalCluster) -> None:
+    c = smollm2_pd_cluster
+    ids = [httpx.post(c.urls.proxy + "/tokenize", json={"model": MODEL, "prompt": p}, timeout=60).json()["tokens"]
+           for p in PROMPTS]
+    by_ids = client(c).completions.create(prompt=ids, **GREEDY)
+    by_text = client(c).completions.create(prompt=PROMPTS, **GREEDY)
+    assert [ch.text for ch in by_ids.choices] == [ch.text for ch in by_text.choices]
+    back = httpx.post(c.urls.proxy + "/detokenize", json={"model": MODEL, "tokens": ids[0]}, timeout=60)
+    assert back.json() == {"prompt": PROMPTS[0]}
+
+
+def test_logit_bias_and_min_tokens_hold_through_pd(smollm2_pd_cluster: LocalCluster) -> None:
+    c = smollm2_pd_cluster
+    token = httpx.post(c.urls.proxy + "/tokenize", json={"prompt": " banana", "add_special_tokens": False},
+                       timeout=60).json()["tokens"][0]
+    forced = httpx.post(c.urls.proxy + "/detokenize", json={"tokens": [token] * 3}, timeout=60).json()["prompt"]
+    body = {**GREEDY, "prompt": PROMPTS[0], "max_tokens": 3, "logit_bias": {str(token): 100}, "stream": True}
+    text = ""
+    with httpx.stream("POST", c.urls.proxy + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += "".join(ch["text"] for ch in json.loads(line[6:])["choices"])
+    assert text == forced
+    messages = [{"role": "user", "content": "Name the capital of France."}]
+    short = client(c).chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
+    n = short.usage.completion_tokens + 3
+    held = client(c).chat.completions.create(model=MODEL, messages=messages, max_tokens=n, temperature=0,
+                                             extra_body={"min_tokens": n})
+    assert held.usage.completion_tokens == n
