@@ -49,7 +49,8 @@ def inst(llm: InstrumentedEngine) -> Iterator[Instance]:
 
 
 @pytest.fixture(autouse=True)
-def all_blocks_free_after_each_test(inst: Instance) -> Iterator[None]:
+def all_blocks_free_after_each_test(inst: Instance, llm: InstrumentedEngine) -> Iterator[None]:
+    llm.notified.clear()
     yield
     m = inst.wait_all_blocks_free()
     assert m.num_free_blocks == m.num_total_blocks, m
@@ -284,3 +285,34 @@ def test_tokenize_refusals_are_openai_errors(inst: Instance, path: str, body: di
     r = post(inst, path, body)
     assert_openai_error(r, status)
     assert r.json()["error"]["param"] == param
+
+
+# ------------------------------------------------------------------------ one prompt failing in the engine
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_prompt_failing_in_the_engine_fails_the_list_and_ends_the_others(
+        inst: Instance, llm: InstrumentedEngine, stream: bool) -> None:
+    rid = f"list-fails-{stream}"
+    llm.fail_requests[f"{rid}-1"] = "injected failure of one prompt"
+    body = {"model": MODEL, "prompt": PROMPTS, "max_tokens": 100, "ignore_eos": True, "stream": stream}
+    try:
+        if not stream:
+            r = post(inst, "/v1/completions", body, headers={"X-Request-Id": rid})
+            assert_openai_error(r, 500)
+            assert "injected failure" in r.json()["error"]["message"]
+            return
+        evts = []
+        with httpx.stream("POST", inst.url + "/v1/completions", json=body, headers={"X-Request-Id": rid},
+                          timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    evts.append(data if data == "[DONE]" else json.loads(data))
+        assert evts[-1] == "[DONE]" and evts.count("[DONE]") == 1
+        assert "injected failure" in evts[-2]["error"]["message"]
+        finished = [e for e in evts[:-2] if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert len(finished) < 3  # the list ended at the failure, not after every prompt's 100 tokens
+    finally:
+        llm.fail_requests.clear()
