@@ -23,7 +23,7 @@ import transformers  # noqa: E402
 
 from kvbridge.engine.layers.attention import AttentionMetadata  # noqa: E402
 from kvbridge.engine.models import build_model, kv_cache_shape  # noqa: E402
-from kvbridge.spec.model_config import ModelArchConfig, ModelFamily  # noqa: E402
+from kvbridge.shape.model_config import ModelArchConfig, ModelFamily  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,

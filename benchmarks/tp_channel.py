@@ -1,7 +1,7 @@
 """Benchmark: one TP step's exchange, StepChannel vs torch.distributed's object collectives.
 
 A TP engine's step sends the scheduler output from the engine process to its N rank processes
-and gathers one reply from each (engine/tp/tp_executor.py). This times that exchange alone, with
+and gathers one reply from each (engine/tp/executor.py). This times that exchange alone, with
 nothing computed between, in N + 1 spawned processes on one gloo group (one torch thread each,
 OMP_WAIT_POLICY=PASSIVE as a TP engine runs):
 
@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvbridge.engine.tp.tp_channel import FRAME_BYTES, StepChannel  # noqa: E402
+from kvbridge.engine.tp.channel import FRAME_BYTES, StepChannel  # noqa: E402
 
 MODES = ("objects", "channel")
 

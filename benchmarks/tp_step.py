@@ -57,7 +57,7 @@ from kvbridge.engine.engine import LLMEngine  # noqa: E402
 from kvbridge.engine.loader import DEFAULT_MODEL, LoadedModel, load_model  # noqa: E402
 from kvbridge.engine.loader.synthetic import SMOLLM2_SHAPED_4_KV_HEADS, write_synthetic_folder  # noqa: E402
 from kvbridge.engine.sampling_params import SamplingParams  # noqa: E402
-from kvbridge.engine.tp.tp_executor import TPExecutor, TPStepProfile  # noqa: E402
+from kvbridge.engine.tp.executor import TPExecutor, TPStepProfile  # noqa: E402
 
 BLOCK_SIZE = 16
 TOKEN_RANGE = (100, 49000)  # prompt token ids: clear of the special tokens at the start of the vocab

@@ -119,7 +119,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tracing_args(p: argparse.ArgumentParser, *, service_name: bool = True) -> None:
-    """OpenTelemetry traces (issue 30): `serve`, `proxy` and `up` (which passes them on)."""
+    """OpenTelemetry traces: `serve`, `proxy` and `up` (which passes them on)."""
     t = p.add_argument_group("tracing (OpenTelemetry)")
     t.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export spans over OTLP to this URL (http/protobuf, e.g. http://127.0.0.1:4318/v1/traces; "
@@ -281,7 +281,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         print("kvbridge up: error: give the model once, as MODEL or as --model", file=sys.stderr)
         return 2
     model = a.model_option or a.model
-    from kvbridge.spec.hosts import is_unspecified
+    from kvbridge.shape.hosts import is_unspecified
     if is_unspecified(a.host):
         print(f"kvbridge up: error: --host {a.host} is no address the proxy and the instances can reach each "
               "other at: give one address of this host (see README, multi-host recipe)", file=sys.stderr)

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvbridge.spec.cpu_lists import check_spec
-from kvbridge.spec.hosts import is_unspecified
+from kvbridge.shape.cpu_lists import check_spec
+from kvbridge.shape.hosts import is_unspecified
 
 
 class KVRole(str, Enum):
@@ -137,7 +137,7 @@ class EngineConfig:
     # A step's rank processes must answer within this long, or they are killed and the engine fails.
     tp_step_timeout_s: float = 600.0
     # Which CPUs each rank computes on: auto, none or one list per rank ("0-3|4-7");
-    # spec/cpu_lists.py reads it, engine/tp/cpu_bind.py applies it.
+    # shape/cpu_lists.py reads it, engine/tp/cpu_bind.py applies it.
     cpu_bind: str = "auto"
     # The model's sampling defaults for requests that omit them: auto, vllm or a folder (engine/generation_config.py).
     generation_config: str = "auto"

@@ -1,5 +1,5 @@
 """The HTTP/1.1 connection of every kvbridge server (instances, the proxy, the Ray router): uvicorn's
-httptools protocol with bounds on what one client may make it hold (issue 44).
+httptools protocol with bounds on what one client may make it hold.
 
 uvicorn's httptools protocol puts no bound on a request's header: httptools collects a header of
 any size before its first callback, and a 200 MB one stalled the proxy's event loop for 95 s

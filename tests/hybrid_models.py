@@ -12,9 +12,9 @@ import transformers
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata
 from kvbridge.engine.models import CausalLM
-from kvbridge.spec.kv_cache_layout import KVCacheLayout, plan_kv_cache_layout
-from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
-from kvbridge.spec.model_config import ModelArchConfig
+from kvbridge.shape.kv_cache_layout import KVCacheLayout, plan_kv_cache_layout
+from kvbridge.shape.kv_groups import KVCacheKind, layer_groups
+from kvbridge.shape.model_config import ModelArchConfig
 from tests.paged_steps import VOCAB
 
 KERNEL_BLOCK = 2

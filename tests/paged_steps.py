@@ -10,7 +10,7 @@ import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.models import CausalLM, kv_cache_shape
-from kvbridge.spec.model_config import ModelArchConfig
+from kvbridge.shape.model_config import ModelArchConfig
 
 VOCAB = 96
 BLOCK_SIZE = 4

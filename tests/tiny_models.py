@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from kvbridge.engine.loader.cache import expected_weight_shapes
-from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
+from kvbridge.shape.model_config import ModelArchConfig, ModelFamily
 from tests.paged_steps import VOCAB
 
 

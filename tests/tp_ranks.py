@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from kvbridge.engine.loader.safetensors import arch_from_config, read_weights
 from kvbridge.engine.models import CausalLM, build_model
-from kvbridge.spec.model_config import ModelArchConfig
-from kvbridge.spec.tp_split import RankShard, rank_shard
+from kvbridge.shape.model_config import ModelArchConfig
+from kvbridge.shape.tp_split import RankShard, rank_shard
 from tests.paged_steps import PagedSteps, prompt
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]

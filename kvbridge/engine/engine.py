@@ -27,12 +27,12 @@ from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvbridge.engine.tp.tp_executor import TPExecutor
+from kvbridge.engine.tp.executor import TPExecutor
 from kvbridge.kv_transfer.connector.base import KVConnectors, SchedulerConnector, WorkerConnector, WorkerStatus
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams
-from kvbridge.spec.dtypes import DTYPES
-from kvbridge.spec.kv_cache_layout import logical_block_size
-from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
+from kvbridge.shape.dtypes import DTYPES
+from kvbridge.shape.kv_cache_layout import logical_block_size
+from kvbridge.shape.kv_groups import KVCacheKind, layer_groups
 from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class LLMEngine:
         self._check_tp_split(kv)
         self.num_blocks = self._count_blocks()
         # Tokens per scheduler block: the configured size, or a multiple of it for a hybrid Mamba
-        # model (spec/kv_cache_layout.py); the attention kernel keeps the configured size.
+        # model (shape/kv_cache_layout.py); the attention kernel keeps the configured size.
         self.block_size = logical_block_size(loaded.arch, config.cache.block_size, config.tensor_parallel_size)
         self._mamba_groups = sum(g.kind is KVCacheKind.MAMBA for g in layer_groups(loaded.arch))
         self.kv_cache_manager = self._make_kv_cache_manager()

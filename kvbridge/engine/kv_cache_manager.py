@@ -6,7 +6,7 @@ for block tables and prefix caching it behaves exactly like full attention: ever
 of the context stays); sliding window and Mamba state are further specs. Each group
 has one block table per request, and block ids cross every boundary as a tuple
 of lists, one list per group, so hybrid models need no interface change.
-All groups share one block pool (spec/kv_cache_layout.py: one block is one page whatever
+All groups share one block pool (shape/kv_cache_layout.py: one block is one page whatever
 the group). Prefix caching works on token-indexed groups by chained hashes of full
 blocks' token ids; a model with a Mamba group gets no prefix hits (a Mamba state is one
 request's whole context, not a run of tokens), and a request holds one block per Mamba
@@ -21,7 +21,7 @@ from typing import Sequence
 from kvbridge.engine.block_pool import BlockPool, KVBlock
 from kvbridge.engine.request import Request
 from kvbridge.kv_transfer.params import BlockIds
-from kvbridge.spec.kv_groups import KVCacheKind
+from kvbridge.shape.kv_groups import KVCacheKind
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Builds the two connector halves of one engine and the parts they share: engine wiring, so it
-lives with the engine; it reads the model's shape (spec/) and the engine's configuration and
+lives with the engine; it reads the model's shape (shape/) and the engine's configuration and
 gives kv_transfer's halves only what they need (block size, KV cache groups, element size)."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.read_plan.request_reads import KVGroups
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
-from kvbridge.spec.dtypes import DTYPES
-from kvbridge.spec.kv_cache_layout import logical_block_size
-from kvbridge.spec.kv_groups import layer_groups, slots_per_block
-from kvbridge.spec.model_config import ModelArchConfig
+from kvbridge.shape.dtypes import DTYPES
+from kvbridge.shape.kv_cache_layout import logical_block_size
+from kvbridge.shape.kv_groups import layer_groups, slots_per_block
+from kvbridge.shape.model_config import ModelArchConfig
 
 
 def compatibility_of(config: EngineConfig, arch: ModelArchConfig, model_identity: str) -> CompatibilityInfo:

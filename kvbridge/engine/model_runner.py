@@ -20,11 +20,11 @@ from kvbridge.engine.native_memory import HeapTrimmer, bound_onednn_caches
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, reads_start_together
-from kvbridge.spec.dtypes import DTYPES
-from kvbridge.spec.kv_cache_layout import rank_kv_cache_layout
-from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
-from kvbridge.spec.model_config import ModelArchConfig
-from kvbridge.spec.tp_split import RankShard
+from kvbridge.shape.dtypes import DTYPES
+from kvbridge.shape.kv_cache_layout import rank_kv_cache_layout
+from kvbridge.shape.kv_groups import KVCacheKind, layer_groups
+from kvbridge.shape.model_config import ModelArchConfig
+from kvbridge.shape.tp_split import RankShard
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 
 def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """One logical block (a page: spec/kv_cache_layout.py), every layer, on one rank (every rank of
+    """One logical block (a page: shape/kv_cache_layout.py), every layer, on one rank (every rank of
     `tp_size` holds as much). `block_size`: the configured (kernel) block size."""
     elem = torch.tensor([], dtype=dtype).element_size()
     return rank_kv_cache_layout(arch, block_size, 1, tp_size).page_elems * elem
@@ -82,7 +82,7 @@ class ModelRunner:
     process has one; only the rank that `samples` (rank 0) computes logits and samples.
     `block_size` is the configured (attention kernel) block size and `num_blocks` counts
     logical blocks; the scheduler's block tables are in logical blocks of
-    `self.layout.logical_block_size` tokens (spec/kv_cache_layout.py)."""
+    `self.layout.logical_block_size` tokens (shape/kv_cache_layout.py)."""
 
     def __init__(self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: str, device: str,
                  block_size: int, num_blocks: int, seed: int = 0,

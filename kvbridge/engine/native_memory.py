@@ -1,6 +1,6 @@
 """Native memory of an engine process: oneDNN's per-shape caches bounded, glibc's heap trimmed.
 
-Why (issue 33): every matmul torch runs through oneDNN (kvbridge's prepacked fp32 and bf16 linears,
+Why: every matmul torch runs through oneDNN (kvbridge's prepacked fp32 and bf16 linears,
 every bf16 linear) gets a JIT-compiled primitive for its exact shape, and oneDNN keeps it in
 its primitive cache, keyed by shape, with ideep (torch's wrapper) keeping its own cache on top.
 Both default to 1024 entries. A step's row count is its number of tokens, so every prompt

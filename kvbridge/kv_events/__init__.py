@@ -1,5 +1,5 @@
 """KV cache events: vLLM's wire contract, kvbridge's block hashes, the publisher an instance runs
-and the fleet index the router keeps (issue 47).
+and the fleet index the router keeps.
 
 - events.py: vLLM's msgspec structs (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch),
   their encoding, and a decoder of both of vLLM's encodings (maps since its PR #42892, arrays before).
@@ -9,5 +9,5 @@ and the fleet index the router keeps (issue 47).
 - index.py: the router's per-instance, per-group index of held blocks; gaps, replay, staleness.
 - subscriber.py: one instance's SUB + replay DEALER feeding the index.
 
-Ground floor: imports only spec/ (the engine publishes, the proxy indexes).
+Ground floor: imports only shape/ (the engine publishes, the proxy indexes).
 """

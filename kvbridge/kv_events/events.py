@@ -29,7 +29,7 @@ from typing import Any, Union
 
 import msgspec
 
-from kvbridge.spec.kv_groups import KVCacheKind
+from kvbridge.shape.kv_groups import KVCacheKind
 
 # vLLM's ExternalBlockHash: bytes | int.
 ExternalBlockHash = Union[int, bytes]

@@ -22,7 +22,7 @@ from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeDecodeEr
                                             HandshakeLayoutMismatch, HandshakeMetadata,
                                             HandshakeRefused, RankLayout, decode_payload)
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
-from kvbridge.spec.hosts import IPAddress, parse_ip
+from kvbridge.shape.hosts import IPAddress, parse_ip
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import socket
 import struct
 from collections.abc import MutableMapping
 
-from kvbridge.spec.hosts import parse_ip
+from kvbridge.shape.hosts import parse_ip
 
 logger = logging.getLogger(__name__)
 

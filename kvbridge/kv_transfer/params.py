@@ -20,7 +20,7 @@ router that speaks it can front kvbridge:
 kvbridge adds two fields of its own:
 
     remote_block_size  int   tokens per P logical block. Hybrid Mamba models choose the
-                             logical block size per TP size (spec/kv_cache_layout.py), so
+                             logical block size per TP size (shape/kv_cache_layout.py), so
                              D counts P's block ids with P's size. Absent: D's own size.
 
     generated_token_ids  list[int]  the tokens P sampled after the prompt (its one token

@@ -126,8 +126,8 @@ class AppConfig:
         """The `deployments` override that sizes one pool. Every size is an autoscaling_config
         carrying the pool's policy, a fixed N as MIN = MAX = N: Serve's code version hashes the
         overrides' autoscaling policies, so a pool deployed once with `num_replicas` and once
-        with a policy would change it, and Serve would restart every replica of the application
-        (issue 44.3). `initial`: a first deploy (a pool with MIN 0 then starts one replica);
+        with a policy would change it, and Serve would restart every replica of the application.
+        `initial`: a first deploy (a pool with MIN 0 then starts one replica);
         without it, Serve keeps the replicas there are, within the new bounds."""
         size = self.prefill if role == "prefill" else self.decode
         a = self.autoscaling

@@ -198,7 +198,7 @@ class RouterIngress:
         self.scale_from_zero = ScaleFromZero(proxy_app(self.proxy), self.proxy, self._wake,
                                              self.options.scale_from_zero_timeout_s)
         self._server = uvicorn.Server(server_config(self.scale_from_zero, log_level="warning",
-                                                    timeout_graceful_shutdown=5))  # bounded headers (issue 44)
+                                                    timeout_graceful_shutdown=5))  # bounded headers
         self._thread = threading.Thread(target=self._serve, name="kvbridge-router", daemon=True)
         self._thread.start()
         if not self._started.wait(60.0):

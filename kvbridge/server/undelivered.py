@@ -1,4 +1,4 @@
-"""P's answer that never reached its caller: the lease it names ends at once (issue 44).
+"""P's answer that never reached its caller: the lease it names ends at once.
 
 A prefill answer carries `kv_transfer_params` naming blocks P holds under a lease for a decode
 instance. Only whoever reads that answer can pass the params on; if it never arrives, nobody

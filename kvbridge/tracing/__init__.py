@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of kvbridge's processes (issue 30): `core.py` builds a program's tracer
+"""OpenTelemetry traces of kvbridge's processes: `core.py` builds a program's tracer
 and exporter (off unless an OTLP endpoint is given) and reads/writes W3C traceparents;
 `request_trace.py` is what an engine request carries so that its spans join the request's trace.
 

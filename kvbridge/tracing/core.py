@@ -1,4 +1,4 @@
-"""One program's tracer: the official OpenTelemetry SDK exporting over OTLP (issue 30).
+"""One program's tracer: the official OpenTelemetry SDK exporting over OTLP.
 
 `build_tracing(config)` returns None when no endpoint is configured. The engine keeps a
 `RequestTrace | None` per request (tracing off costs one `is None` test where the step loop would

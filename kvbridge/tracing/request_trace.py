@@ -1,4 +1,4 @@
-"""What an engine request carries for its spans: the tracer and the parent span (issue 30).
+"""What an engine request carries for its spans: the tracer and the parent span.
 
 The server starts one span per request it serves (its HTTP handling) and hands the engine a
 `RequestTrace` naming that span as the parent; the engine, the scheduler and the KV connector

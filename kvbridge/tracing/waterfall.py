@@ -1,4 +1,4 @@
-"""One request's waterfall from OTLP JSON (issue 30): what `kvbridge trace` prints.
+"""One request's waterfall from OTLP JSON: what `kvbridge trace` prints.
 
 Pure functions, the stdlib only. The input is OTLP JSON as the OpenTelemetry Collector's file
 exporter writes it (one `{"resourceSpans": [...]}` object per line), one such document, or a Jaeger

@@ -3,7 +3,7 @@ real `kvbridge serve` processes with their rank processes, real `kvbridge proxy`
 client, on loopback.
 
 With kernel blocks of 4 tokens the tiny Bamba's logical block is 6 kernel blocks at TP 1 and 4
-at TP 2 (spec/kv_cache_layout.py), so P and D at different TP sizes disagree on the ratio:
+at TP 2 (shape/kv_cache_layout.py), so P and D at different TP sizes disagree on the ratio:
 - P TP 2 -> D TP 1 over NIXL and P TP 1 -> D TP 2 over tcp, prefix caching off on D: greedy
   text equals one colocated engine's, every request's KV and Mamba states read, no recompute;
 - P TP 2 -> D TP 1 with prefix caching on at D: the handshake refuses (both ratios named), and

@@ -33,10 +33,10 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.tp.cpu_bind import rank_cpus
-from kvbridge.engine.tp.tp_executor import TPExecutorError
+from kvbridge.engine.tp.executor import TPExecutorError
 from kvbridge.server.api_server import build_app
 from kvbridge.server.async_engine import AsyncEngine
-from kvbridge.spec.tp_split import TPSplitError
+from kvbridge.shape.tp_split import TPSplitError
 from tests.e2e.processes import children, gone, listening, rank_pids
 from tests.fleet import Fleets, FleetSpec, Member
 

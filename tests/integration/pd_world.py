@@ -36,7 +36,7 @@ from kvbridge.kv_transfer.control import MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ
 from kvbridge.kv_transfer.handshake import HandshakeTimeout
 from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
 from kvbridge.kv_transfer.side_channel_frames import MSG_GET_METADATA
-from kvbridge.spec.tp_split import rank_shard
+from kvbridge.shape.tp_split import rank_shard
 
 LEASE_S = 30.0
 WAIT_S = 20.0  # the longest any one wait for a step's effect may take (a bug, not a slow machine)

@@ -4,7 +4,7 @@ of Hugging Face `transformers`, unsplit and split over 2 real gloo ranks.
 A tiny random-weight Bamba is saved as a Hugging Face folder and read back through kvbridge's
 loader. Its 6 layers (attention at 1 and 4) form three KV cache groups of 2 layers: Mamba
 [0, 2], attention [1, 4], Mamba [3, 5], so a Mamba page holds two layers' states. Kernel
-blocks of 2 tokens; a logical block is 4 of them at TP 1 and 5 at TP 2 (spec/kv_cache_layout.py),
+blocks of 2 tokens; a logical block is 4 of them at TP 1 and 5 at TP 2 (shape/kv_cache_layout.py),
 so the prompts span several logical and kernel blocks. The scenario (test_tp_parity.scenario)
 mixes a whole prefill, a chunked prefill (its second chunk starting from the carried state)
 and batched decodes, over shuffled logical blocks.
@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from kvbridge.spec.kv_cache_layout import plan_kv_cache_layout
-from kvbridge.spec.kv_groups import KVCacheKind, layer_groups
+from kvbridge.shape.kv_cache_layout import plan_kv_cache_layout
+from kvbridge.shape.kv_groups import KVCacheKind, layer_groups
 from tests.hybrid_models import BAMBA_CONFIG as CONFIG
 from tests.hybrid_models import KERNEL_BLOCK, HybridSteps
 from tests.paged_steps import ATOL

@@ -2,7 +2,7 @@
 real NIXL (UCX on loopback) and tcp, at equal and at different TP sizes.
 
 The tiny Bamba's logical block is 6 kernel blocks of 4 tokens at TP 1 and 4 at TP 2
-(spec/kv_cache_layout.py), so P and D at different TP sizes number their blocks differently: D
+(shape/kv_cache_layout.py), so P and D at different TP sizes number their blocks differently: D
 expands P's block ids with P's ratio and its own with its own (seed 004), and reads each Mamba
 state as a whole, its heads from the P ranks holding them. P computes the prompt but its last
 token, D that token from the N-1 state (scheduler_side.py). Greedy output equals the colocated

@@ -37,7 +37,7 @@ from kvbridge.engine.layers import linear
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.safetensors import arch_from_config
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.spec.model_config import MoEConfig
+from kvbridge.shape.model_config import MoEConfig
 from tests.hybrid_models import BAMBA_CONFIG, DEEPSEEK_VARIANTS, HybridSteps, make_deepseek_folder
 from tests.paged_steps import PagedSteps
 from tests.smollm2 import NEW_TOKENS, PROMPTS

@@ -17,7 +17,7 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import (TINY_BAMBA, TINY_DEEPSEEK_V2_MOE, TINY_QWEN2_SLIDING,
                                               write_synthetic_folder)
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.spec.kv_groups import KVCacheKind
+from kvbridge.shape.kv_groups import KVCacheKind
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",

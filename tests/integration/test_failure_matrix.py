@@ -24,7 +24,7 @@ from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.handshake import HandshakeMetadata, HandshakeRefused, encode_payload
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.kv_transfer.side_channel import SideChannelServer
-from kvbridge.spec.model_config import MLAConfig, ModelArchConfig, ModelFamily
+from kvbridge.shape.model_config import MLAConfig, ModelArchConfig, ModelFamily
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)

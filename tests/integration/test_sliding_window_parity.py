@@ -21,7 +21,7 @@ import transformers
 
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.models import kv_cache_shape
-from kvbridge.spec.kv_groups import layer_groups
+from kvbridge.shape.kv_groups import layer_groups
 from tests.paged_steps import ATOL, BLOCK_SIZE, VOCAB
 from tests.tp_ranks import join_gloo, leave_gloo, load_folder, paged_scenario
 

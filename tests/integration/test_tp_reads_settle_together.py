@@ -41,8 +41,8 @@ from kvbridge.kv_transfer.lease import LeaseTable, content_digest
 from kvbridge.kv_transfer.side_channel import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.kv_transfer.read_plan.tp_mapping import RankKV, plan_request_reads, request_salt
-from kvbridge.spec.model_config import MLAConfig, ModelArchConfig, ModelFamily
-from kvbridge.spec.tp_split import rank_shard
+from kvbridge.shape.model_config import MLAConfig, ModelArchConfig, ModelFamily
+from kvbridge.shape.tp_split import rank_shard
 from tests.integration.pd_harness import make_engine, prefill, settle
 
 TP = 3

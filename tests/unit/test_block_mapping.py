@@ -193,7 +193,7 @@ def test_a_prefix_hit_with_mismatched_ratios_cannot_be_paired(local_ratio, remot
 # ---- kinds, counts and refusals ----------------------------------------------------------
 
 def test_group_kinds_share_the_engines_values_and_module_stays_pure():
-    from kvbridge.spec.kv_groups import KVCacheKind
+    from kvbridge.shape.kv_groups import KVCacheKind
     assert {k.value for k in KVCacheKind} <= {k.value for k in GroupKind}
     for k in KVCacheKind:
         assert group_kind(k).value == k.value  # the engine's enum passes as it is

@@ -6,7 +6,7 @@ from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.spec.kv_groups import KVCacheKind
+from kvbridge.shape.kv_groups import KVCacheKind
 
 
 def make_kvm(num_blocks=8, block_size=4, caching=True, groups=1):

@@ -1,4 +1,4 @@
-"""`--cpu-bind`: which CPUs each tensor-parallel rank process runs on (engine/tp/cpu_bind.py, spec/cpu_lists.py), and
+"""`--cpu-bind`: which CPUs each tensor-parallel rank process runs on (engine/tp/cpu_bind.py, shape/cpu_lists.py), and
 the barrier before a step's reads on two or more ranks (rank_agent.reads_start_together)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from kvbridge.config import EngineConfig
 from kvbridge.engine.tp.cpu_bind import rank_cpus
 from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankReport, ReadOp, reads_start_together
-from kvbridge.spec.cpu_lists import CpuBindError, check_spec, format_cpus, parse_cpu_list
+from kvbridge.shape.cpu_lists import CpuBindError, check_spec, format_cpus, parse_cpu_list
 
 
 @pytest.mark.parametrize("n_cpus", range(1, 9))
@@ -110,8 +110,8 @@ class _RecordingAgent:
 def test_the_runner_waits_for_the_other_ranks_only_before_a_step_whose_reads_span_ranks(readers):
     from kvbridge.engine.model_runner import ModelRunner
     from kvbridge.engine.scheduler_output import SchedulerOutput
-    from kvbridge.spec.model_config import ModelFamily
-    from kvbridge.spec.tp_split import rank_shard
+    from kvbridge.shape.model_config import ModelFamily
+    from kvbridge.shape.tp_split import rank_shard
     from tests.tiny_models import random_weights, tiny_arch
 
     arch = tiny_arch(ModelFamily.LLAMA)

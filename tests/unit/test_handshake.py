@@ -44,7 +44,7 @@ from kvbridge.kv_transfer.handshake_manager import HandshakeManager, is_trusted_
 from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
 from kvbridge.kv_transfer.side_channel_client import HandshakeClient
 from kvbridge.kv_transfer.side_channel_frames import FRAME_MAGIC, FrameError, decode_frame, encode_frame
-from kvbridge.spec.model_config import MLAConfig, ModelArchConfig, ModelFamily
+from kvbridge.shape.model_config import MLAConfig, ModelArchConfig, ModelFamily
 
 pytestmark = pytest.mark.timeout(120)
 

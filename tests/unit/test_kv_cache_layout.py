@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvbridge.engine.models import kv_cache_shape
-from kvbridge.spec.kv_cache_layout import (logical_block_size, mamba_state_shape, plan_kv_cache_layout,
+from kvbridge.shape.kv_cache_layout import (logical_block_size, mamba_state_shape, plan_kv_cache_layout,
                                              rank_kv_cache_layout)
-from kvbridge.spec.model_config import Mamba2Config, ModelArchConfig, ModelFamily
+from kvbridge.shape.model_config import Mamba2Config, ModelArchConfig, ModelFamily
 
 
 def arch(layer_types=None, mamba=None, kv_heads=1, head_dim=16) -> ModelArchConfig:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvbridge.kv_events.events import (
     AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, Encoding, HashBatch, KVEventBatch, RemovedHashes,
     SPEC_KIND, SkipKind, StoredHashes, Undecodable, decode_batch, decode_hashes, encode_batch, external_hash)
-from kvbridge.spec.kv_groups import KVCacheKind
+from kvbridge.shape.kv_groups import KVCacheKind
 from tests.unit import kv_events_vllm_reference as ref
 
 STORED = dict(block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=list(range(32)),

@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from kvbridge.engine.models import kv_cache_shape
-from kvbridge.spec.kv_groups import KVCacheKind, layer_groups, layer_slots, slots_per_block
-from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
+from kvbridge.shape.kv_groups import KVCacheKind, layer_groups, layer_slots, slots_per_block
+from kvbridge.shape.model_config import ModelArchConfig, ModelFamily
 
 F, S = "full_attention", "sliding_attention"
 

@@ -1,7 +1,7 @@
 """The package layering: imports run one way, and no file takes part in an import circle.
 
 Imports run down the floors: cli/chaos/__main__ -> ray (kvbridge on Ray Serve, which composes
-the programs) -> the three programs (server, proxy, launcher) -> engine -> kv_transfer -> spec and config (the ground floor). Every top-level module and package of kvbridge has its floor here, so a
+the programs) -> the three programs (server, proxy, launcher) -> engine -> kv_transfer -> shape and config (the ground floor). Every top-level module and package of kvbridge has its floor here, so a
 new one must be placed; any import that runs up a floor fails, and so does any circle of files (a
 function-local import counts: it only hides the circle; a relative import counts as the module it
 names)."""
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2] / "kvbridge"
 # tracing: OpenTelemetry tracers and trace context, used by every layer.
 # ray: the Ray Serve application runs the proxy's router and engine instances (launcher's
 # command lines): above the programs, below the CLI.
-FLOOR = {"spec": 0, "config": 0, "kv_events": 0, "stop_strings": 0, "strict_json": 0, "tracing": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
+FLOOR = {"shape": 0, "config": 0, "kv_events": 0, "stop_strings": 0, "strict_json": 0, "tracing": 0, "kv_transfer": 1, "engine": 2, "server": 3, "proxy": 3,
          "launcher": 3, "openai_wire": 3, "http_protocol": 3, "ray": 3.5, "cli": 4, "chaos": 4, "__main__": 4}
 PROGRAMS = ("server", "proxy", "launcher")
 # What of kv_transfer the engine may import: the connector's contract. base: the two halves the
@@ -37,7 +37,7 @@ ENGINE_WIRING_MAY_IMPORT = {
         "kvbridge.kv_transfer.failure", "kvbridge.kv_transfer.handshake", "kvbridge.kv_transfer.lease",
         "kvbridge.kv_transfer.read_plan.request_reads", "kvbridge.kv_transfer.side_channel",
         "kvbridge.kv_transfer.stats"}),
-    "kvbridge.engine.tp.tp_executor": frozenset({"kvbridge.kv_transfer.backends"}),
+    "kvbridge.engine.tp.executor": frozenset({"kvbridge.kv_transfer.backends"}),
 }
 
 
@@ -125,7 +125,7 @@ def test_every_top_level_module_has_a_floor():
 
 
 def test_no_import_runs_up_the_floors():
-    assert upward(imports()) == set(), "imports that run up (programs > engine > kv_transfer > spec, config)"
+    assert upward(imports()) == set(), "imports that run up (programs > engine > kv_transfer > shape, config)"
 
 
 def test_no_file_joins_an_import_circle():
@@ -195,14 +195,14 @@ def test_the_checks_see_an_upward_import_and_a_circle():
     assert ("kvbridge.engine.engine", "kvbridge.engine.scheduler") in edges
     up = ("kvbridge.kv_transfer.lease", "kvbridge.engine.request")
     assert upward(edges | {up}) == {up}
-    assert ("kvbridge.spec.kv_cache_layout", "kvbridge.spec.kv_groups") in edges
-    back = ("kvbridge.spec.kv_groups", "kvbridge.spec.kv_cache_layout")
+    assert ("kvbridge.shape.kv_cache_layout", "kvbridge.shape.kv_groups") in edges
+    back = ("kvbridge.shape.kv_groups", "kvbridge.shape.kv_cache_layout")
     assert circles(edges | {back}) == [frozenset(back)]
     assert circles({("a", "b"), ("b", "a"), ("b", "c")}) == [frozenset({"a", "b"})]
     hidden = "def f():\n    from kvbridge.engine.request import Request\n"
     assert imports_in("kvbridge.kv_transfer.lease", hidden, mods) == {up}
     relative = "from ..engine import request\nfrom . import kv_groups\n"
-    assert imports_in("kvbridge.spec.tp_split", relative, mods) == {
-        ("kvbridge.spec.tp_split", "kvbridge.engine.request"), ("kvbridge.spec.tp_split", "kvbridge.spec.kv_groups")}
+    assert imports_in("kvbridge.shape.tp_split", relative, mods) == {
+        ("kvbridge.shape.tp_split", "kvbridge.engine.request"), ("kvbridge.shape.tp_split", "kvbridge.shape.kv_groups")}
     assert reachable({"a"}, {("a", "b"), ("b", "c"), ("d", "a")}) == {"b", "c"}
     assert "kvbridge.engine.engine" in reachable({"kvbridge.server.api_server"}, edges)

@@ -10,7 +10,7 @@ import torch
 
 from kvbridge.engine.layers import linear
 from kvbridge.engine.layers.linear import WIDEN_MIN_ROWS, Linear, prepack_weight
-from kvbridge.spec.tp_split import even_split, rank_shard
+from kvbridge.shape.tp_split import even_split, rank_shard
 
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 49152, 9, 3, 64
 SHAPES = {"qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), "o_proj": (HIDDEN, HIDDEN),

@@ -18,7 +18,7 @@ from kvbridge.engine.loader import DEFAULT_MODEL, load_model, resolve_model
 from kvbridge.engine.loader.cache import cache_path, expected_weight_shapes, load_cached
 from kvbridge.engine.loader.gguf import GGUF_FAMILIES
 from kvbridge.engine.loader.safetensors import arch_from_config
-from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
+from kvbridge.shape.model_config import ModelArchConfig, ModelFamily
 from tests.tiny_models import random_weights, tiny_arch
 
 # llama.cpp's names for the HF parameters (gguf-py tensor_mapping), restated as the spec.
@@ -369,7 +369,7 @@ def test_deepseek_dense_only_and_refused_configs():
                                        (8, "attention heads")])
 def test_deepseek_tp_split_checks_heads_and_experts(tp, error):
     from kvbridge.engine.models import check_arch_tp_split
-    from kvbridge.spec.tp_split import TPSplitError
+    from kvbridge.shape.tp_split import TPSplitError
     arch = arch_from_config(_deepseek_config("v2", num_attention_heads=12, moe_intermediate_size=16))
     if error is None:
         check_arch_tp_split(arch, tp)  # the latent is one head: replicated on every rank, any TP size

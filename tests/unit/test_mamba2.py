@@ -28,9 +28,9 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata, Mamba2Mixer, mamba2_weight_slots  # noqa: E402
 from kvbridge.engine.layers.weights import load_slots  # noqa: E402
-from kvbridge.spec.mamba_shard import mamba2_shard  # noqa: E402
-from kvbridge.spec.model_config import Mamba2Config  # noqa: E402
-from kvbridge.spec.tp_split import TPSplitError  # noqa: E402
+from kvbridge.shape.mamba_shard import mamba2_shard  # noqa: E402
+from kvbridge.shape.model_config import Mamba2Config  # noqa: E402
+from kvbridge.shape.tp_split import TPSplitError  # noqa: E402
 from tests.tp_ranks import join_gloo, leave_gloo  # noqa: E402
 
 ATOL = 1e-4

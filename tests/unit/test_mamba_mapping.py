@@ -12,9 +12,9 @@ import torch
 from kvbridge.kv_transfer.read_plan.mamba_mapping import (MambaRankPages, mamba_read_descs, mamba_state_bytes,
                                                           mamba_state_spans)
 from kvbridge.kv_transfer.read_plan.tp_mapping import TPMappingError
-from kvbridge.spec.mamba_shard import mamba2_shard
-from kvbridge.spec.model_config import Mamba2Config
-from kvbridge.spec.tp_split import TPSplitError
+from kvbridge.shape.mamba_shard import mamba2_shard
+from kvbridge.shape.model_config import Mamba2Config
+from kvbridge.shape.tp_split import TPSplitError
 
 DTYPES = {4: torch.float32, 2: torch.int16}
 GEOMETRIES = [  # (heads H, groups G, conv kernel K, head dim P, state size N)

@@ -23,7 +23,7 @@ import transformers  # noqa: E402
 from kvbridge.engine.layers.attention import AttentionMetadata  # noqa: E402
 from kvbridge.engine.models import CausalLM, build_model  # noqa: E402
 from kvbridge.engine.models.llama import LlamaForCausalLM  # noqa: E402
-from kvbridge.spec.model_config import ModelArchConfig  # noqa: E402
+from kvbridge.shape.model_config import ModelArchConfig  # noqa: E402
 from tests.paged_steps import ATOL, BLOCK_SIZE, PagedSteps, prompt  # noqa: E402
 from tests.tiny_models import HF_CONFIGS, arch_from_hf, make_hf  # noqa: E402
 

@@ -13,7 +13,7 @@ from kvbridge.kv_transfer.backends.tcp import TcpBackend
 from kvbridge.kv_transfer.backends.tcp_wire import decode_agent_metadata
 from kvbridge.kv_transfer.net import apply_ucx_net_devices, interface_of
 from kvbridge.launcher import cluster
-from kvbridge.spec.hosts import is_unspecified
+from kvbridge.shape.hosts import is_unspecified
 from tests.unit.cli_recorder import run_cli
 
 

@@ -8,7 +8,7 @@ from kvbridge.engine.request import FinishReason, Request, RequestStatus
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput
-from kvbridge.spec.kv_groups import KVCacheKind
+from kvbridge.shape.kv_groups import KVCacheKind
 
 
 def make(num_blocks=16, block_size=4, budget=64, max_seqs=8, max_len=1000):

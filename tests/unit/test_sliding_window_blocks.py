@@ -11,7 +11,7 @@ from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from kvbridge.engine.request import Request
 from kvbridge.engine.sampling_params import SamplingParams
-from kvbridge.spec.kv_groups import KVCacheKind
+from kvbridge.shape.kv_groups import KVCacheKind
 
 BS, WINDOW = 4, 5
 

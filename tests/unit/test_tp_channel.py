@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvbridge.engine.tp.tp_channel import StepChannel
+from kvbridge.engine.tp.channel import StepChannel
 
 WORLD = 3
 FRAME = 64

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvbridge.config import EngineConfig
-from kvbridge.engine.tp import tp_executor
-from kvbridge.engine.tp.tp_executor import TPExecutor, TPExecutorError
+from kvbridge.engine.tp import executor as executor_module
+from kvbridge.engine.tp.executor import TPExecutor, TPExecutorError
 
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])
@@ -24,8 +24,8 @@ def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(monkeypatch, dev
     with pytest.raises(TPExecutorError, match="tensor parallel size 2 needs one GPU per rank; torch sees 1"):
         TPExecutor(EngineConfig(device=device, tensor_parallel_size=2), num_blocks=16)
     assert started == [] and multiprocessing.active_children() == []
-    assert tp_executor._active.acquire(blocking=False)  # the one-engine-per-process slot was not taken
-    tp_executor._active.release()
+    assert executor_module._active.acquire(blocking=False)  # the one-engine-per-process slot was not taken
+    executor_module._active.release()
 
 
 def test_as_many_gpus_as_ranks_passes_the_check(monkeypatch) -> None:
@@ -36,5 +36,5 @@ def test_as_many_gpus_as_ranks_passes_the_check(monkeypatch) -> None:
     executor = TPExecutor(EngineConfig(device="cuda", tensor_parallel_size=2, cpu_bind="none"), num_blocks=16)
     assert len(started) == 1
     executor.shutdown()  # no rank was started: stops the watchdog, frees the one-engine slot
-    assert tp_executor._active.acquire(blocking=False)
-    tp_executor._active.release()
+    assert executor_module._active.acquire(blocking=False)
+    executor_module._active.release()

@@ -11,7 +11,7 @@ import torch
 from kvbridge.kv_transfer.read_plan.tp_mapping import (HeadSpan, RankBlocks, RankKV, ReleaseNotice, TPMappingError,
                                              block_read_descs, check_pairing, plan_request_reads, rank_reads,
                                              reads_per_remote_rank, request_salt)
-from kvbridge.spec.tp_split import TPSplitError, check_tp_split, rank_shard, shard_plan
+from kvbridge.shape.tp_split import TPSplitError, check_tp_split, rank_shard, shard_plan
 
 TP_SIZES = (1, 2, 4)
 LAYERS, BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 3, 4, 2, 5

@@ -10,7 +10,7 @@ half of MKL's at batch sizes 16-64, and reordered into oneDNN's blocked layout a
 AMX matmul but with the plain weight on every call; the weight reordered once is 1.1-1.6x
 faster than that from 1 row to 1024 (benchmarks/README.md, "bf16"). KVBRIDGE_ONEDNN=0 turns it off.
 
-Row buckets (bf16, issue 33): oneDNN compiles and caches one primitive per matmul shape, and a
+Row buckets (bf16): oneDNN compiles and caches one primitive per matmul shape, and a
 step's row count is its token count, so a prefilling server meets a new shape with almost every
 prompt. A bf16 primitive costs 4-13 ms to create (AMX brgemm JIT), and with the caches bounded
 (native_memory.py) a shape evicted comes back as a new creation. A bf16 matmul of more than

@@ -39,7 +39,7 @@ dt to time_step_limit; transformers clamps in its chunked path only, not in its 
 so with a finite limit its cached decode differs from its own whole-sequence output (the
 default limit (0, inf) makes the clamp a no-op). Here a decode equals the whole-sequence rows.
 
-Tensor parallelism (`Mamba2Shard`, spec/mamba_shard.py): the H heads split evenly over ranks (H % tp == 0), so a rank
+Tensor parallelism (`Mamba2Shard`, shape/mamba_shard.py): the H heads split evenly over ranks (H % tp == 0), so a rank
 holds z, x, dt, A, D, dt_bias and the norm weight of its heads and the conv channels of its x.
 Groups (B and C, conv channels and in_proj rows alike) split evenly when G % tp == 0; otherwise tp
 must be a multiple of G (vLLM allows G == 1 only; any divisor of tp works the same way): each rank
@@ -68,8 +68,8 @@ from torch import nn
 
 from kvbridge.engine.layers.linear import Linear
 from kvbridge.engine.layers.weights import WeightSlot, whole
-from kvbridge.spec.mamba_shard import mamba2_shard
-from kvbridge.spec.model_config import Mamba2Config
+from kvbridge.shape.mamba_shard import mamba2_shard
+from kvbridge.shape.model_config import Mamba2Config
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvbridge.engine.layers import cpu_kernels
-from kvbridge.spec.model_config import YarnScaling
+from kvbridge.shape.model_config import YarnScaling
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

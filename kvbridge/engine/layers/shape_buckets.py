@@ -1,4 +1,4 @@
-"""Bounded shapes for reduced-precision CPU kernels that cache per shape (issue 33).
+"""Bounded shapes for reduced-precision CPU kernels that cache per shape.
 
 oneDNN compiles and caches one primitive per matmul shape, and torch's CPU flash attention in
 bf16/fp16 keeps per-shape kernels of its own (AMX brgemm), so a prefilling server whose steps

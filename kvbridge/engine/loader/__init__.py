@@ -24,7 +24,7 @@ from kvbridge.engine.loader.cache import ModelParts, load_cached, store
 from kvbridge.engine.loader.gguf import read_gguf
 from kvbridge.engine.loader.safetensors import read_hf_folder
 from kvbridge.engine.tokenizer import Tokenizer
-from kvbridge.spec.model_config import ModelArchConfig
+from kvbridge.shape.model_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from kvbridge.engine.models import build_model
 from kvbridge.engine.tokenizer import Tokenizer
-from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
+from kvbridge.shape.model_config import ModelArchConfig, ModelFamily
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 
 from kvbridge.engine.loader.cache import ModelParts
 from kvbridge.engine.tokenizer import GGUFVocab, Tokenizer
-from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
+from kvbridge.shape.model_config import ModelArchConfig, ModelFamily
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from kvbridge.engine.loader.cache import ModelParts
 from kvbridge.engine.tokenizer import Tokenizer
-from kvbridge.spec.model_config import (Mamba2Config, MLAConfig, ModelArchConfig, ModelFamily, MoEConfig,
+from kvbridge.shape.model_config import (Mamba2Config, MLAConfig, ModelArchConfig, ModelFamily, MoEConfig,
                                            YarnScaling)
 
 logger = logging.getLogger(__name__)

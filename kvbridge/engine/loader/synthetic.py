@@ -54,7 +54,7 @@ TINY_QWEN2_SLIDING = dict(hidden_size=128, intermediate_size=256, num_hidden_lay
 # 8 in 1 group (B and C replicated over TP ranks): TP 1, 2 and 4 split it. Its Mamba state
 # shrinks with TP and its attention KV does not, so with kernel blocks of 4 tokens (fp32 or
 # not) TP 1 chooses logical blocks of 6 kernel blocks, TP 2 of 4 and TP 4 of 2
-# (spec/kv_cache_layout.py): P and D at different TP sizes have different ratios.
+# (shape/kv_cache_layout.py): P and D at different TP sizes have different ratios.
 TINY_BAMBA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=1, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
                   mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=16,

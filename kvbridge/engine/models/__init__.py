@@ -8,10 +8,10 @@ Contract (the model runner codes against it):
   head_size] (Llama family: entries 0 = K, 1 = V of head_dim each, num_kv_heads this rank's;
   MLA: one KV head, one entry = the latent of kv_lora_rank + qk_rope_head_dim values, the
   same on every TP rank; see ModelArchConfig.cache_*). num_layers becomes the layers per KV
-  cache group when a model mixes full and sliding-window layers (spec/kv_groups.py); then
+  cache group when a model mixes full and sliding-window layers (shape/kv_groups.py); then
   `forward` gets one AttentionMetadata per group. With kernel blocks smaller than the
   scheduler's blocks (hybrid Mamba models) the first dimension counts kernel blocks, and a
-  Bamba model also keeps its Mamba states in the same memory (spec/kv_cache_layout.py: the runner
+  Bamba model also keeps its Mamba states in the same memory (shape/kv_cache_layout.py: the runner
   allocates the tensor from a `KVCacheLayout` and binds the layout to the model). Block-major, so a block of every
   layer is contiguous for KV transfers, and head-major within a block, so a run of heads
   of a block is contiguous too (a decode rank of another TP size reads its heads as one
@@ -31,10 +31,10 @@ from kvbridge.engine.models.bamba import BambaForCausalLM
 from kvbridge.engine.models.base import CausalLM
 from kvbridge.engine.models.deepseek import DeepseekForCausalLM
 from kvbridge.engine.models.llama import LlamaForCausalLM
-from kvbridge.spec.kv_groups import slots_per_block
-from kvbridge.spec.mamba_shard import mamba2_shard
-from kvbridge.spec.model_config import ModelArchConfig, ModelFamily
-from kvbridge.spec.tp_split import RankShard, TPSplitError, check_tp_split
+from kvbridge.shape.kv_groups import slots_per_block
+from kvbridge.shape.mamba_shard import mamba2_shard
+from kvbridge.shape.model_config import ModelArchConfig, ModelFamily
+from kvbridge.shape.tp_split import RankShard, TPSplitError, check_tp_split
 
 
 def kv_cache_shape(arch: ModelArchConfig, num_blocks: int, block_size: int,

@@ -5,7 +5,7 @@ the mixer is a Mamba2 mixer (layers/mamba2.py) or, at the config's `attn_layer_i
 grouped-query attention with rotary on the first half of each head (`partial_rotary_factor`
 0.5, as transformers hard-codes for Bamba); the feed-forward is Llama's gated SiLU MLP.
 
-KV cache (spec/kv_cache_layout.py): the layers fall into KV cache groups (spec/kv_groups.py), attention
+KV cache (shape/kv_cache_layout.py): the layers fall into KV cache groups (shape/kv_groups.py), attention
 groups and Mamba groups of equal layer counts. `forward` gets the rank's KV cache tensor
 (kernel-block-major attention view) and one metadata per group: an AttentionMetadata over
 kernel block ids for an attention group, a Mamba2Metadata whose state slots are the requests'
@@ -32,10 +32,10 @@ from kvbridge.engine.layers.weights import Embedding, WeightSlot, load_slots, wh
 from kvbridge.engine.models.base import CausalLM, LayerList
 from kvbridge.engine.models.llama import (HeadAndPrepack, LlamaAttention, LlamaMLP, attention_weight_slots,
                                           mlp_weight_slots)
-from kvbridge.spec.kv_cache_layout import KVCacheLayout
-from kvbridge.spec.kv_groups import layer_groups, layer_slots
-from kvbridge.spec.model_config import ModelArchConfig
-from kvbridge.spec.tp_split import RankShard, rank_shard
+from kvbridge.shape.kv_cache_layout import KVCacheLayout
+from kvbridge.shape.kv_groups import layer_groups, layer_slots
+from kvbridge.shape.model_config import ModelArchConfig
+from kvbridge.shape.tp_split import RankShard, rank_shard
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 GroupMetadata = AttentionMetadata | Mamba2Metadata

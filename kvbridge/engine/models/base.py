@@ -11,7 +11,7 @@ import torch
 
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.weights import WeightSlot
-from kvbridge.spec.model_config import ModelArchConfig
+from kvbridge.shape.model_config import ModelArchConfig
 
 
 M = TypeVar("M", bound=torch.nn.Module)

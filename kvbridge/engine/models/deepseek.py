@@ -41,8 +41,8 @@ from kvbridge.engine.layers.norm import RMSNorm
 from kvbridge.engine.layers.rotary import RotaryEmbedding, yarn_mscale
 from kvbridge.engine.layers.weights import Embedding, WeightSlot, load_slots, whole
 from kvbridge.engine.models.base import CausalLM, LayerList
-from kvbridge.spec.model_config import MLAConfig, ModelArchConfig, MoEConfig
-from kvbridge.spec.tp_split import RankShard, even_split, rank_shard
+from kvbridge.shape.model_config import MLAConfig, ModelArchConfig, MoEConfig
+from kvbridge.shape.tp_split import RankShard, even_split, rank_shard
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 

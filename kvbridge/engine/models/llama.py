@@ -29,9 +29,9 @@ from kvbridge.engine.layers.norm import RMSNorm, add_rms_norm_, rms_norm
 from kvbridge.engine.layers.rotary import RotaryEmbedding
 from kvbridge.engine.layers.weights import Embedding, WeightSlot, load_slots, whole
 from kvbridge.engine.models.base import CausalLM, LayerList
-from kvbridge.spec.kv_groups import layer_groups, layer_slots
-from kvbridge.spec.model_config import ModelArchConfig
-from kvbridge.spec.tp_split import RankShard, even_split, rank_shard
+from kvbridge.shape.kv_groups import layer_groups, layer_slots
+from kvbridge.shape.model_config import ModelArchConfig
+from kvbridge.shape.tp_split import RankShard, even_split, rank_shard
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP ranks, in place
 

@@ -15,14 +15,14 @@ pd_transfer):
   than unbound (130 vs 109 ms: the wake-ups of its 60 all_reduces queued on the one busy CPU);
   with them free it took 72 ms.
 
-The grammar of the spec (auto, none, one CPU list per rank) is spec/cpu_lists.py's.
+The grammar of the spec (auto, none, one CPU list per rank) is shape/cpu_lists.py's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvbridge.spec.cpu_lists import AUTO, NONE, CpuBindError, format_cpus, rank_lists
+from kvbridge.shape.cpu_lists import AUTO, NONE, CpuBindError, format_cpus, rank_lists
 
 
 def rank_cpus(spec: str, tp_size: int, available: Iterable[int],

@@ -1,9 +1,9 @@
 """Which bytes of P's ranks' Mamba states fill a D rank's: P and D at any TP sizes.
 
-A Mamba group's block is a *page* of one request's state (spec/kv_cache_layout.py): for each
+A Mamba group's block is a *page* of one request's state (shape/kv_cache_layout.py): for each
 of the group's `slots` layers, in order, the layer's conv state then its SSM state, packed,
 then padding to the page size. On a rank holding Mamba heads `heads` and groups `groups`
-(spec/mamba_shard.py `mamba2_shard`), one layer's part is
+(shape/mamba_shard.py `mamba2_shard`), one layer's part is
 
     conv state [conv_dim_r, K-1]  rows: x of each of its heads (P rows each) | B of each of its
                                   groups (N rows each) | C of each of its groups (N rows each)
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvbridge.kv_transfer.read_plan.tp_mapping import Desc, HeadSpan, TPMappingError, strided_descs
-from kvbridge.spec.mamba_shard import Mamba2Shard, mamba2_shard
-from kvbridge.spec.model_config import Mamba2Config
-from kvbridge.spec.tp_split import TPSplitError
+from kvbridge.shape.mamba_shard import Mamba2Shard, mamba2_shard
+from kvbridge.shape.model_config import Mamba2Config
+from kvbridge.shape.tp_split import TPSplitError
 
 
 @dataclass(frozen=True)

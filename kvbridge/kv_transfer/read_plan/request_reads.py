@@ -25,7 +25,7 @@ from typing import Sequence
 from kvbridge.kv_transfer.read_plan.block_mapping import GroupKind, apply_prefix_caching, group_kind
 from kvbridge.kv_transfer.read_plan.mamba_mapping import MambaRankPages, mamba_read_descs
 from kvbridge.kv_transfer.read_plan.tp_mapping import Desc, RankBlocks, ReadPlan, TPMappingError
-from kvbridge.spec.model_config import Mamba2Config
+from kvbridge.shape.model_config import Mamba2Config
 
 Descs = dict[tuple[int, int], tuple[list[Desc], list[Desc]]]
 

@@ -25,7 +25,7 @@ import enum
 from dataclasses import dataclass
 from math import gcd
 
-from kvbridge.spec.model_config import ModelArchConfig
+from kvbridge.shape.model_config import ModelArchConfig
 
 
 class KVCacheKind(enum.Enum):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.spec.model_config import Mamba2Config
-from kvbridge.spec.tp_split import TPSplitError
+from kvbridge.shape.model_config import Mamba2Config
+from kvbridge.shape.tp_split import TPSplitError
 
 
 @dataclass(frozen=True)

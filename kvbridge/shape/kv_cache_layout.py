@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.spec.kv_groups import KVCacheKind, layer_groups, slots_per_block
-from kvbridge.spec.mamba_shard import mamba2_shard
-from kvbridge.spec.model_config import ModelArchConfig
-from kvbridge.spec.tp_split import rank_shard
+from kvbridge.shape.kv_groups import KVCacheKind, layer_groups, slots_per_block
+from kvbridge.shape.mamba_shard import mamba2_shard
+from kvbridge.shape.model_config import ModelArchConfig
+from kvbridge.shape.tp_split import rank_shard
 
 
 @dataclass(frozen=True)

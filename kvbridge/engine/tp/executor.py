@@ -3,10 +3,10 @@
 The engine process (global rank 0 of a gloo process group of N + 1) spawns N rank
 processes with `torch.multiprocessing` (spawn). Rank process i (global rank i + 1, TP
 rank i) loads the model, keeps its shard of the weights and of the KV cache (its KV
-heads; `spec/tp_split.py`) and sums partial layer outputs with `all_reduce` over a group of
+heads; `shape/tp_split.py`) and sums partial layer outputs with `all_reduce` over a group of
 the N ranks (gloo on CPU, NCCL on CUDA). Each engine step is ONE broadcast of the step's
 inputs (the scheduler output, which carries the connector metadata) and ONE gather of the
-ranks' outputs over the default gloo group (`tp_channel.StepChannel`: a fixed-size frame
+ranks' outputs over the default gloo group (`channel.StepChannel`: a fixed-size frame
 each way, so a step is two collectives, not the four of torch's object collectives); TP
 rank 0 samples.
 
@@ -66,9 +66,9 @@ import torch.multiprocessing as mp
 from kvbridge.config import EngineConfig
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp.cpu_bind import rank_cpus
-from kvbridge.engine.tp.tp_channel import StepChannel
-from kvbridge.spec.cpu_lists import CpuBindError, format_cpus
-from kvbridge.spec.tp_split import rank_shard
+from kvbridge.engine.tp.channel import StepChannel
+from kvbridge.shape.cpu_lists import CpuBindError, format_cpus
+from kvbridge.shape.tp_split import rank_shard
 
 if TYPE_CHECKING:
     from kvbridge.kv_transfer.connector.rank_agent import RankSetup
