@@ -385,17 +385,18 @@ async def until_running(url: str, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.002)
 
 
-@pytest.mark.parametrize("cut", ["written", "0.03s", "0.1s", "d_decoding"])
+@pytest.mark.parametrize("cut", ["written", "0.03s", "d_decoding"])
 def test_a_proxy_killed_during_the_p_leg_leaves_no_lease_held(cluster, tmp_path, cut):
     """Issue 44, the proxy itself as the event: a second `kvbridge proxy` in front of the shared P
     and D is SIGKILLed at a cut point of a long prompt's request: right after it was written to the
-    proxy, 30 ms and 100 ms later (before P admits it, while P prefills it: P's prefill of this prompt
-    takes about 0.25 s here), and while D decodes it (P's answer read, the KV read: the cut waits for
+    proxy, 30 ms later (before P admits it or while P prefills it: P's prefill of this prompt takes
+    0.1-0.25 s here), and while D decodes it (P's answer read, the KV read: the cut waits for
     D's running request). Its connections close, and whatever P had granted ends at once (no
     expiry), by P's own release or by D's. No cut is a fixed time past P's answer: it could land in
     the instants between the proxy reading P's answer and D receiving the request, where a
     SIGKILLed proxy leaves P's lease to expire by design (docs/architecture.md, "Leases"; a 0.3 s
-    cut did, once)."""
+    cut did once under load, a 0.1 s cut on a quiet machine from a clean clone, where P answered
+    within 0.1 s)."""
     import signal
     import subprocess
     import sys
@@ -419,7 +420,7 @@ def test_a_proxy_killed_during_the_p_leg_leaves_no_lease_held(cluster, tmp_path,
             if cut == "d_decoding":
                 await until_running(d_url(cluster))
             else:  # a cut point, not a synchronisation
-                await asyncio.sleep({"written": 0.01, "0.03s": 0.03, "0.1s": 0.1}[cut])
+                await asyncio.sleep({"written": 0.01, "0.03s": 0.03}[cut])
             proxy.send_signal(signal.SIGKILL)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
