@@ -77,7 +77,7 @@ class KVTransferConfig:
     recompute_max_tokens: int = 2048  # for policy AUTO
     trusted_hosts: tuple[str, ...] = ()  # empty: only this host's addresses
     # The API key P and D share (--api-key): side-channel requests are authenticated with a key
-    # derived from it (side_channel_frames.py). None: the side channel accepts unauthenticated requests.
+    # derived from it (kv_transfer/side_channel/frames.py). None: the side channel accepts unauthenticated requests.
     side_channel_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -15,10 +15,10 @@ from kvbridge.kv_transfer.backends.base import TransferBackend
 from kvbridge.kv_transfer.connector.scheduler_side import KVBridgeSchedulerConnector
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
 from kvbridge.kv_transfer.failure import FailureHandler
-from kvbridge.kv_transfer.handshake import CompatibilityInfo
+from kvbridge.kv_transfer.side_channel.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.read_plan.request_reads import KVGroups
-from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.kv_transfer.side_channel.server import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.shape.dtypes import DTYPES
 from kvbridge.shape.kv_cache_layout import logical_block_size

@@ -3,7 +3,7 @@
 `LeaseTable` is the one owner of P's held blocks: it grants a lease, checks and renews it,
 ends it (D's read-done or release, P's own release, a content mismatch) or expires it, and
 says which requests' blocks may be freed now (`finished_sending`); the engine's scheduler
-frees them when told. The side channel's control code (control.py) only parses D's messages
+frees them when told. The side channel's control code (side_channel/control.py) only parses D's messages
 and hands them here.
 
 A lease is granted when a request with do_remote_decode finishes. It ends when D's

@@ -32,10 +32,10 @@ from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeBackend, FakeFabric
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent
-from kvbridge.kv_transfer.control import MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE
-from kvbridge.kv_transfer.handshake import HandshakeTimeout
+from kvbridge.kv_transfer.side_channel.control import MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE
+from kvbridge.kv_transfer.side_channel.handshake import HandshakeTimeout
 from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
-from kvbridge.kv_transfer.side_channel_frames import MSG_GET_METADATA
+from kvbridge.kv_transfer.side_channel.frames import MSG_GET_METADATA
 from kvbridge.shape.tp_split import rank_shard
 
 LEASE_S = 30.0

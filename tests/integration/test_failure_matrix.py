@@ -21,9 +21,9 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
-from kvbridge.kv_transfer.handshake import HandshakeMetadata, HandshakeRefused, encode_payload
+from kvbridge.kv_transfer.side_channel.handshake import HandshakeMetadata, HandshakeRefused, encode_payload
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
-from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.kv_transfer.side_channel.server import SideChannelServer
 from kvbridge.shape.model_config import MLAConfig, ModelArchConfig, ModelFamily
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 

@@ -23,7 +23,7 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FaultConfig
-from kvbridge.kv_transfer.control import MSG_CHECK_READ
+from kvbridge.kv_transfer.side_channel.control import MSG_CHECK_READ
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.tracing import RequestTrace, Tracing
 from tests.integration.pd_explorer import check

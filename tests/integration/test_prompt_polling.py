@@ -23,7 +23,7 @@ from kvbridge.engine import pacing
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import load_model
-from kvbridge.kv_transfer.control import ControlClient
+from kvbridge.kv_transfer.side_channel.control import ControlClient
 from kvbridge.kv_transfer.lease import content_digest
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.server.api_server import build_app

@@ -14,9 +14,9 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.fake import FakeFabric
-from kvbridge.kv_transfer.control import ControlClient
-from kvbridge.kv_transfer.handshake import HandshakePeerError
-from kvbridge.kv_transfer.side_channel_client import HandshakeClient
+from kvbridge.kv_transfer.side_channel.control import ControlClient
+from kvbridge.kv_transfer.side_channel.handshake import HandshakePeerError
+from kvbridge.kv_transfer.side_channel.client import HandshakeClient
 from tests.integration.pd_harness import decode, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)

@@ -36,9 +36,9 @@ from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec,
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankReport
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
-from kvbridge.kv_transfer.handshake import CompatibilityInfo
+from kvbridge.kv_transfer.side_channel.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
-from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.kv_transfer.side_channel.server import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.kv_transfer.read_plan.tp_mapping import RankKV, plan_request_reads, request_salt
 from kvbridge.shape.model_config import MLAConfig, ModelArchConfig, ModelFamily

@@ -36,16 +36,16 @@ from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 from kvbridge.kv_transfer.connector.receiving import ReceiverDeps
 from kvbridge.kv_transfer.connector.sending import KVSender
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
-from kvbridge.kv_transfer.control import (MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE, LeaseKey,
-                                          parse_lease_key)
+from kvbridge.kv_transfer.side_channel.control import (MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE, LeaseKey,
+                                                       parse_lease_key)
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
-from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
-                                            HandshakeMetadata, HandshakePeerError, HandshakeRefused, HandshakeTimeout,
-                                            encode_payload)
+from kvbridge.kv_transfer.side_channel.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
+                                                         HandshakeMetadata, HandshakePeerError, HandshakeRefused, HandshakeTimeout,
+                                                         encode_payload)
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
-from kvbridge.kv_transfer.side_channel import DEFAULT_MAX_REQUEST_BYTES, SideChannelServer
-from kvbridge.kv_transfer.side_channel_client import DEFAULT_MAX_REPLY_BYTES, HandshakeClient
-from kvbridge.kv_transfer.side_channel_frames import (MSG_GET_METADATA, REPLY_ERROR, REPLY_OK, decode_frame,
+from kvbridge.kv_transfer.side_channel.server import DEFAULT_MAX_REQUEST_BYTES, SideChannelServer
+from kvbridge.kv_transfer.side_channel.client import DEFAULT_MAX_REPLY_BYTES, HandshakeClient
+from kvbridge.kv_transfer.side_channel.frames import (MSG_GET_METADATA, REPLY_ERROR, REPLY_OK, decode_frame,
                                                       encode_frame)
 from kvbridge.kv_transfer.stats import KVTransferStats
 

@@ -1,4 +1,4 @@
-"""Specification of the handshake side channel (kvbridge.kv_transfer.handshake).
+"""Specification of the handshake side channel (kvbridge.kv_transfer.side_channel.handshake).
 
 Everything network-facing runs over real sockets on 127.0.0.1 with OS-chosen ports.
 """
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kvbridge.config import EngineConfig
 from kvbridge.engine.kv_connector_factory import compatibility_of
-from kvbridge.kv_transfer.handshake import (
+from kvbridge.kv_transfer.side_channel.handshake import (
     KVBRIDGE_CONNECTOR_VERSION,
     PAYLOAD_MAGIC,
     CompatibilityInfo,
@@ -40,10 +40,10 @@ from kvbridge.kv_transfer.handshake import (
     decode_payload,
     encode_payload,
 )
-from kvbridge.kv_transfer.handshake_manager import HandshakeManager, is_trusted_host
-from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
-from kvbridge.kv_transfer.side_channel_client import HandshakeClient
-from kvbridge.kv_transfer.side_channel_frames import FRAME_MAGIC, FrameError, decode_frame, encode_frame
+from kvbridge.kv_transfer.side_channel.handshake_manager import HandshakeManager, is_trusted_host
+from kvbridge.kv_transfer.side_channel.server import HandlerRefusal, SideChannelServer
+from kvbridge.kv_transfer.side_channel.client import HandshakeClient
+from kvbridge.kv_transfer.side_channel.frames import FRAME_MAGIC, FrameError, decode_frame, encode_frame
 from kvbridge.shape.model_config import MLAConfig, ModelArchConfig, ModelFamily
 
 pytestmark = pytest.mark.timeout(120)

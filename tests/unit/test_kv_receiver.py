@@ -20,7 +20,7 @@ from kvbridge.kv_transfer.backends.fake import FaultConfig
 from kvbridge.kv_transfer.connector import receiving
 from kvbridge.kv_transfer.connector.receiving import MAX_REMOTE_TP_SIZE
 from kvbridge.kv_transfer.failure import FailureKind
-from kvbridge.kv_transfer.handshake import HandshakeFailureKind, HandshakeRefused, HandshakeTimeout
+from kvbridge.kv_transfer.side_channel.handshake import HandshakeFailureKind, HandshakeRefused, HandshakeTimeout
 
 from tests.unit.receiver_world import (COMPAT, HOST, LEASE_S, P_PORT, PROMPT, TRANSFER_TIMEOUT_S, PrefillEnd,
                                        ReceiverWorld, rank_heads)

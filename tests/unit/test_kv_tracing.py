@@ -12,10 +12,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from kvbridge.kv_transfer.control import ControlClient, ControlServer, parse_check_read
-from kvbridge.kv_transfer.handshake import HandshakeError
+from kvbridge.kv_transfer.side_channel.control import ControlClient, ControlServer, parse_check_read
+from kvbridge.kv_transfer.side_channel.handshake import HandshakeError
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
-from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.kv_transfer.side_channel.server import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.tracing import RequestTrace, Tracing, format_traceparent, parse_traceparent
 

@@ -34,8 +34,8 @@ ENGINE_WIRING_MAY_IMPORT = {
     "kvbridge.engine.kv_connector_factory": frozenset({
         "kvbridge.kv_transfer.backends", "kvbridge.kv_transfer.backends.base",
         "kvbridge.kv_transfer.connector.scheduler_side", "kvbridge.kv_transfer.connector.worker_side",
-        "kvbridge.kv_transfer.failure", "kvbridge.kv_transfer.handshake", "kvbridge.kv_transfer.lease",
-        "kvbridge.kv_transfer.read_plan.request_reads", "kvbridge.kv_transfer.side_channel",
+        "kvbridge.kv_transfer.failure", "kvbridge.kv_transfer.side_channel.handshake", "kvbridge.kv_transfer.lease",
+        "kvbridge.kv_transfer.read_plan.request_reads", "kvbridge.kv_transfer.side_channel.server",
         "kvbridge.kv_transfer.stats"}),
     "kvbridge.engine.tp.executor": frozenset({"kvbridge.kv_transfer.backends"}),
 }

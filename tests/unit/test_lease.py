@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from kvbridge.kv_transfer.control import ControlClient, ControlServer
-from kvbridge.kv_transfer.handshake import HandshakeError
+from kvbridge.kv_transfer.side_channel.control import ControlClient, ControlServer
+from kvbridge.kv_transfer.side_channel.handshake import HandshakeError
 from kvbridge.kv_transfer.lease import LeaseTable, Refusal, content_digest
-from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.kv_transfer.side_channel.server import SideChannelServer
 
 BLOCKS = ([3, 4, 5],)
 PROMPT = content_digest(list(range(1, 34)))  # 33 tokens: three blocks of 16

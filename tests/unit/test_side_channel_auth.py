@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbridge.kv_transfer.control import MSG_READ_DONE, MSG_RELEASE, ControlClient, ControlServer
-from kvbridge.kv_transfer.handshake import HandshakePeerError
+from kvbridge.kv_transfer.side_channel.control import MSG_READ_DONE, MSG_RELEASE, ControlClient, ControlServer
+from kvbridge.kv_transfer.side_channel.handshake import HandshakePeerError
 from kvbridge.kv_transfer.lease import LeaseTable
-from kvbridge.kv_transfer.side_channel import SideChannelServer
-from kvbridge.kv_transfer.side_channel_client import HandshakeClient
-from kvbridge.kv_transfer.side_channel_frames import (AUTH_FRAME_MAGIC, MSG_GET_METADATA, REPLY_ERROR, REPLY_OK,
+from kvbridge.kv_transfer.side_channel.server import SideChannelServer
+from kvbridge.kv_transfer.side_channel.client import HandshakeClient
+from kvbridge.kv_transfer.side_channel.frames import (AUTH_FRAME_MAGIC, MSG_GET_METADATA, REPLY_ERROR, REPLY_OK,
                                                       decode_frame, derive_key, encode_authenticated_frame,
                                                       encode_frame)
 from tests.unit.side_channel_helpers import BLOCKS, CONTENT, HOST, PAYLOADS, RANK0, exchange

@@ -8,12 +8,12 @@ import threading
 
 import pytest
 
-from kvbridge.kv_transfer.control import ControlClient, ControlServer
-from kvbridge.kv_transfer.handshake import HandshakeRefused
+from kvbridge.kv_transfer.side_channel.control import ControlClient, ControlServer
+from kvbridge.kv_transfer.side_channel.handshake import HandshakeRefused
 from kvbridge.kv_transfer.lease import LeaseTable
-from kvbridge.kv_transfer.side_channel import SideChannelServer
-from kvbridge.kv_transfer.side_channel_client import HandshakeClient
-from kvbridge.kv_transfer.side_channel_frames import MSG_GET_METADATA, REPLY_OK, encode_frame
+from kvbridge.kv_transfer.side_channel.server import SideChannelServer
+from kvbridge.kv_transfer.side_channel.client import HandshakeClient
+from kvbridge.kv_transfer.side_channel.frames import MSG_GET_METADATA, REPLY_OK, encode_frame
 from tests.unit.side_channel_helpers import BLOCKS, CONTENT, HOST, PAYLOADS, RANK0, exchange
 
 

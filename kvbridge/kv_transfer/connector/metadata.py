@@ -3,7 +3,7 @@
 
 Nothing rides the transfer backend's notification channel: every message between D and P
 (the pre-read lease check, read-done, release, heartbeat) is a small JSON body on P's side
-channel (control.py), so it works before (or without) a transfer-agent handshake and P's side
+channel (side_channel/control.py), so it works before (or without) a transfer-agent handshake and P's side
 channel thread answers it whatever P's engine loop is doing. Request ids in every message are
 P's own (the remote_request_id P returned).
 """

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.kv_transfer.backends.base import MemoryRegion, TransferBackend, TransferState, XferHandle
 from kvbridge.kv_transfer.failure import FailureKind
-from kvbridge.kv_transfer.handshake import RankLayout
+from kvbridge.kv_transfer.side_channel.handshake import RankLayout
 
 if TYPE_CHECKING:
     import torch

@@ -54,18 +54,18 @@ from kvbridge.kv_transfer.connector.base import KVConnectorOutput
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, RemoteEngine
 from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistration, ReadOp, ReadResult
 from kvbridge.kv_transfer.connector.receive_spans import LoadSpans, traced_message
-from kvbridge.kv_transfer.control import ControlClient, incarnation_of
+from kvbridge.kv_transfer.side_channel.control import ControlClient, incarnation_of
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
-from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeError, HandshakeFailureKind,
-                                            HandshakeHashMismatch, HandshakeLayoutMismatch, HandshakeMetadata,
-                                            HandshakeVersionMismatch, RankLayout)
-from kvbridge.kv_transfer.handshake_manager import HandshakeManager
+from kvbridge.kv_transfer.side_channel.handshake import (CompatibilityInfo, HandshakeError, HandshakeFailureKind,
+                                                         HandshakeHashMismatch, HandshakeLayoutMismatch, HandshakeMetadata,
+                                                         HandshakeVersionMismatch, RankLayout)
+from kvbridge.kv_transfer.side_channel.handshake_manager import HandshakeManager
 from kvbridge.kv_transfer.lease import CONTENT_MISMATCH
 from kvbridge.kv_transfer.read_plan.block_mapping import BlockMappingError
 from kvbridge.kv_transfer.read_plan.request_reads import Descs, KVGroups, request_descs
 from kvbridge.kv_transfer.read_plan.tp_mapping import (RankBlocks, RankKV, ReadPlan, ReleaseNotice, TPMappingError,
                                                        check_pairing, plan_request_reads, request_salt)
-from kvbridge.kv_transfer.side_channel_client import HandshakeClient
+from kvbridge.kv_transfer.side_channel.client import HandshakeClient
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.tracing import RequestTrace
 

@@ -35,7 +35,7 @@ from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConn
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, ReleaseSpec, RemoteEngine, remote_of
 from kvbridge.kv_transfer.connector.request_view import FINISHED_WITH_OUTPUT, ConnectorRequest
 from kvbridge.kv_transfer.failure import recompute_on_failure
-from kvbridge.kv_transfer.handshake_manager import is_trusted_host
+from kvbridge.kv_transfer.side_channel.handshake_manager import is_trusted_host
 from kvbridge.kv_transfer.lease import LeaseTable, content_digest
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, BlockIds, KVTransferParams, KVTransferParamsError
 from kvbridge.kv_transfer.stats import KVTransferStats

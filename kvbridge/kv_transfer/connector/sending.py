@@ -1,7 +1,7 @@
 """P's side of the worker connector: serving this engine's KV to remote readers.
 
 P publishes every rank's handshake payload on its side channel, where D's control messages
-are parsed (control.py) and handed to the lease table (lease.py), the one owner of P's held
+are parsed (side_channel/control.py) and handed to the lease table (lease.py), the one owner of P's held
 blocks. Once per step it reports the requests whose blocks may now be freed
 (`finished_sending`, the table's): their lease ended by D's read-done or release, a content
 mismatch, P's own release (`release_local`), or expiry. The blocks themselves are freed by
@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Callable
 
 from kvbridge.kv_transfer.connector.rank_agent import RankRegistration
-from kvbridge.kv_transfer.control import ControlServer, incarnation_of
-from kvbridge.kv_transfer.handshake import CompatibilityInfo, HandshakeMetadata, encode_payload
+from kvbridge.kv_transfer.side_channel.control import ControlServer, incarnation_of
+from kvbridge.kv_transfer.side_channel.handshake import CompatibilityInfo, HandshakeMetadata, encode_payload
 from kvbridge.kv_transfer.lease import LeaseTable
-from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.kv_transfer.side_channel.server import SideChannelServer
 
 
 class KVSender:

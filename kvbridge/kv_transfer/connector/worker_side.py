@@ -26,11 +26,11 @@ from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankCommands, R
 from kvbridge.kv_transfer.connector.receiving import KVReceiver, ReceiverDeps
 from kvbridge.kv_transfer.connector.sending import KVSender
 from kvbridge.kv_transfer.failure import FailureHandler
-from kvbridge.kv_transfer.handshake import CompatibilityInfo
+from kvbridge.kv_transfer.side_channel.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.params import KVTransferParams
 from kvbridge.kv_transfer.read_plan.request_reads import KVGroups
-from kvbridge.kv_transfer.side_channel import SideChannelServer
+from kvbridge.kv_transfer.side_channel.server import SideChannelServer
 from kvbridge.kv_transfer.stats import KVTransferStats
 
 logger = logging.getLogger("kvbridge.kv_transfer")

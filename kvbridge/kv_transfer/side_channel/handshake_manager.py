@@ -1,6 +1,6 @@
 """D's handshakes: deduplicated, backed-off fetches of P's payload, and which hosts D may contact.
 
-HandshakeManager fetches a payload over the side channel (side_channel_client.py), checks it
+HandshakeManager fetches a payload over the side channel (client.py), checks it
 with decode_payload (handshake.py) and caches the result; it never raises into its
 callers, every failure comes back as a failed future carrying a HandshakeError.
 is_trusted_host guards the addresses that reach D in client-supplied kv_transfer_params.
@@ -18,10 +18,10 @@ from concurrent.futures import Executor, Future, InvalidStateError, ThreadPoolEx
 from dataclasses import dataclass
 from functools import lru_cache
 
-from kvbridge.kv_transfer.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
-                                            HandshakeLayoutMismatch, HandshakeMetadata,
-                                            HandshakeRefused, RankLayout, decode_payload)
-from kvbridge.kv_transfer.side_channel_client import HandshakeClient
+from kvbridge.kv_transfer.side_channel.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
+                                                         HandshakeLayoutMismatch, HandshakeMetadata,
+                                                         HandshakeRefused, RankLayout, decode_payload)
+from kvbridge.kv_transfer.side_channel.client import HandshakeClient
 from kvbridge.shape.hosts import IPAddress, parse_ip
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ description that is malformed or does not hash to the header's hash is a decode 
 Then the engine id (when D knows which engine it expects) and the memory layout are
 checked against D's own.
 
-The payload travels over the side channel (side_channel.py); D's deduplicating,
+The payload travels over the side channel (server.py); D's deduplicating,
 backing-off fetches live in handshake_manager.py.
 
 Every failure is a HandshakeError subclass tagged with a HandshakeFailureKind, so the

@@ -1,4 +1,4 @@
-"""Side channel, D's end: blocking requests to a P's side-channel server (side_channel.py).
+"""Side channel, D's end: blocking requests to a P's side-channel server (server.py).
 
 The client raises only HandshakeError subclasses (timeout, refused, decode error,
 peer error), so its callers classify side-channel failures like handshake ones.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import socket
 import time
 
-from kvbridge.kv_transfer.handshake import (HandshakeDecodeError, HandshakePeerError,
-                                            HandshakeRefused, HandshakeTimeout)
-from kvbridge.kv_transfer.side_channel_frames import (MSG_GET_METADATA, RANK, REPLY_ERROR, REPLY_OK, FrameError,
+from kvbridge.kv_transfer.side_channel.handshake import (HandshakeDecodeError, HandshakePeerError,
+                                                         HandshakeRefused, HandshakeTimeout)
+from kvbridge.kv_transfer.side_channel.frames import (MSG_GET_METADATA, RANK, REPLY_ERROR, REPLY_OK, FrameError,
                                                       PeerClosed, derive_key, encode_authenticated_frame,
                                                       encode_frame, read_frame)
 

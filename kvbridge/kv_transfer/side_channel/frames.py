@@ -20,7 +20,7 @@ fails loudly rather than silently running unauthenticated. Replies are plain fra
 The key authenticates requests; it does not encrypt anything.
 
 One request frame is answered by one reply frame of type "ok" or "error". P's server
-is side_channel.py, D's client side_channel_client.py.
+is server.py, D's client client.py.
 """
 
 from __future__ import annotations

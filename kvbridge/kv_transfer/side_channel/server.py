@@ -1,8 +1,8 @@
 """Side channel, P's end: the server D's handshakes and control messages reach over TCP.
 
-Requests and replies are the length-prefixed frames of side_channel_frames.py (which
+Requests and replies are the length-prefixed frames of frames.py (which
 also describes their authentication with the shared API key); D's client is
-side_channel_client.py. One request frame is answered by one reply frame of type "ok"
+client.py. One request frame is answered by one reply frame of type "ok"
 or "error". Besides "get_metadata" (body: tp_rank as u32; the reply is the handshake
 payload of handshake.py) other modules may register handlers for their own message
 types on the same server.
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from kvbridge.kv_transfer.side_channel_frames import (AUTH_WINDOW_S, MAX_MSG_TYPE_CHARS, MSG_GET_METADATA,
+from kvbridge.kv_transfer.side_channel.frames import (AUTH_WINDOW_S, MAX_MSG_TYPE_CHARS, MSG_GET_METADATA,
                                                       RANK, REPLY_ERROR, REPLY_OK, Frame, FrameAuthenticator,
                                                       FrameError, PeerClosed, StalledMidFrame, check_msg_type,
                                                       derive_key, encode_frame, read_frame)
@@ -51,7 +51,7 @@ class SideChannelServer:
     Each request frame must arrive whole within `read_timeout_s` of the connection
     opening or of the previous reply (an idle connection is closed after that), and
     each reply must be sent within `send_timeout_s`. With `key` (the API key) every
-    request must be an authenticated frame (see side_channel_frames.py).
+    request must be an authenticated frame (see frames.py).
 
     At `max_connections` open connections a new one evicts the connection that has
     waited longest without a handler running for it, preferring connections that

@@ -42,8 +42,8 @@ from opentelemetry.trace import SpanContext
 
 from kvbridge.kv_transfer.lease import MAX_READ_TIMEOUT_S, LeaseTable
 from kvbridge.kv_transfer.params import BlockIds
-from kvbridge.kv_transfer.side_channel import HandlerRefusal, SideChannelServer
-from kvbridge.kv_transfer.side_channel_client import HandshakeClient
+from kvbridge.kv_transfer.side_channel.server import HandlerRefusal, SideChannelServer
+from kvbridge.kv_transfer.side_channel.client import HandshakeClient
 from kvbridge.tracing import parse_traceparent
 
 MSG_CHECK_READ = "kv_check_read"
