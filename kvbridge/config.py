@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvbridge.kv_events.config import KVEventsConfig
 from kvbridge.shape.cpu_lists import check_spec
 from kvbridge.shape.hosts import is_unspecified
 
@@ -141,6 +142,8 @@ class EngineConfig:
     cpu_bind: str = "auto"
     # The model's sampling defaults for requests that omit them: auto, vllm or a folder (engine/generation_config.py).
     generation_config: str = "auto"
+    # --kv-events-config: vLLM's KV events (kv_events/config.py); None: none published.
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 
 @dataclass(eq=False)
@@ -26,7 +26,10 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False,
+                 on_removed: Callable[[Hashable], None] | None = None) -> None:
+        """`on_removed(key)` is called for each key that leaves the prefix cache by eviction or
+        invalidation (not by reset_prefix_cache): the KV events' BlockRemoved."""
         if num_blocks < 1 + reserve_null:
             raise ValueError(f"num_blocks must be >= {1 + reserve_null}, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -37,6 +40,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks if b is not self.null_block)
         self._cached: dict[Hashable, KVBlock] = {}
+        self.on_removed: Callable[[Hashable], None] | None = on_removed
 
     @property
     def num_usable_blocks(self) -> int:
@@ -90,14 +94,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVBlock, block_hash: Hashable) -> None:
-        """Publish a full block under its chained hash (first writer wins)."""
+    def cache_block(self, block: KVBlock, block_hash: Hashable) -> bool:
+        """Publish a full block under its chained hash (first writer wins). Returns whether the
+        hash entered the cache now (False: caching is off, or the block or hash was cached)."""
         if not self.enable_caching or block.block_hash is not None or block is self.null_block:
-            return
+            return False
         if block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
     def invalidate(self, block_ids: Iterable[int]) -> None:
         """Remove blocks from the prefix cache: their content must never be reused."""
@@ -106,10 +112,12 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
-            self._uncache(block)
+            self._uncache(block, report=False)
 
-    def _uncache(self, block: KVBlock) -> None:
+    def _uncache(self, block: KVBlock, report: bool = True) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if report and self.on_removed is not None:
+                    self.on_removed(block.block_hash)
             block.block_hash = None

@@ -6,6 +6,7 @@ background thread: server/async_engine.py). It knows nothing of HTTP.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,8 @@ from prometheus_client.registry import Collector
 from kvbridge.config import EngineConfig, KVRole
 from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from kvbridge.engine.kv_event_queue import KVEventQueue
+from kvbridge.engine.load_rates import LoadRateMeter
 from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads, kv_bytes_per_block
@@ -28,6 +31,9 @@ from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.engine.tp.executor import TPExecutor
+from kvbridge.kv_events.events import KVEventBatch
+from kvbridge.kv_events.hashing import model_root
+from kvbridge.kv_events.publisher import EventPublisher, NullEventPublisher, make_publisher
 from kvbridge.kv_transfer.connector.base import KVConnectors, SchedulerConnector, WorkerConnector, WorkerStatus
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams
 from kvbridge.shape.dtypes import DTYPES
@@ -86,12 +92,37 @@ class EngineLoad:
     kv_blocks_total: int
     kv_blocks_used: int
     leases_held: int  # P: leases granted on finished requests' blocks and not ended yet
+    # Measured rates (engine/load_rates.py), None until measured, and the KV one token takes.
+    prefill_tokens_per_s: float | None = None
+    decode_step_s: float | None = None
+    kv_pull_bytes_per_s: float | None = None
+    kv_bytes_per_token: int = 0
 
     def oldest_wait_s(self, now: float) -> float:
         return max(0.0, now - self.oldest_arrival) if self.oldest_arrival is not None else 0.0
 
 
 _ROLES = {KVRole.PRODUCER: "prefill", KVRole.CONSUMER: "decode", KVRole.BOTH: "both"}
+
+
+@dataclass(frozen=True)
+class KVEventsInfo:
+    """Where this engine publishes its KV events (GET /kvbridge/kv_events): the addresses bound
+    (ports resolved), and what a subscriber needs to compute the same block hashes."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    block_size: int
+    hash_root: str  # hex of kv_events.hashing.model_root(model_identity)
+    data_parallel_rank: int = 0
+
+
+def model_identity(name: str, arch: object, dtype: str) -> str:
+    """What names this model's KV exactly, for the block hashes' root: the model's name, a digest
+    of its architecture (every dimension) and the KV dtype. Instances of one model and dtype agree,
+    in any process and after restarts; a different model or dtype never shares a block hash."""
+    return f"{name}|{hashlib.sha256(repr(arch).encode()).hexdigest()[:16]}|{dtype}"
 
 
 class LLMEngine:
@@ -112,6 +143,10 @@ class LLMEngine:
         # model (shape/kv_cache_layout.py); the attention kernel keeps the configured size.
         self.block_size = logical_block_size(loaded.arch, config.cache.block_size, config.tensor_parallel_size)
         self._mamba_groups = sum(g.kind is KVCacheKind.MAMBA for g in layer_groups(loaded.arch))
+        self.hash_root = model_root(model_identity(loaded.name, loaded.arch, config.dtype))
+        # KV events: recorded only when published (the null publisher's path records nothing).
+        events_config = config.kv_events
+        self._events = KVEventQueue() if events_config is not None and events_config.publishes else None
         self.kv_cache_manager = self._make_kv_cache_manager()
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    kv.scheduler if kv is not None else None)
@@ -122,6 +157,19 @@ class LLMEngine:
         self._eos_ids = frozenset(eos | set(self.tokenizer.stop_token_ids))
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
         self.role = _ROLES[config.kv_transfer.role] if config.kv_transfer is not None else "both"
+        self._rates = LoadRateMeter()
+        self._remote_started: dict[str, tuple[float, int]] = {}  # D: parked at, tokens to read
+        self.kv_bytes_per_token = (kv_bytes_per_block(loaded.arch, config.cache.block_size, DTYPES[config.dtype],
+                                                      config.tensor_parallel_size)
+                                   * config.tensor_parallel_size // config.cache.block_size)
+        self.publisher: EventPublisher = NullEventPublisher()
+        self.kv_events: KVEventsInfo | None = None
+        if self._events is not None:  # last: nothing after it can fail and leave its sockets open
+            self.publisher = make_publisher(events_config)
+            ep = getattr(self.publisher, "endpoint", None)
+            assert events_config is not None and isinstance(ep, str)
+            self.kv_events = KVEventsInfo(ep, getattr(self.publisher, "replay_endpoint", None), events_config.topic,
+                                          self.block_size, self.hash_root.hex())
 
     def _check_tp_split(self, kv: KVConnectors | None) -> None:
         """At TP N the model must split over the ranks, and each rank process creates its own
@@ -145,7 +193,7 @@ class LLMEngine:
                   for g in layer_groups(self.arch)]
         sliding = any(g.sliding_window is not None for g in groups)
         pool = BlockPool(self.num_blocks, self.config.cache.enable_prefix_caching, reserve_null=sliding)
-        return KVCacheManager(pool, groups)
+        return KVCacheManager(pool, groups, self.hash_root, self._events)
 
     def _start_runner(self, loaded: LoadedModel, worker: WorkerConnector | None) -> ModelRunner | TPExecutor:
         """The model runner (TP 1), or the TP ranks, which load the weights and create their
@@ -282,12 +330,41 @@ class LLMEngine:
         """One step: schedule -> run -> postprocess. Never sleeps: how soon the next step is due
         comes back with the outputs, for the loop's owner to wait (engine/pacing.py)."""
         sched = self._schedule()
+        started = time.perf_counter()
         result = self._run(sched)
+        self._measure(sched, result, time.perf_counter() - started)
         outputs = self._postprocess(sched, result)
+        if self._events is not None and len(self._events):
+            self.publisher.publish(KVEventBatch(ts=time.time(), events=self._events.drain()))
         if self.scheduler.first_steps:  # traced requests' first tokens: their outputs are made
             self._record_first_steps()
         worker = self.connectors.worker.status() if self.connectors is not None else None
         return EngineStep(outputs, next_step(bool(sched.scheduled or outputs), worker))
+
+    def _measure(self, sched: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
+        """The step's rates (engine/load_rates.py): its compute, and D's loads that completed."""
+        s = self.scheduler
+        if sched.scheduled:
+            prefill = 0
+            for chunk in sched.scheduled:
+                req = s.requests.get(chunk.request_id)
+                if req is not None:
+                    prefill += max(0, min(chunk.start_pos + len(chunk.token_ids), req.num_prompt_tokens)
+                                   - chunk.start_pos)
+            total = sum(len(chunk.token_ids) for chunk in sched.scheduled)
+            self._rates.record_step(seconds, prefill, total - prefill)
+        if self.connectors is None:
+            return
+        now = time.monotonic()
+        for rid, req in s.remote_waiting.items():
+            if rid not in self._remote_started:
+                self._remote_started[rid] = (now, max(0, req.num_prompt_tokens - req.num_computed_tokens))
+        out = result.kv_connector_output
+        if out is not None:
+            for rid in out.finished_recving:
+                parked = self._remote_started.pop(rid, None)
+                if parked is not None and rid not in out.failed_recving:
+                    self._rates.record_pull(now - parked[0], parked[1] * self.kv_bytes_per_token)
 
     def _record_first_steps(self) -> None:
         end = time.time_ns()
@@ -398,7 +475,9 @@ class LLMEngine:
             queued_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.waiting),
             oldest_arrival=min((r.arrival_time for r in waiting), default=None),
             kv_blocks_total=pool.num_usable_blocks, kv_blocks_used=pool.num_usable_blocks - pool.num_free_blocks,
-            leases_held=self.worker_status().leases_held)
+            leases_held=self.worker_status().leases_held, prefill_tokens_per_s=self._rates.rates.prefill_tokens_per_s,
+            decode_step_s=self._rates.rates.decode_step_s, kv_pull_bytes_per_s=self._rates.rates.kv_pull_bytes_per_s,
+            kv_bytes_per_token=self.kv_bytes_per_token)
 
     def lease_outcomes(self) -> Mapping[str, int]:
         """P: how many leases ended by each outcome since start (read_done, release, expired, ...)."""
@@ -424,7 +503,12 @@ class LLMEngine:
         died between steps), or None. Cheap; safe from any thread."""
         return self.runner.failure() if isinstance(self.runner, TPExecutor) else None
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (subscribers get AllBlocksCleared with the next step's events)."""
+        self.kv_cache_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
+        self.publisher.shutdown()
         if self.connectors is not None:
             for half in self.connectors:
                 half.shutdown()

@@ -8,7 +8,8 @@ has one block table per request, and block ids cross every boundary as a tuple
 of lists, one list per group, so hybrid models need no interface change.
 All groups share one block pool (shape/kv_cache_layout.py: one block is one page whatever
 the group). Prefix caching works on token-indexed groups by chained hashes of full
-blocks' token ids; a model with a Mamba group gets no prefix hits (a Mamba state is one
+blocks' token ids (kv_events/hashing.py: SHA-256 from the model's root, so every instance of a
+model, and the router, compute the same ones), keyed by (group index, digest); a model with a Mamba group gets no prefix hits (a Mamba state is one
 request's whole context, not a run of tokens), and a request holds one block per Mamba
 group from its first token on.
 """
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvbridge.engine.block_pool import BlockPool, KVBlock
+from kvbridge.engine.kv_event_queue import KVEventQueue
 from kvbridge.engine.request import Request
+from kvbridge.kv_events.hashing import block_digest, model_root, to_external
 from kvbridge.kv_transfer.params import BlockIds
 from kvbridge.shape.kv_groups import KVCacheKind
 
@@ -49,9 +52,8 @@ class KVCacheGroupSpec:
         return max(0, position - self.sliding_window + 1) // self.block_size
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block: equal hashes mean equal whole prefixes."""
-    return hash((parent_hash, tuple(token_ids)))
+# The root of managers built without a model's (unit tests): any fixed root works within one process.
+UNNAMED_ROOT = model_root("kvbridge-unnamed-model")
 
 
 class KVCacheManager:
@@ -59,7 +61,10 @@ class KVCacheManager:
     of tokens); a sliding-window group's entries behind the window are the pool's null block
     (their blocks went back to the pool, and stay in the prefix cache until evicted)."""
 
-    def __init__(self, pool: BlockPool, groups: Sequence[KVCacheGroupSpec]) -> None:
+    def __init__(self, pool: BlockPool, groups: Sequence[KVCacheGroupSpec], hash_root: bytes = UNNAMED_ROOT,
+                 events: KVEventQueue | None = None) -> None:
+        """`hash_root`: kv_events.hashing.model_root of the model (every chain starts there).
+        `events`: where the prefix cache's changes are recorded (None: nowhere, at no cost)."""
         if not groups:
             raise ValueError("at least one KV cache group is required")
         if len({g.block_size for g in groups}) != 1:
@@ -76,6 +81,11 @@ class KVCacheManager:
         self.has_mamba = any(g.kind is KVCacheKind.MAMBA for g in groups)
         self._tokens_group = next((i for i, g in enumerate(groups) if g.kind.token_indexed), None)
         self._tables: dict[str, tuple[list[KVBlock], ...]] = {}
+        self._num_cached: dict[str, int] = {}  # full blocks of a request cache_blocks has handled
+        self.hash_root = hash_root
+        self.events = events
+        if events is not None:
+            pool.on_removed = self._record_removed
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
 
@@ -100,14 +110,15 @@ class KVCacheManager:
             return 0
         return len(table[self._tokens_group]) * self.block_size
 
-    def block_hashes(self, request: Request) -> list[int]:
-        """Chained hashes of the request's full blocks (prompt and output), computed incrementally."""
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """Chained digests of the request's full blocks (prompt and output), computed incrementally:
+        each block is hashed once in the request's life (kept in request.block_hashes)."""
         tokens = request.all_token_ids
         hashes = request.block_hashes
         bs = self.block_size
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(block_digest(hashes[-1] if hashes else self.hash_root, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVBlock], ...], int]:
@@ -147,7 +158,7 @@ class KVCacheManager:
             tables.append([b for b in table if b is not None])
         return tuple(tables), hit * self.block_size
 
-    def _window_cached(self, gi: int, group: KVCacheGroupSpec, hashes: list[int], hit: int) -> bool:
+    def _window_cached(self, gi: int, group: KVCacheGroupSpec, hashes: list[bytes], hit: int) -> bool:
         first = group.first_needed_block(hit * self.block_size)
         return all(self.pool.get_cached_block((gi, h)) is not None for h in hashes[first:hit])
 
@@ -196,21 +207,50 @@ class KVCacheManager:
             self.pool.free(list(reversed(behind)))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Publish the request's full blocks up to num_computed_tokens in the prefix cache."""
-        table = self._tables.get(request.request_id)
+        """Publish the request's full blocks up to num_computed_tokens in the prefix cache: the
+        prompt's and, as they fill, the generated tokens' (a conversation's next turn finds both).
+        Each block once per allocation; the blocks that enter the cache are recorded as events."""
+        rid = request.request_id
+        table = self._tables.get(rid)
         if table is None or not self.pool.enable_caching:
             return
         hashes = self.block_hashes(request)
+        start = self._num_cached.get(rid, 0)
         n_full = min(num_computed_tokens // self.block_size, len(hashes))
+        if n_full <= start:
+            return
+        self._num_cached[rid] = n_full
         for gi, blocks in enumerate(table):
             if not self.groups[gi].kind.token_indexed:
                 continue
-            for i in range(n_full):
-                self.pool.cache_block(blocks[i], (gi, hashes[i]))
+            stored = [i for i in range(start, n_full) if self.pool.cache_block(blocks[i], (gi, hashes[i]))]
+            if stored and self.events is not None:
+                self._record_stored(request, gi, hashes, stored)
+
+    def _record_stored(self, request: Request, gi: int, hashes: list[bytes], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive block indices that entered the cache."""
+        assert self.events is not None
+        group, bs, tokens = self.groups[gi], self.block_size, request.all_token_ids
+        run_start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[run_start], stored[k - 1]
+            self.events.stored([to_external(h) for h in hashes[first:last + 1]],
+                               to_external(hashes[first - 1]) if first > 0 else None,
+                               list(tokens[first * bs:(last + 1) * bs]), bs, gi, group.kind.value,
+                               group.sliding_window)
+            run_start = k
+
+    def _record_removed(self, key: object) -> None:
+        assert self.events is not None and isinstance(key, tuple)
+        gi, digest = key
+        self.events.removed(to_external(digest), gi)
 
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks; safe to call for a request with none."""
         table = self._tables.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
         if table is None:
             return
         for blocks in table:
@@ -221,7 +261,10 @@ class KVCacheManager:
         self.pool.invalidate(block_ids)
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay with their requests)."""
         self.pool.reset_prefix_cache()
+        if self.events is not None:
+            self.events.cleared()
 
     def _hit_tokens(self, hits: tuple[list[KVBlock], ...]) -> int:
         return len(hits[self._tokens_group]) * self.block_size if self._tokens_group is not None else 0

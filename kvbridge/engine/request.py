@@ -86,7 +86,7 @@ class Request:
     # Set by the connector's scheduler half (P: where D reads this request's KV); carried to
     # the API on the finishing output, and written as JSON only there (params.to_wire).
     kv_transfer_params_out: "KVTransferParams | None" = None
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained digests of full blocks (kv_events/hashing.py)
     trace: "RequestTrace | None" = None  # set when the request is traced (its spans' parent)
     times: RequestTimes = field(init=False)
 
