@@ -7,7 +7,7 @@ process and on the test's thread only: no model, no process, no socket, no sleep
   the world's `ManualClock`. Its ranks are real `RankAgent`s over `FakeBackend`s, stepped as a TP
   engine steps them (commands before the forward pass, reports after: `ReceiverWorld.step`), with
   the same clock for their read timeout.
-- P (`PrefillEnd`): the real P end of the protocol: its `KVSender` (the `ControlServer` over a real
+- P (`PrefillEnd`): the real P end of the protocol: its `ControlServer` (over a real
   `LeaseTable` on the same clock, every rank's real handshake payload) on a `SideChannelServer`
   that is never started, and its ranks' KV in tensors registered with their own FakeBackend agents.
 - Between them only the transport is fake (`SideChannelNet`): D's client encodes each request as
@@ -34,10 +34,9 @@ from kvbridge.kv_transfer.connector.base import KVConnectorOutput
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, ReleaseSpec, RemoteEngine
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 from kvbridge.kv_transfer.connector.receiving import ReceiverDeps
-from kvbridge.kv_transfer.connector.sending import KVSender
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
-from kvbridge.kv_transfer.side_channel.control import (MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE, LeaseKey,
-                                                       parse_lease_key)
+from kvbridge.kv_transfer.side_channel.control import (MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE, ControlServer,
+                                                       LeaseKey, parse_lease_key)
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
 from kvbridge.kv_transfer.side_channel.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
                                                          HandshakeMetadata, HandshakePeerError, HandshakeRefused, HandshakeTimeout,
@@ -221,7 +220,7 @@ def kv_cache(tp_size: int, fill: float | None = None) -> torch.Tensor:
 
 
 class PrefillEnd:
-    """An in-memory P at (HOST, port): its real KVSender, LeaseTable and rank payloads on an
+    """An in-memory P at (HOST, port): its real ControlServer, LeaseTable and rank payloads on an
     unstarted SideChannelServer (module docstring). `restart` brings it back as a new incarnation
     (new agents, no leases) at the same address."""
 
@@ -240,13 +239,14 @@ class PrefillEnd:
         self.stats = KVTransferStats()
         self.leases = LeaseTable(LEASE_S, clock=self.clock, stats=self.stats, engine_id=self.engine_id)
         self.server = SideChannelServer({}, HOST, self.port)
-        self.sender = KVSender(self.engine_id, self.backend, self.compat, self.server, self.leases)
+        self.control = ControlServer(self.server, self.leases)
         self.agents = [RankAgent(self.fabric.create_agent(f"{self.engine_id}-{n}-rank{r}"), serves_reads=True)
                        for r in range(self.tp)]
         self.caches = [kv_cache(self.tp) for _ in range(self.tp)]
         self.registrations = tuple(agent.register(cache, self.block_size, r, self.tp, rank_heads(self.tp, r))
                                    for r, (agent, cache) in enumerate(zip(self.agents, self.caches)))
-        self.sender.serve(self.registrations)
+        self.control.publish_ranks(self.engine_id, self.backend, self.compat,
+                                   [(r.agent_metadata, r.layout) for r in self.registrations])
         self.net.servers[(HOST, self.port)] = self.server
 
     def restart(self) -> None:
@@ -276,7 +276,7 @@ class PrefillEnd:
 
     def step(self) -> set[str]:
         """P's engine step, as far as leases go: the requests whose blocks it frees now."""
-        return self.sender.finished_sending()
+        return self.leases.finished_sending()
 
     @property
     def remote(self) -> RemoteEngine:

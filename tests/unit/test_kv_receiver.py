@@ -373,7 +373,7 @@ def _p_expires_it(w: ReceiverWorld, p_rid: str, generation: int) -> None:
 
 
 def _p_releases_it(w: ReceiverWorld, p_rid: str, generation: int) -> None:
-    assert w.p.sender.release_local(p_rid, generation)
+    assert w.p.leases.release(p_rid, generation)
 
 
 @pytest.mark.parametrize("p_ends", [_p_expires_it, _p_releases_it], ids=["expired", "released"])
@@ -403,7 +403,7 @@ def test_p_releasing_mid_read_still_gets_one_read_done(request):
     spec = w.recv("d1")
     w.to_read()
     assert w.receiver.has_unsettled_reads()
-    w.p.sender.release_local(spec.remote_request_id, spec.lease_generation)
+    w.p.leases.release(spec.remote_request_id, spec.lease_generation)
     w.agents[0].backend.set_faults(FaultConfig())
     w.settle()
     assert w.out.finished["d1"] == 1 and "d1" not in w.out.failed
@@ -458,7 +458,7 @@ def test_a_restarted_p_is_shaken_hands_with_again_once(world):
 def test_a_p_that_keeps_answering_as_another_incarnation_fails_the_request(world):
     world.recv("d1")
     world.settle()
-    world.p.sender.control_server.incarnation = "not-the-agents-d-shook-hands-with"
+    world.p.control.incarnation = "not-the-agents-d-shook-hands-with"
     world.recv("d2")
     world.settle()
     assert world.out.failed["d2"] is FailureKind.HANDSHAKE

@@ -2,8 +2,8 @@
 
 It lives in the engine process and joins the two roles: D's receive state machine
 (receiving.py: handshakes, the lease check, the reads each of D's ranks makes from P's ranks,
-read-done and release) and P's sending side (sending.py: the side channel serving the ranks'
-payloads and the leases on held blocks). An engine of role "both" runs both. The bytes move
+read-done and release) and P's serving side (the side channel's ControlServer publishing the
+ranks' payloads and answering D's control messages, and the lease table owning the held blocks). An engine of role "both" runs both. The bytes move
 in the ranks: each rank (the engine process at TP 1, a rank process at TP N) owns a
 `RankAgent` with its own transfer agent, and this half drives them with per-rank commands
 that ride the step's scheduler output and reads the per-rank reports that come back with
@@ -24,8 +24,8 @@ from kvbridge.kv_transfer.connector.base import KVConnectorOutput, WorkerConnect
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankCommands, RankRegistration, RankReport, RankSetup
 from kvbridge.kv_transfer.connector.receiving import KVReceiver, ReceiverDeps
-from kvbridge.kv_transfer.connector.sending import KVSender
 from kvbridge.kv_transfer.failure import FailureHandler
+from kvbridge.kv_transfer.side_channel.control import ControlServer
 from kvbridge.kv_transfer.side_channel.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.params import KVTransferParams
@@ -70,8 +70,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.side_channel = side_channel
         self.receiving = KVReceiver(config, compat, failures, stats, prefix_caching, groups,
                                     receiver_deps if receiver_deps is not None else ReceiverDeps.default(config))
-        self.sending = (KVSender(engine_id, config.backend, compat, side_channel, leases)
-                        if side_channel is not None else None)
+        # P: D's handshakes and control messages, answered from the lease table
+        self.control = ControlServer(side_channel, leases) if side_channel is not None else None
         self.ranks: tuple[RankRegistration, ...] = ()
         self._closed = False
         self._last_backend_error_log = float("-inf")
@@ -102,8 +102,9 @@ class KVBridgeWorkerConnector(WorkerConnector):
         self.ranks = tuple(ranks)
         if [r.layout.tp_rank for r in self.ranks] != list(range(len(self.ranks))):
             raise ValueError("rank registrations must be ranks 0..n-1 in order")
-        if self.sending is not None:
-            self.sending.serve(self.ranks)
+        if self.control is not None:
+            self.control.publish_ranks(self.engine_id, self.config.backend, self.compat,
+                                       [(r.agent_metadata, r.layout) for r in self.ranks])
         self.receiving.register_ranks(self.ranks, handshakes=self.is_consumer)
 
     # ---- per step ----------------------------------------------------------
@@ -125,8 +126,8 @@ class KVBridgeWorkerConnector(WorkerConnector):
                 self.receiving.take_result(report.tp_rank, result)
         self.receiving.advance_all()
         self.receiving.report(out)
-        if self.sending is not None:
-            out.finished_sending.update(self.sending.finished_sending())
+        if self.control is not None:
+            out.finished_sending.update(self.leases.finished_sending())
         return out
 
     def release(self, params: KVTransferParams) -> bool:
@@ -138,7 +139,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
     def release_local(self, request_id: str, generation: int) -> bool:
         """P: free a request's held blocks now, by P's own request id and the lease's generation.
         Thread-safe; False if no such lease is held."""
-        return self.sending is not None and self.sending.release_local(request_id, generation)
+        return self.control is not None and self.leases.release(request_id, generation)
 
     def _log_backend_error(self, where: str, error: str) -> None:
         now = time.monotonic()
@@ -151,7 +152,7 @@ class KVBridgeWorkerConnector(WorkerConnector):
         not yet done (one that may complete only after P's agent progresses: the loop must step
         promptly). Rank commands: D's reads planned after the ranks ran (when P's check_read
         answer came in), waiting for the next step."""
-        in_flight = self.receiving.has_loads() or (self.sending is not None and self.sending.reads_in_flight(watched=True))
+        in_flight = self.receiving.has_loads() or (self.control is not None and self.leases.reads_in_flight(watched=True))
         leases = len(self.leases)
         return WorkerStatus(rank_commands_waiting=self.receiving.has_commands(), transfers_in_flight=in_flight,
                             has_work=self.receiving.has_work() or bool(leases), leases_held=leases,
@@ -168,22 +169,23 @@ class KVBridgeWorkerConnector(WorkerConnector):
         the ranks alone: a P holding leases steps every few ms to expire them, and nothing of
         that needs its ranks."""
         return (self.receiving.has_unsettled_reads()
-                or (self.sending is not None
-                    and (self.sending.reads_in_flight(watched=True)
-                         or self.sending.reads_in_flight(min_age_s=UNWATCHED_POLL_AFTER_S))))
+                or (self.control is not None
+                    and (self.leases.reads_in_flight(watched=True)
+                         or self.leases.reads_in_flight(min_age_s=UNWATCHED_POLL_AFTER_S))))
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """P: call ``wake`` (from the side-channel thread) when a read of leased blocks is granted,
         so that an engine loop sleeping between idle steps polls again at once."""
-        if self.sending is not None:
-            self.sending.set_wakeup(wake)
+        if self.control is not None:
+            self.leases.on_read_granted = wake
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.receiving.shutdown()
-        if self.sending is not None:
-            self.sending.shutdown()
+        if self.side_channel is not None:
+            self.side_channel.close()
+            self.leases.close()  # the leases still held end (outcome shutdown)
         if self.local_agent is not None:  # releases its live handles, then the backend
             self.local_agent.shutdown()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ from kvbridge.kv_transfer.lease import MAX_READ_TIMEOUT_S, LeaseTable
 from kvbridge.kv_transfer.params import BlockIds
 from kvbridge.kv_transfer.side_channel.server import HandlerRefusal, SideChannelServer
 from kvbridge.kv_transfer.side_channel.client import HandshakeClient
+from kvbridge.kv_transfer.side_channel.handshake import CompatibilityInfo, HandshakeMetadata, RankLayout, encode_payload
 from kvbridge.tracing import parse_traceparent
 
 MSG_CHECK_READ = "kv_check_read"
@@ -143,11 +145,13 @@ def incarnation_of(agent_metadata: bytes) -> str:
 
 
 class ControlServer:
-    """P side: parses D's control messages and hands them to the lease table, which owns every
-    change to a lease (lease.py). A message that does not parse, or a read the table refuses,
-    is answered with the reason (HandlerRefusal)."""
+    """P's end of the side channel: publishes each rank's handshake payload (`publish_ranks`),
+    parses D's control messages and hands them to the lease table, which owns every change to a
+    lease (lease.py). A message that does not parse, or a read the table refuses, is answered
+    with the reason (HandlerRefusal)."""
 
     def __init__(self, server: SideChannelServer, leases: LeaseTable) -> None:
+        self.server = server
         self.leases = leases
         # Identifies this process's transfer agent; D compares it with the agent it
         # handshook with, to notice a P restarted under the same address.
@@ -156,6 +160,15 @@ class ControlServer:
         server.register_handler(MSG_READ_DONE, self._read_done)
         server.register_handler(MSG_RELEASE, self._release)
         server.register_handler(MSG_HEARTBEAT, self._heartbeat)
+
+    def publish_ranks(self, engine_id: str, backend_name: str, compat: CompatibilityInfo,
+                      ranks: Sequence[tuple[bytes, RankLayout]]) -> None:
+        """Serve each rank's (agent blob, KV layout), rank 0 first, as its handshake payload; rank
+        0's agent names this incarnation."""
+        self.incarnation = incarnation_of(ranks[0][0])
+        for agent_metadata, layout in ranks:
+            meta = HandshakeMetadata(engine_id, backend_name, agent_metadata, layout)
+            self.server.set_payload(layout.tp_rank, encode_payload(meta, compat))
 
     def _check_read(self, body: bytes) -> bytes:
         msg = parse_check_read(body)
