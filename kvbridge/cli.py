@@ -157,6 +157,11 @@ def _add_instance_args(p: argparse.ArgumentParser) -> None:
     i.add_argument("--kv-engine-id", default="", help="this engine's id among its peers (default: random)")
     i.add_argument("--kv-side-channel-port", type=int, default=0,
                    help="port a producer's side channel listens on (default: 0, any free port)")
+    i.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV cache events as vLLM does: vLLM's KVEventsConfig as JSON, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"replay_endpoint\": \"tcp://127.0.0.1:*\"}'; "
+                        "the default endpoint is tcp://127.0.0.1:* (loopback, a free port; GET /kvbridge/kv_events "
+                        "says which) (default: no events)")
     i.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="rank processes the model is split over (KV heads split across them, replicated "
                         "when there are more ranks than KV heads); a prefill and a decode instance may differ "
@@ -201,7 +206,15 @@ def engine_config_from_args(a: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_waiting=a.max_waiting),
         kv_transfer=kv, tensor_parallel_size=getattr(a, "tensor_parallel_size", 1), cpu_bind=a.cpu_bind,
-        generation_config=a.generation_config)
+        generation_config=a.generation_config, kv_events=_kv_events_config(getattr(a, "kv_events_config", None)))
+
+
+def _kv_events_config(text: str | None):
+    """--kv-events-config's JSON as a KVEventsConfig, None when absent; ValueError naming what is bad."""
+    if text is None:
+        return None
+    from kvbridge.kv_events.config import parse_kv_events_config
+    return parse_kv_events_config(text)
 
 
 def _checked_engine_config(a: argparse.Namespace, program: str) -> EngineConfig | None:
