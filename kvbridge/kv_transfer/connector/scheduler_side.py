@@ -123,16 +123,17 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
 
     # ---- SchedulerConnector -----------------------------------------------
     def on_new_request(self, request: ConnectorRequest) -> None:
-        p = request.kv_transfer_params
-        if p is not None and p.wants_remote_decode and self.has_mamba and request.num_prompt_tokens > 1:
+        params = request.kv_transfer_params
+        if params is not None and params.wants_remote_decode and self.has_mamba and request.num_prompt_tokens > 1:
             del request.prompt_token_ids[-1]  # N-1 prefill: D computes the last token (module doc)
-        if p is not None and p.wants_remote_prefill:
-            self._waiting[request.request_id] = (remote_of(p), p.remote_request_id or "", p.lease_generation or 0)
+        if params is not None and params.wants_remote_prefill:
+            self._waiting[request.request_id] = (remote_of(params), params.remote_request_id or "",
+                                                 params.lease_generation or 0)
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
                                    num_local_computed: int) -> tuple[int | None, bool]:
-        p = request.kv_transfer_params
-        if p is None or not p.wants_remote_prefill or request.request_id in self._consumed:
+        params = request.kv_transfer_params
+        if params is None or not params.wants_remote_prefill or request.request_id in self._consumed:
             return 0, False
         full_hit = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
         if num_local_computed > 0 and num_local_computed == full_hit:
@@ -146,24 +147,24 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds, num_local_computed: int,
                                  num_external_tokens: int) -> None:
-        p = request.kv_transfer_params
-        if p is None or not p.wants_remote_prefill or request.request_id in self._consumed:
+        params = request.kv_transfer_params
+        if params is None or not params.wants_remote_prefill or request.request_id in self._consumed:
             return
         self._consumed.add(request.request_id)
         if num_external_tokens == 0:  # everything is local: P only needs to hear it may free
-            self._release(request.request_id, p, request.trace)
+            self._release(request.request_id, params, request.trace)
             return
         first_new = num_local_computed // self.block_size
-        assert p.remote_block_ids is not None  # params with a remote prefill name P's blocks (params.py)
+        assert params.remote_block_ids is not None  # params with a remote prefill name P's blocks (params.py)
         # D reads only what it lacks: its new blocks, filled from the matching tail of P's
         # (the worker pairs them in kernel blocks once the handshake gave P's ratio:
         # block_mapping.apply_prefix_caching). A Mamba group's one state is always new.
         local = tuple(list(g if kind == "mamba" else g[first_new:]) for g, kind in zip(block_ids, self.group_kinds))
-        remote = tuple(list(r) if loc else [] for loc, r in zip(local, p.remote_block_ids))
+        remote = tuple(list(r) if loc else [] for loc, r in zip(local, params.remote_block_ids))
         tokens = self.remote_tokens(request.num_prompt_tokens)
         self._meta.reqs_to_recv.append(RecvSpec(
-            request.request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0, local, remote,
-            content_digest(request.prompt_token_ids[:tokens] + request.output_token_ids), request.trace))
+            request.request_id, remote_of(params), params.remote_request_id or "", params.lease_generation or 0,
+            local, remote, content_digest(request.prompt_token_ids[:tokens] + request.output_token_ids), request.trace))
 
     def build_connector_meta(self) -> ConnectorMetadata:
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -184,12 +185,12 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
     def request_finished(self, request: ConnectorRequest, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
         rid = request.request_id
         self._waiting.pop(rid, None)
-        p = request.kv_transfer_params
-        if p is not None and p.wants_remote_prefill and rid not in self._consumed:
+        params = request.kv_transfer_params
+        if params is not None and params.wants_remote_prefill and rid not in self._consumed:
             # Ended before its blocks were allocated (aborted in the queue): P frees now.
-            self._release(rid, p, request.trace)
+            self._release(rid, params, request.trace)
         self._consumed.discard(rid)
-        if p is None or not p.wants_remote_decode:
+        if params is None or not params.wants_remote_decode:
             return False, None
         if request.finish_reason not in FINISHED_WITH_OUTPUT or not block_ids[0]:
             return False, None
@@ -207,12 +208,12 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         self.leases.grant(rid, block_ids, generation, content_digest(request.prompt_token_ids), continued,
                           request.trace)
         host, port = self._side_channel_addr()
-        params = KVTransferParams(
+        to_decode = KVTransferParams(
             do_remote_decode=False, do_remote_prefill=True, remote_block_ids=tuple(tuple(g) for g in block_ids),
             remote_engine_id=self.engine_id, remote_request_id=rid, remote_host=host, remote_port=port,
             tp_size=self.tp_size, remote_num_tokens=request.num_prompt_tokens, remote_block_size=self.block_size,
             lease_generation=generation, generated_token_ids=tuple(generated) if generated else None)
-        return True, params
+        return True, to_decode
 
     def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         recompute = recompute_on_failure(self.config.load_failure_policy, self.config.recompute_max_tokens,
@@ -221,6 +222,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             self.stats.incr("recomputed_requests")
         return recompute
 
-    def _release(self, request_id: str, p: KVTransferParams, trace: RequestTrace | None) -> None:
+    def _release(self, request_id: str, params: KVTransferParams, trace: RequestTrace | None) -> None:
         self._meta.reqs_to_release.append(
-            ReleaseSpec(request_id, remote_of(p), p.remote_request_id or "", p.lease_generation or 0, trace))
+            ReleaseSpec(request_id, remote_of(params), params.remote_request_id or "", params.lease_generation or 0,
+                        trace))
