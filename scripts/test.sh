@@ -10,4 +10,9 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "not cluster and not model" "$@"
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+# Two lanes (pytest-xdist workers; which tests share one: tests/conftest.py, lane_group; why two:
+# README, Tests). KVBRIDGE_TEST_WORKERS=0 runs everything in this one process.
+workers=${KVBRIDGE_TEST_WORKERS:-2}
+lanes=()
+[ "$workers" = 0 ] || lanes=(-n "$workers")
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "${lanes[@]}" --durations=25 "$@"

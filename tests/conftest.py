@@ -153,3 +153,42 @@ def pytest_collection_modifyitems(config, items):
             tier = "model"
         if tier is not None:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+# The lanes: `scripts/test.sh` runs pytest-xdist workers, and whatever the `--dist` mode, tests go to
+# the workers in units of `lane_group`: a unit runs on one worker, in collection order, and a worker
+# gets its next unit when it is nearly done with the ones it has (xdist's LoadScopeScheduling; the
+# biggest units first, FLEET_LANE before all). Every
+# test of tests/e2e and tests/ray is one unit, FLEET_LANE, so no two fleets or Ray clusters are up at
+# once (their memory; the shared e2e and Ray clusters stop after their last user, who must run in the
+# same process; `kvbridge up --ray` stops the shared Ray first; the netns hosts) and the fleet tests'
+# timing is as it was in one process. Every other module is a unit of its own, so its module fixtures
+# (engines on the real model) are built once, on one worker, and the type check's tests use their
+# mypy cache folder one at a time. (Not xdist_group marks: xdist 3.8 sets them through a node id
+# attribute pytest 9 no longer reads.)
+FLEET_LANE = "fleets"
+
+
+def lane_group(nodeid: str) -> str:
+    """The unit a test (by its node id, relative to the repository root) runs in."""
+    path = Path(nodeid.split("::", 1)[0])
+    parts = path.parts[1:] if path.parts[:1] == ("tests",) else path.parts
+    if len(parts) > 1 and parts[0] in ("e2e", "ray"):
+        return FLEET_LANE
+    return str(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_group(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if FLEET_LANE in self.workqueue:  # the longest unit starts first, or it would be the tail
+                self.workqueue.move_to_end(FLEET_LANE, last=False)
+            super()._assign_work_unit(node)
+
+    return LaneScheduling(config, log)
