@@ -66,7 +66,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
-    from kvbridge.engine import native_memory
+    from kvbridge.engine.setup import native_memory
     from kvbridge.engine.engine import LLMEngine
     from kvbridge.engine.loader import load_model
     from kvbridge.engine.sampling_params import SamplingParams

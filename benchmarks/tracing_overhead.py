@@ -36,7 +36,7 @@ import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
                                                                       ExportTraceServiceResponse)
 
-from kvbridge.engine.default_model import DEFAULT_MODEL
+from kvbridge.engine.setup.default_model import DEFAULT_MODEL
 from kvbridge.launcher.cluster import LocalCluster
 
 READY_TIMEOUT_S = 600.0

@@ -170,7 +170,7 @@ def _add_instance_args(p: argparse.ArgumentParser) -> None:
 
 def dtype_choice(a: argparse.Namespace):
     """The dtype the engine options ask for, `auto` resolved for this machine (a DtypeChoice)."""
-    from kvbridge.engine.dtype_choice import resolve_dtype
+    from kvbridge.engine.setup.dtype_choice import resolve_dtype
     return resolve_dtype(a.dtype, a.device, a.model)
 
 

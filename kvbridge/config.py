@@ -124,7 +124,7 @@ class EngineConfig:
     served_model_name: str | None = None
     # float32 | bfloat16 | float16. The library's default stays float32 (the same numbers on every
     # machine); the command line's default, --dtype auto, is resolved to one of these before an
-    # EngineConfig is built (engine/dtype_choice.py: bfloat16 on a CPU with native bf16 arithmetic).
+    # EngineConfig is built (engine/setup/dtype_choice.py: bfloat16 on a CPU with native bf16 arithmetic).
     dtype: str = "float32"
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's own limit
@@ -152,7 +152,7 @@ class EngineConfig:
             raise ValueError("tp_step_timeout_s must be positive")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r} "
-                             "(auto: resolve it first, kvbridge.engine.dtype_choice.resolve_dtype)")
+                             "(auto: resolve it first, kvbridge.engine.setup.dtype_choice.resolve_dtype)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

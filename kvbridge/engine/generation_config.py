@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbridge.engine.default_model import PUBLISHED_SAMPLING, PUBLISHED_SAMPLING_SOURCE, names_default_model
+from kvbridge.engine.setup.default_model import PUBLISHED_SAMPLING, PUBLISHED_SAMPLING_SOURCE, names_default_model
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODES = ("auto", "vllm")

@@ -16,7 +16,7 @@ from kvbridge.engine.layers import cpu_kernels
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata
 from kvbridge.engine.models import build_model
-from kvbridge.engine.native_memory import HeapTrimmer, bound_onednn_caches
+from kvbridge.engine.setup.native_memory import HeapTrimmer, bound_onednn_caches
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, reads_start_together
@@ -33,7 +33,7 @@ def configure_torch_threads(num_threads: int) -> None:
 
     Small ops took 7-8 ms instead of <0.5 ms here without a passive OpenMP wait policy; the
     variable must be set before torch starts its thread pool. oneDNN's per-shape caches are
-    bounded before its first primitive (native_memory.py: without it memory grew with every
+    bounded before its first primitive (setup/native_memory.py: without it memory grew with every
     prompt length)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     bound_onednn_caches()
@@ -116,7 +116,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_kernels.available()  # build/load now, not in the first step (a warning if they cannot be)
         self.sampler = Sampler(seed)
-        self.heap_trimmer = HeapTrimmer()  # returns the heap's free pages now and then (native_memory.py)
+        self.heap_trimmer = HeapTrimmer()  # returns the heap's free pages now and then (setup/native_memory.py)
         self.agent = agent
         if agent is not None:
             kv_heads = shard.kv_heads if shard is not None else range(arch.cache_kv_heads)

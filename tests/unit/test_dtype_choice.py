@@ -1,4 +1,4 @@
-"""`--dtype auto` (engine/dtype_choice.py): the rule as a pure function of the machine's facts
+"""`--dtype auto` (engine/setup/dtype_choice.py): the rule as a pure function of the machine's facts
 (a CPU without bf16 flags is simulated by the flag set given), the flags read from
 /proc/cpuinfo's text, what `serve` builds and logs, and the dtype `up` hands every instance."""
 
@@ -11,7 +11,7 @@ import torch
 
 from kvbridge import cli
 from kvbridge.config import EngineConfig
-from kvbridge.engine.dtype_choice import (choose_auto_dtype, model_config_dtype, parse_cpu_flags, read_cpu_flags,
+from kvbridge.engine.setup.dtype_choice import (choose_auto_dtype, model_config_dtype, parse_cpu_flags, read_cpu_flags,
                                           resolve_dtype)
 from kvbridge.launcher import cluster
 

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from kvbridge.engine import native_memory
-from kvbridge.engine.native_memory import HeapTrimmer
+from kvbridge.engine.setup import native_memory
+from kvbridge.engine.setup.native_memory import HeapTrimmer
 
 SCRIPT = r"""
 import ctypes, json, sys

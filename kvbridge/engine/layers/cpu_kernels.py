@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from kvbridge.engine.cache_dir import default_cache_dir
+from kvbridge.engine.setup.cache_dir import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbridge.engine.dtype_choice import read_cpu_flags
+from kvbridge.engine.setup.dtype_choice import read_cpu_flags
 from kvbridge.engine.layers import shape_buckets
 
 

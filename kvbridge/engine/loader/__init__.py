@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from kvbridge.engine.cache_dir import default_cache_dir
-from kvbridge.engine.default_model import DEFAULT_MODEL, names_default_model
+from kvbridge.engine.setup.cache_dir import default_cache_dir
+from kvbridge.engine.setup.default_model import DEFAULT_MODEL, names_default_model
 from kvbridge.engine.loader.cache import ModelParts, load_cached, store
 from kvbridge.engine.loader.gguf import read_gguf
 from kvbridge.engine.loader.safetensors import read_hf_folder
