@@ -114,6 +114,33 @@ def collect_garbage_after_each_module():
     gc.collect()
 
 
+MODULE_TIMES = os.environ.get("KVBRIDGE_MODULE_TIMES")  # a file: one JSON line per module, appended
+
+
+@pytest.fixture(autouse=True, scope="module")
+def module_cpu_and_wall(request):
+    """With KVBRIDGE_MODULE_TIMES set: each module's wall time and the CPU time of this process and
+    of the processes it reaped meanwhile (its fleets, Ray's), module and session fixtures it started
+    included. A module whose wall far exceeds its CPU is waiting; one near a core's worth burns it."""
+    if not MODULE_TIMES:
+        yield
+        return
+    import json
+    import resource
+
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    wall0, cpu0 = time.monotonic(), cpu()
+    yield
+    line = {"module": request.node.nodeid, "wall_s": round(time.monotonic() - wall0, 2),
+            "cpu_s": round(cpu() - cpu0, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            "load1": round(os.getloadavg()[0], 2)}
+    with open(MODULE_TIMES, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 @pytest.fixture(autouse=True)
 def kv_block_leak_check(request):
     yield
