@@ -10,7 +10,8 @@ Contract with kvbridge/cli.py (the launcher builds these command lines):
   serve MODEL --host H --port P --kv-role producer|consumer --kv-backend B
         --kv-engine-id ID --kv-side-channel-port S --num-threads N [extra args]
   proxy --prefill URL... --decode URL... --host H --port P
-With --host other than loopback, each decode instance also gets --kv-trusted-hosts HOST
+Every instance publishes KV events (--kv-events-config) on OS-picked ports of the cluster's
+address. With --host other than loopback, each decode instance also gets --kv-trusted-hosts HOST
 (unless the extra args name trusted hosts) and UCX_NET_DEVICES names HOST's interface.
 Both must answer GET /health with 200 once ready, and exit on SIGINT. An API key reaches
 both in KVBRIDGE_API_KEY.
@@ -19,6 +20,7 @@ both in KVBRIDGE_API_KEY.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import secrets
@@ -113,6 +115,14 @@ def serve_command(cli: Sequence[str], model: str, spec: InstanceSpec, *, host: s
             "--kv-side-channel-port", str(spec.side_channel_port), "--num-threads", str(num_threads),
             "--tensor-parallel-size", str(spec.tensor_parallel_size),
             "--otlp-service-name", f"kvbridge-{spec.name}", *extra_args]
+
+
+def kv_events_json(host: str) -> str:
+    """Every instance `up` starts publishes KV events (and answers replays) on ports of its own that
+    the OS picks, on the cluster's address; GET /kvbridge/kv_events tells a router which."""
+    h = f"[{host}]" if ":" in host else host
+    return json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://{h}:*",
+                       "replay_endpoint": f"tcp://{h}:*"})
 
 
 def proxy_command(cli: Sequence[str], prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
@@ -275,7 +285,8 @@ class LocalCluster:
             specs = plan_instances(self.num_prefill, self.num_decode, self.host, self.prefill_tp, self.decode_tp)
             for spec in specs:
                 argv = serve_command(self.cli, self.model, spec, host=self.host, kv_backend=self.kv_backend,
-                                     num_threads=self.num_threads, extra_args=self._instance_args(spec))
+                                     num_threads=self.num_threads,
+                                     extra_args=[*self._instance_args(spec), *self._kv_events_args()])
                 self._spawn(spec.name, argv, env, http_url(self.host, spec.port))
             self.wait_healthy(deadline - time.monotonic())
             prefill = tuple(self._health_urls[s.name] for s in specs if s.role is KVRole.PRODUCER)
@@ -300,6 +311,12 @@ class LocalCluster:
                 and not any(a.startswith("--kv-trusted-hosts") for a in args)):
             args += ["--kv-trusted-hosts", self.host]
         return args
+
+    def _kv_events_args(self) -> list[str]:
+        """KV events on for every instance, unless the serve args configure them."""
+        if any(a.startswith("--kv-events-config") for a in self.extra_serve_args):
+            return []
+        return ["--kv-events-config", kv_events_json(self.host)]
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], url: str) -> None:
         assert self.log_dir is not None

@@ -2,12 +2,13 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streaming or not, served by
 completions.py), POST /tokenize and /detokenize (vLLM's), GET /v1/models, /health (200 healthy, 503 draining, shutting down or dead),
-/metrics and /kvbridge/load (the engine's load, for a router or an autoscaler), POST
+/metrics, /kvbridge/load (the engine's load and measured rates, for a router or an autoscaler) and
+/kvbridge/kv_events (where its KV events are published), POST
 /kvbridge/release_kv (P: free a request's held blocks) and /kvbridge/drain. `build_app` makes
 the FastAPI app of an engine; `run_server` loads the model, serves it with uvicorn until
 SIGINT/SIGTERM (or until the engine fails, or a drain ends) and shuts down.
 
-Drain (issue 29: an instance leaving a pool): POST /kvbridge/drain or SIGTERM. New generation
+Drain (an instance leaving a pool): POST /kvbridge/drain or SIGTERM. New generation
 requests get 503 code "draining" and /health 503 {"status": "draining"}, so routers send work
 elsewhere; admitted requests run on for up to the drain timeout (--drain-timeout-s), then end
 with an error (a stream's error event with code "drain_timeout", else a 503 body); a P keeps
@@ -166,8 +167,39 @@ async def _load(raw: Request) -> Response:
     body = {"role": load.role, "running": load.running, "waiting": load.waiting,
             "queued_prompt_tokens": load.queued_prompt_tokens, "oldest_wait_s": load.oldest_wait_s(time.monotonic()),
             "kv_blocks_total": load.kv_blocks_total, "kv_blocks_used": load.kv_blocks_used,
-            "leases_held": load.leases_held, "draining": engine.is_draining}
+            "leases_held": load.leases_held, "draining": engine.is_draining,
+            "waiting_prefill_tokens": load.queued_prompt_tokens,
+            "kv_blocks_free": load.kv_blocks_total - load.kv_blocks_used,
+            "prefill_tokens_per_s": load.prefill_tokens_per_s, "decode_step_s": load.decode_step_s,
+            "kv_pull_bytes_per_s": load.kv_pull_bytes_per_s, "kv_bytes_per_token": load.kv_bytes_per_token}
     return Response(json.dumps(body), media_type="application/json")
+
+
+async def _kv_events(raw: Request) -> Response:
+    """Where this instance publishes its KV events, for a router's subscriber: the bound addresses
+    (an any-address host replaced by the host the server listens on) and what computes its block
+    hashes (kv_events/hashing.py). {"enabled": false} when it publishes none."""
+    info = _instance(raw).engine.kv_events
+    if info is None:
+        return Response(json.dumps({"enabled": False}), media_type="application/json")
+    host = raw.app.state.listen_host
+    body = {"enabled": True, "endpoint": _advertised(info.endpoint, host),
+            "replay_endpoint": _advertised(info.replay_endpoint, host) if info.replay_endpoint else None,
+            "topic": info.topic, "block_size": info.block_size, "hash_root": info.hash_root,
+            "data_parallel_rank": info.data_parallel_rank}
+    return Response(json.dumps(body), media_type="application/json")
+
+
+def _advertised(endpoint: str, listen_host: str) -> str:
+    """`endpoint` with a wildcard or any-address host (tcp://*:P, tcp://0.0.0.0:P, tcp://[::]:P)
+    replaced by the host the HTTP server listens on (itself loopback when that is an any-address)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if host.strip("[]") in ("*", "0.0.0.0", "::", ""):
+        shown = listen_host if listen_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        host = f"[{shown}]" if ":" in shown else shown
+    return f"tcp://{host}:{port}"
 
 
 async def _drain(raw: Request) -> Response:
@@ -224,11 +256,12 @@ async def _on_unexpected(raw: Request, exc: Exception) -> Response:
 
 def build_app(engine: AsyncEngine, api_key: str | None = None,
               sampling_defaults: SamplingDefaults = NO_DEFAULTS, tracing: Tracing | None = None,
-              drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> FastAPI:
+              drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, listen_host: str = "127.0.0.1") -> FastAPI:
     """The FastAPI app of one instance. The caller owns `engine` (and shuts it down) and
     `tracing` (None: requests are not traced).
     `sampling_defaults`: what a request that omits a sampling field gets (--generation-config).
     `drain_timeout_s`: how long a drain lets admitted requests run (POST /kvbridge/drain).
+    `listen_host`: the host the server listens on (GET /kvbridge/kv_events advertises it).
     `app.state.registry` is the Prometheus registry /metrics serves: other components
     may register their collectors on it."""
     app = FastAPI(title="kvbridge", docs_url=None, redoc_url=None, openapi_url=None)
@@ -238,6 +271,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     app.state.instance = _Instance(engine, CompletionHandlers(engine, metrics, sampling_defaults, tracing), metrics,
                                    api_key, drain_timeout_s)
     app.state.engine = engine
+    app.state.listen_host = listen_host
     app.state.metrics = metrics
     app.state.registry = metrics.registry
     for collector in engine.engine_collectors():
@@ -252,6 +286,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     app.add_api_route("/tokenize", _tokenize, methods=["POST"], dependencies=[Depends(_check_api_key)])
     app.add_api_route("/detokenize", _detokenize, methods=["POST"], dependencies=[Depends(_check_api_key)])
     app.add_api_route("/kvbridge/load", _load, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/kvbridge/kv_events", _kv_events, methods=["GET"], include_in_schema=False)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _prometheus, methods=["GET"])
     app.add_exception_handler(ApiError, _on_api_error)
@@ -270,7 +305,7 @@ class _Server(AnnouncingServer):
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float,
                  ready_line: str = "") -> None:
-        super().__init__(config, ready_line)  # printed once serving, signals handled (issue 44)
+        super().__init__(config, ready_line)  # printed once serving, signals handled
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
         self.engine_failed = False
@@ -330,7 +365,7 @@ def run_server(config: EngineConfig, host: str, port: int, api_key: str | None,
             logger.log(logging.WARNING if i == 0 else logging.INFO, "%s", line)
         bound_port = sock.getsockname()[1]
         shown_host = f"[{host}]" if ":" in host else host
-        server = _Server(server_config(build_app(engine, api_key, defaults, tracer, drain_timeout_s),
+        server = _Server(server_config(build_app(engine, api_key, defaults, tracer, drain_timeout_s, host),
                                         log_level=log_level, timeout_graceful_shutdown=10), engine, drain_timeout_s,
                          ready_line=f"kvbridge: serving {engine.model_name} at http://{shown_host}:{bound_port}/v1")
         try:

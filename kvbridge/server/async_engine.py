@@ -203,6 +203,7 @@ class AsyncEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.role: str = engine.role
+        self.kv_events = engine.kv_events  # where its KV events go (None: not published); fixed
         self._load = engine.load()
         engine.set_wakeup(lambda: self._commands.put(_WAKE))
 
