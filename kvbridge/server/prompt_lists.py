@@ -1,0 +1,160 @@
+"""A completion's list of prompts, served as vLLM does: each prompt its own engine request
+(`<request id>-<index>`), the answer one choice per prompt with its index and the usage summed,
+whole or as one stream of every prompt's chunks as they come; one prompt's failure fails the
+request and aborts the others. The handler (completions.py) validates and tokenises the list and
+hands its jobs here with how it admits and collects one prompt."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from contextlib import aclosing
+from typing import Any, TypeVar, cast
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvbridge import openai_wire as wire
+from kvbridge.engine.outputs import RequestOutput
+from kvbridge.kv_transfer.params import KVTransferParams
+from kvbridge.server.answer import ChunkMaker, Job, abort_on_disconnect, raise_if_failed, usage_of
+from kvbridge.server.async_engine import AsyncEngine, RequestStream
+from kvbridge.server.errors import ApiError, as_api_error, json_response
+from kvbridge.server.metrics import RequestTimer
+from kvbridge.server.request_span import Span
+
+T = TypeVar("T")
+# How the handler admits one prompt (request id, job, params, span) and collects its whole answer.
+Admit = Callable[[str, Job, KVTransferParams | None, Span], Awaitable[RequestStream]]
+Collect = Callable[[Job, RequestStream, RequestTimer],
+                   Coroutine[Any, Any, tuple[wire.CompletionResponse | wire.ChatCompletionResponse, KVTransferParams | None]]]
+
+
+async def admit_all(admit: Admit, request_id: str, jobs: list[Job], span: Span) -> list[RequestStream]:
+    """Admits each prompt of a list as its own engine request, `<request id>-<index>` (vLLM's
+    naming); if one is refused, those admitted are aborted and the refusal raised."""
+    streams: list[RequestStream] = []
+    try:
+        for job in jobs:
+            streams.append(await admit(f"{request_id}-{job.index}", job, None, span))
+    except BaseException:
+        for stream in streams:
+            stream.abort()
+        raise
+    return streams
+
+
+async def serve_list(raw: Request, engine: AsyncEngine, collect: Collect, jobs: list[Job],
+                     streams: list[RequestStream], timers: list[RequestTimer], span: Span,
+                     headers: dict[str, str]) -> Response:
+    """The answer to a completion's list of prompts (one timer per prompt): one choice per prompt
+    with its index and the usage summed, whole or as one stream of every prompt's chunks as they
+    come (vLLM's semantics). One prompt's failure fails the request: the others are aborted."""
+    watcher = asyncio.create_task(abort_on_disconnect(raw, streams))
+    if jobs[0].request.stream:
+        chunks = _stream_list(engine, jobs, streams, timers, watcher, span)
+        return StreamingResponse(span.traced_stream(chunks), media_type="text/event-stream", headers=headers)
+    try:
+        answers = await _all_or_none([collect(job, stream, timer)
+                                      for job, stream, timer in zip(jobs, streams, timers)])
+    except ApiError as error:
+        span.failed(error)
+        return error.response(headers)
+    except BaseException as exc:  # answered 500 by the app's handler (or cancelled)
+        span.end(500, f"{type(exc).__name__}: {exc}", "internal_error")
+        raise
+    finally:
+        watcher.cancel()
+        for stream, timer in zip(streams, timers):
+            stream.abort()
+            timer.on_abandoned()
+    parts = [cast(wire.CompletionResponse, answer) for answer, _ in answers]
+    usage = _summed([a.usage for a in parts if a.usage is not None])
+    merged = parts[0].model_copy(update={"choices": [a.choices[0] for a in parts], "usage": usage,
+                                         "kv_transfer_params": None})
+    span.answered(usage.completion_tokens, parts[0].choices[0].finish_reason)
+    span.end(200)
+    return json_response(merged, headers=headers)
+
+
+async def _stream_list(engine: AsyncEngine, jobs: list[Job], streams: list[RequestStream],
+                       timers: list[RequestTimer], watcher: asyncio.Task[None],
+                       span: Span) -> AsyncGenerator[str, None]:
+    """Every prompt's chunks as its engine request yields them, each choice with its index; the
+    usage chunk (when asked) sums them all; one [DONE]. An error ends the whole stream."""
+    makers = [ChunkMaker(job, engine) for job in jobs]
+    finished: list[RequestOutput] = []
+    try:
+        async with aclosing(_merged(streams)) as outputs:
+            async for index, output in outputs:
+                timers[index].on_output(output)
+                if output.finished:
+                    raise_if_failed(output)
+                if output.new_text or output.logprobs:
+                    yield makers[index].content(output)
+                if output.finished:
+                    finished.append(output)
+                    yield makers[index].finish(output)
+        usage = usage_of(finished)
+        span.answered(usage.completion_tokens, None)
+        if jobs[0].request.include_usage_chunk:
+            yield makers[0].usage_of(usage)
+        yield "data: [DONE]\n\n"
+    except Exception as exc:
+        error = exc if isinstance(exc, ApiError) else as_api_error(exc, jobs[0].response_id)
+        span.stream_failed(error)
+        yield wire.sse_event(wire.ErrorResponse(error=error.info))
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        for stream, timer in zip(streams, timers):
+            stream.abort()
+            timer.on_abandoned()
+
+
+def _summed(usages: list[wire.UsageInfo]) -> wire.UsageInfo:
+    return wire.UsageInfo.of(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                             sum(u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+                                 for u in usages))
+
+
+async def _all_or_none(work: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every result, in order; at the first exception the rest are cancelled and it is raised."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise cast(BaseException, task.exception())
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(index, output) of every stream, as they come; closing it stops reading them all."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | int] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        finally:
+            queue.put_nowait(index)  # this stream ended
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if isinstance(item, int):
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
