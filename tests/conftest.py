@@ -151,6 +151,9 @@ def kv_block_leak_check(request):
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER", FLEET_WORKER) != FLEET_WORKER and not own_loopback():
+        config.issue_config_time_warning(pytest.PytestWarning(
+            "this lane shares the host's ports with the fleet lane (no network namespace: not root?)"), 2)
     config.addinivalue_line("markers", "allow_held_blocks: the test deliberately ends with blocks held")
     config.addinivalue_line("markers", "cluster: starts process fleets or Ray (tests/e2e, tests/ray)")
     config.addinivalue_line("markers", "model: loads the real default model (tests/integration, and the unit "
@@ -185,15 +188,37 @@ def pytest_collection_modifyitems(config, items):
 # The lanes: `scripts/test.sh` runs pytest-xdist workers, and whatever the `--dist` mode, tests go to
 # the workers in units of `lane_group`: a unit runs on one worker, in collection order, and a worker
 # gets its next unit when it is nearly done with the ones it has (xdist's LoadScopeScheduling; the
-# biggest units first, FLEET_LANE before all). Every
-# test of tests/e2e and tests/ray is one unit, FLEET_LANE, so no two fleets or Ray clusters are up at
-# once (their memory; the shared e2e and Ray clusters stop after their last user, who must run in the
-# same process; `kvbridge up --ray` stops the shared Ray first; the netns hosts) and the fleet tests'
+# biggest units first, FLEET_LANE before all, on FLEET_WORKER, whose lane alone stays on the host's
+# network: own_loopback). Every test of tests/e2e and tests/ray is one unit, FLEET_LANE, so no two
+# fleets or Ray clusters are up at once (their memory; the shared e2e and Ray clusters stop after their
+# last user, who must run in the same process; `kvbridge up --ray` stops the shared Ray first; the netns hosts) and the fleet tests'
 # timing is as it was in one process. Every other module is a unit of its own, so its module fixtures
 # (engines on the real model) are built once, on one worker, and the type check's tests use their
 # mypy cache folder one at a time. (Not xdist_group marks: xdist 3.8 sets them through a node id
 # attribute pytest 9 no longer reads.)
 FLEET_LANE = "fleets"
+FLEET_WORKER = "gw0"  # the worker FLEET_LANE goes to; every other worker has a loopback of its own
+
+
+def own_loopback() -> bool:
+    """Move this process (its main thread, and so every thread and process it starts from now on) into
+    a network namespace of its own with only its loopback, up. The fleet lane starts its servers on
+    ports the OS reported free a moment before (free_ports), which they bind seconds later: a test
+    of another lane binding port 0 meanwhile on the same loopback could take one. In a namespace of
+    its own, a lane neither takes the fleet lane's ports nor sees its sockets. False where this
+    process may not (not root)."""
+    import ctypes
+    import fcntl
+    import socket
+    import struct
+
+    clone_newnet, siocgifflags, siocsifflags, iff_up = 0x40000000, 0x8913, 0x8914, 0x1
+    if ctypes.CDLL(None, use_errno=True).unshare(clone_newnet) != 0:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, siocgifflags, struct.pack("16sH14x", b"lo", 0)))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+    return True
 
 
 def lane_group(nodeid: str) -> str:
@@ -214,8 +239,11 @@ def pytest_xdist_make_scheduler(config, log):
             return lane_group(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            if FLEET_LANE in self.workqueue:  # the longest unit starts first, or it would be the tail
-                self.workqueue.move_to_end(FLEET_LANE, last=False)
+            if FLEET_LANE in self.workqueue:
+                if node.gateway.id == FLEET_WORKER:  # the longest unit starts first, or it would be the tail
+                    self.workqueue.move_to_end(FLEET_LANE, last=False)
+                elif len(self.workqueue) > 1:
+                    self.workqueue.move_to_end(FLEET_LANE)  # kept for FLEET_WORKER
             super()._assign_work_unit(node)
 
     return LaneScheduling(config, log)
