@@ -19,16 +19,17 @@ import torch  # noqa: E402
 
 from kvbridge.engine.layers import cpu_kernels  # noqa: E402
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention  # noqa: E402
+from tests.unit import cpu_isa  # noqa: E402
 from tests.unit.attention_cases import DECODE_GRID, decode_case, fused_qkv  # noqa: E402
 
 BF16_EPS = 2.0 ** -8  # bf16's 8 significant bits: a rounding is within this, relative (a step within 2x)
 FP32_ERROR = 5e-5  # fp32 arithmetic's own error on these inputs (|v| < 10, scores up to ~30)
 
 
-@pytest.fixture(autouse=True)
-def _kernels_loaded() -> None:
-    assert os.environ.get("KVBRIDGE_CPU_KERNELS") != "0"
-    assert cpu_kernels.available()
+@pytest.fixture(autouse=True, params=cpu_isa.PARAMS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on each build (avx2, avx512, amx) this CPU can execute."""
+    return cpu_isa.use(request.param, monkeypatch)
 
 
 def assert_bf16_of(out: torch.Tensor, fp32_out: torch.Tensor, exact: torch.Tensor) -> None:

@@ -15,14 +15,25 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvbridge.engine.layers import cpu_kernels  # noqa: E402
 from kvbridge.engine.layers.rotary import RotaryEmbedding  # noqa: E402
+from tests.unit import cpu_isa  # noqa: E402
 
-ops = torch.ops.kvbridge
+
+
+class _Ops:
+    """The ops of the build the test runs on (the `isa` fixture's)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(cpu_kernels.ops(), name)
+
+
+ops = _Ops()
 GEN = torch.Generator().manual_seed(0)
 
 
-@pytest.fixture(autouse=True)
-def kernels_loaded() -> None:
-    assert cpu_kernels.available(), "kvbridge's CPU kernels did not build (see the warning logged)"
+@pytest.fixture(autouse=True, params=cpu_isa.PARAMS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on each build (avx2, avx512, amx) this CPU can execute."""
+    return cpu_isa.use(request.param, monkeypatch)
 
 
 def randn(*shape: int) -> torch.Tensor:

@@ -14,7 +14,14 @@ import torch  # noqa: E402
 
 from kvbridge.engine.layers import cpu_kernels  # noqa: E402
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention  # noqa: E402
+from tests.unit import cpu_isa  # noqa: E402
 from tests.unit.attention_cases import DECODE_GRID, decode_case  # noqa: E402
+
+
+@pytest.fixture(autouse=True, params=cpu_isa.PARAMS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on each build (avx2, avx512, amx) this CPU can execute."""
+    return cpu_isa.use(request.param, monkeypatch)
 
 
 def test_kernels_build_on_this_machine() -> None:

@@ -74,6 +74,17 @@ def test_the_kernel_runs_exactly_what_the_cpu_has() -> None:
                                             torch.tensor([4]), 0.125, isa="avx2")
 
 
+@pytest.mark.parametrize("build,products", [("avx2", []), ("avx512", ["avx512_bf16"] * HAS_VEC), ("amx", ISAS_HERE)])
+def test_each_build_runs_the_products_its_isa_has(build: str, products: list[str], monkeypatch) -> None:
+    """The avx2 build has neither product (bf16 prompts go to SDPA there), the avx512 build no AMX."""
+    if build not in cpu_kernels.runnable_isas():
+        pytest.skip(f"this CPU cannot run {build}")
+    cpu_kernels.load(build)
+    monkeypatch.setattr(cpu_kernels, "_active", build)
+    assert cpu_kernels.bf16_prefill_isas() == products == cpu_kernels.bf16_prefill_isas(build)
+    assert cpu_kernels.bf16_prefill_applies(torch.empty(3, 2, 64).bfloat16()) == bool(products)
+
+
 @pytest.mark.parametrize("choice,expected", [("sdpa", None), ("auto", "best"), ("avx512_bf16", "avx512_bf16"),
                                              ("amx", "amx")])
 def test_the_environment_picks_the_product(monkeypatch, choice: str, expected: str | None) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvbridge.engine.layers import cpu_kernels  # noqa: E402
 from kvbridge.engine.layers.attention import AttentionMetadata, PagedAttention  # noqa: E402
+from tests.unit import cpu_isa  # noqa: E402
 from tests.unit.attention_cases import fused_qkv  # noqa: E402
 
 
@@ -34,9 +35,10 @@ def _assert_fp32_close(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     assert kernel_error <= max(2 * sdpa_error, 1e-5), (kernel_error, sdpa_error)
 
 
-@pytest.fixture(autouse=True)
-def _kernels_loaded() -> None:
-    assert cpu_kernels.available()
+@pytest.fixture(autouse=True, params=cpu_isa.PARAMS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on each build (avx2, avx512, amx) this CPU can execute."""
+    return cpu_isa.use(request.param, monkeypatch)
 
 
 def test_kernels_build_on_this_machine() -> None:

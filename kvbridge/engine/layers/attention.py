@@ -253,7 +253,7 @@ class PagedAttention(nn.Module):
         """q [T, heads, D], k/v [T, kv_heads, D], kv_layer [blocks, 2, block_size, kv_heads, D] (a strided
         view of the block-major cache) -> [T, heads*D]."""
         if cpu_kernels.elementwise_applies(kv_layer, k, v):
-            torch.ops.kvbridge.write_kv_(kv_layer, k, v, attn.slot_mapping)  # one pass, no index tensors
+            cpu_kernels.ops().write_kv_(kv_layer, k, v, attn.slot_mapping)  # one pass, no index tensors
         else:
             where = (attn.slot_blocks, attn.slot_offsets)
             kv_layer[:, 0].index_put_(where, k.to(kv_layer.dtype))

@@ -1,5 +1,5 @@
 """kvbridge's own CPU kernels (csrc/*.cpp), compiled once per machine with torch's C++ extension
-builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
+builder and loaded as torch custom ops (`torch.ops.kvbridge_<isa>.*`, `ops()`).
 
 - `paged_decode_attention`: decode attention straight from the paged KV cache (no gather of
   each sequence's K/V into a temporary tensor every layer; see csrc/paged_decode.cpp);
@@ -16,9 +16,14 @@ builder and loaded as torch custom ops (`torch.ops.kvbridge.*`).
 
 The build needs g++ and ninja (both on the machines kvbridge installs on; `scripts/install.sh`
 builds it, so a server never compiles at start-up) and goes to `$KVBRIDGE_CACHE_DIR/cpu-kernels`.
-It is compiled for the CPU that builds it (-march=native); the CPU's flags are part of the
-build's identity, so another CPU gets its own build. Where the build fails the engine logs why
-once and attends with the gather + SDPA path (the path CUDA and fp16 caches always use).
+Each instruction set is a build of its own (ISA_FLAGS: "avx2" AVX2 + FMA + F16C and no AVX-512,
+"avx512" the CPU's own set without AMX, "amx" the CPU's own set; "native" -march=native on a CPU
+that runs none of those), registered in its own op namespace (`torch.ops.kvbridge_<isa>`), so
+several load into one process (tests, benchmarks) and `ops(isa)` reaches each. The CPU's flags and
+the ISA are part of the build's identity, so another CPU gets its own build. The engine runs one:
+`KVBRIDGE_CPU_ISA=avx2|avx512|amx|auto` (auto, the default: the best this CPU runs); asking for one
+the CPU cannot run is an error at start-up (`CpuIsaError`). Where the build fails the engine logs
+why once and attends with the gather + SDPA path (the path CUDA and fp16 caches always use).
 `KVBRIDGE_CPU_KERNELS=0` turns the kernels off.
 """
 
@@ -30,8 +35,9 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,18 +50,74 @@ SOURCES = [Path(__file__).parent / "csrc" / name
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "vec_avx512.h")]  # in the build's identity
 _lock = threading.Lock()
 _available: bool | None = None  # decided once per process, by the first available()
+_active: str | None = None  # the ISA whose build the engine's calls go to (set by available())
+_loaded: set[str] = set()  # the ISAs whose builds are loaded in this process
+
+# The compiler's flags of each ISA's build, and the /proc/cpuinfo flags a CPU needs to run it.
+ISA_FLAGS: dict[str, list[str]] = {
+    "avx2": ["-march=x86-64-v3", "-mtune=native"],  # AVX2, FMA, F16C, BMI1/2, no AVX-512
+    "avx512": ["-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+    "amx": ["-march=native"],
+    "native": ["-march=native"],  # a CPU that runs none of the above (not x86, or older than AVX2)
+}
+ISA_NEEDS: dict[str, frozenset[str]] = {
+    "avx2": frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}),
+    "avx512": frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm",
+                         "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    "amx": frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm",
+                      "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "amx_tile", "amx_bf16"}),
+}
+ISAS = ("avx2", "avx512", "amx")  # what KVBRIDGE_CPU_ISA may ask for, worst to best
+
+
+class CpuIsaError(RuntimeError):
+    """KVBRIDGE_CPU_ISA asks for an instruction set this CPU cannot run (or one that does not exist)."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags, as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        line = ""
+    return frozenset(line.partition(":")[2].split())
+
+
+def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The ISAs of ISAS this CPU (its flags) runs, worst to best."""
+    have = cpu_flags() if flags is None else flags
+    return [isa for isa in ISAS if ISA_NEEDS[isa] <= have]
+
+
+def choose_isa(asked: str | None = None, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """The ISA whose build the engine runs, and why: KVBRIDGE_CPU_ISA's (or `asked`) where the CPU
+    runs it, the best it runs for "auto" (the default), "native" where it runs none. Raises
+    CpuIsaError for an ISA the CPU lacks or a name that is none."""
+    wanted = (asked if asked is not None else os.environ.get("KVBRIDGE_CPU_ISA", "auto")).strip().lower() or "auto"
+    here = runnable_isas(flags)
+    if wanted == "auto":
+        if not here:
+            return "native", "auto: this CPU runs none of avx2, avx512, amx; built for -march=native"
+        return here[-1], f"auto: the best of {', '.join(here)} this CPU runs"
+    if wanted not in ISAS:
+        raise CpuIsaError(f"KVBRIDGE_CPU_ISA={wanted!r} is none of auto, {', '.join(ISAS)}")
+    if wanted not in here:
+        have = cpu_flags() if flags is None else flags
+        missing = sorted(ISA_NEEDS[wanted] - have)
+        raise CpuIsaError(f"KVBRIDGE_CPU_ISA={wanted} asks for an instruction set this CPU lacks "
+                          f"(no {', '.join(missing)}); it runs: {', '.join(here) or 'none of them'}")
+    return wanted, f"KVBRIDGE_CPU_ISA={wanted}"
 
 
 def _cpu_identity() -> str:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
 
 
-def build_dir() -> Path:
-    return default_cache_dir() / "cpu-kernels" / f"torch-{torch.__version__}-{_cpu_identity()}-{_source_identity()}"
+def build_dir(isa: str | None = None) -> Path:
+    """The folder of one ISA's build (None: the engine's, choose_isa()'s)."""
+    name = isa or choose_isa()[0]
+    return (default_cache_dir() / "cpu-kernels"
+            / f"torch-{torch.__version__}-{_cpu_identity()}-{_source_identity()}-{name}")
 
 
 def _source_identity() -> str:
@@ -88,22 +150,46 @@ def _build_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def load(verbose: bool = False) -> None:
-    """Compile (if needed) and load the kernels into this process. Raises on failure."""
+def load(isa: str | None = None, verbose: bool = False) -> None:
+    """Compile (if needed) and load one ISA's build into this process (None: choose_isa()'s).
+    Raises on failure, CpuIsaError where this CPU cannot run that ISA."""
     from torch.utils import cpp_extension
 
-    directory = build_dir()
+    name = isa or choose_isa()[0]
+    if name not in ISA_FLAGS:
+        raise CpuIsaError(f"no build for ISA {name!r}; one of {', '.join(ISA_FLAGS)}")
+    if name != "native" and name not in runnable_isas():
+        raise CpuIsaError(f"this CPU cannot run the {name} build (it runs: {', '.join(runnable_isas()) or 'none'})")
+    if name in _loaded:
+        return
+    directory = build_dir(name)
     directory.mkdir(parents=True, exist_ok=True)
     with _build_lock(directory):
-        cpp_extension.load(name="kvbridge_cpu_kernels", sources=[str(s) for s in SOURCES],
+        cpp_extension.load(name=f"kvbridge_cpu_kernels_{name}", sources=[str(s) for s in SOURCES],
                            build_directory=str(directory), is_python_module=False, verbose=verbose,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"])
+                           extra_cflags=["-O3", *ISA_FLAGS[name], "-fopenmp", f"-DKVBRIDGE_OPS=kvbridge_{name}"])
+    _loaded.add(name)
+
+
+def ops(isa: str | None = None) -> Any:
+    """The op namespace of one ISA's build (`torch.ops.kvbridge_<isa>`; None: the engine's, the
+    one available() loaded). The build must be loaded (load(isa), or available())."""
+    name = isa or _active
+    if name is None:
+        raise RuntimeError("the CPU kernels are not loaded (call available() or load(isa) first)")
+    return getattr(torch.ops, f"kvbridge_{name}")
+
+
+def active_isa() -> str | None:
+    """The ISA whose build the engine's calls run (None: the kernels are not loaded)."""
+    return _active if available() else None
 
 
 def available() -> bool:
-    """True when the kernels are loaded in this process. The first call decides (it loads them,
-    or logs why not, or finds KVBRIDGE_CPU_KERNELS=0); later calls, one per op of a step, only
-    read the answer."""
+    """True when the kernels are loaded in this process. The first call decides (it loads
+    choose_isa()'s build and logs which and why, or logs why not, or finds KVBRIDGE_CPU_KERNELS=0;
+    raises CpuIsaError where KVBRIDGE_CPU_ISA asks for what this CPU lacks); later calls, one per
+    op of a step, only read the answer."""
     global _available
     if _available is None:
         with _lock:
@@ -113,10 +199,14 @@ def available() -> bool:
 
 
 def _load_or_explain() -> bool:
+    global _active
     if os.environ.get("KVBRIDGE_CPU_KERNELS") == "0":
         return False
+    isa, why = choose_isa()  # CpuIsaError goes to the caller: a start-up error, not a fallback
     try:
-        load()
+        load(isa)
+        _active = isa
+        logger.info("kvbridge CPU kernels: the %s build (%s)", isa, why)
         return True
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use the fallback
         logger.warning("kvbridge CPU kernels unavailable (%s: %s); decode attention gathers K/V instead",
@@ -154,8 +244,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_table:
                            context_lens: torch.Tensor, sliding_window: int | None, scale: float) -> torch.Tensor:
     """q [B, H, D] fp32 or bf16 CPU, kv_layer (q's dtype) [blocks, 2, block_size, kv_heads, D] (the cache's strided
     layer view), block_table [B, max_blocks] int64, context_lens [B] int64 -> [B, H, D]."""
-    out: torch.Tensor = torch.ops.kvbridge.paged_decode_attention(q, kv_layer, block_table, context_lens,
-                                                                  sliding_window or 0, scale)
+    out: torch.Tensor = ops().paged_decode_attention(q, kv_layer, block_table, context_lens, sliding_window or 0, scale)
     return out
 
 
@@ -165,7 +254,7 @@ PREFILL_HEAD_DIMS = range(16, 257, 16)  # head sizes prefill_attention takes
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention over the prompt's own keys: q [L, heads, D], k and v [L, kv_heads, D] fp32
     CPU, D contiguous (any row strides), D in PREFILL_HEAD_DIMS -> [L, heads, D]."""
-    out: torch.Tensor = torch.ops.kvbridge.prefill_attention(q, k, v, scale)
+    out: torch.Tensor = ops().prefill_attention(q, k, v, scale)
     return out
 
 
@@ -174,16 +263,19 @@ BF16_PREFILL_ISAS = {"avx512_bf16": 1, "amx": 2}  # the kernel's two products, b
 # KVBRIDGE_BF16_PREFILL: "auto" (default) the best product this CPU runs, "amx" or "avx512_bf16" that
 # one (where it runs), "sdpa" bf16 prompts on torch's SDPA (A/B runs).
 BF16_PREFILL = os.environ.get("KVBRIDGE_BF16_PREFILL", "auto")
-_bf16_isa: int | None = None  # what the built kernel runs here: 2 AMX, 1 AVX-512 BF16, 0 neither
+_bf16_isa: dict[str, int] = {}  # per build, what its kernel runs here: 2 AMX, 1 AVX-512 BF16, 0 neither
 
 
-def bf16_prefill_isas() -> list[str]:
-    """The products prefill_attention_bf16_ runs on this CPU (the kernels loaded; asked once):
-    [] (no AVX-512 BF16), ["avx512_bf16"], or ["avx512_bf16", "amx"]."""
-    global _bf16_isa
-    if _bf16_isa is None:
-        _bf16_isa = int(torch.ops.kvbridge.prefill_attention_bf16_isa()) if available() else 0
-    return [name for name, number in BF16_PREFILL_ISAS.items() if number <= _bf16_isa]
+def bf16_prefill_isas(isa: str | None = None) -> list[str]:
+    """The products prefill_attention_bf16_ of one build (None: the engine's) runs on this CPU
+    (asked once per build): [] (no AVX-512 BF16 in the build or the CPU), ["avx512_bf16"], or
+    ["avx512_bf16", "amx"]."""
+    name = isa or (_active if available() else None)
+    if name is None:
+        return []
+    if name not in _bf16_isa:
+        _bf16_isa[name] = int(ops(name).prefill_attention_bf16_isa())
+    return [product for product, number in BF16_PREFILL_ISAS.items() if number <= _bf16_isa[name]]
 
 
 def bf16_prefill_isa() -> str | None:
@@ -211,10 +303,28 @@ def prefill_attention_bf16_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     name = isa or bf16_prefill_isa() or "avx512_bf16"
     if name not in BF16_PREFILL_ISAS:
         raise ValueError(f"isa must be one of {sorted(BF16_PREFILL_ISAS)}, got {name!r}")
-    torch.ops.kvbridge.prefill_attention_bf16_(out, q, k, v, starts, lens, scale, BF16_PREFILL_ISAS[name])
+    ops().prefill_attention_bf16_(out, q, k, v, starts, lens, scale, BF16_PREFILL_ISAS[name])
 
 
-if __name__ == "__main__":  # scripts/install.sh: build once, loudly
+def _main(argv: Sequence[str]) -> None:
+    """scripts/install.sh: build the engine's ISA (choose_isa()'s), and each ISA named on the
+    command line that this CPU runs ("all": every one), once, loudly."""
+    import time
+
     logging.basicConfig(level=logging.INFO)
-    load(verbose=False)
-    print(f"kvbridge CPU kernels ready in {build_dir()}")
+    wanted = [choose_isa()[0]]
+    for name in argv:
+        wanted += runnable_isas() if name == "all" else [name]
+    for name in dict.fromkeys(wanted):
+        if name != "native" and name not in runnable_isas():
+            print(f"kvbridge CPU kernels ({name}): not built, this CPU cannot run it")
+            continue
+        start = time.monotonic()
+        load(name)
+        print(f"kvbridge CPU kernels ({name}) ready in {build_dir(name)} ({time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])

@@ -23,7 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     pass (cpu_kernels, the same rounding); torch's rms_norm makes several there.
     """
     if _one_pass(x, weight):
-        out: torch.Tensor = torch.ops.kvbridge.rms_norm(x, weight, eps)
+        out: torch.Tensor = cpu_kernels.ops().rms_norm(x, weight, eps)
         return out
     if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -34,7 +34,7 @@ def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Ten
     """residual += delta (in place), then rms_norm(residual): one pass on CPU in fp32 and bf16."""
     if residual.is_contiguous() and delta.shape == residual.shape and delta.stride(-1) == 1 and _one_pass(
             residual, weight):
-        normed: torch.Tensor = torch.ops.kvbridge.add_rms_norm_(residual, delta, weight, eps)
+        normed: torch.Tensor = cpu_kernels.ops().add_rms_norm_(residual, delta, weight, eps)
         return normed
     residual += delta
     return rms_norm(residual, weight, eps)

@@ -94,7 +94,7 @@ class RotaryEmbedding(nn.Module):
         place, the rest unchanged; returns x. One pass on CPU in fp32 and bf16 (cpu_kernels)."""
         rope = cos.shape[-1]
         if x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and cpu_kernels.elementwise_applies(x, cos, sin):
-            torch.ops.kvbridge.rotary_(x, cos, sin)
+            cpu_kernels.ops().rotary_(x, cos, sin)
         else:
             x[..., :rope] = RotaryEmbedding.apply(x[..., :rope], cos, sin)
         return x

@@ -7,7 +7,7 @@
 // the residual add rounded before the norm). With AVX-512 the bf16 loops are intrinsics rounding by
 // vcvtneps2bf16: within 1 bf16 ulp of torch's, subnormal results flushed. They run on the calling thread unless a tensor is
 // large (kSerialBelow elements), so a decode step's [batch, hidden] rows wake no OpenMP threads.
-// Registered in the `kvbridge` op namespace (paged_decode.cpp defines it);
+// Registered in the build's op namespace (KVBRIDGE_OPS) (paged_decode.cpp defines it);
 // kvbridge/engine/layers/cpu_kernels.py builds and loads them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -369,7 +369,7 @@ void write_kv_(at::Tensor kv_layer, const at::Tensor& k, const at::Tensor& v, co
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
+KVBRIDGE_LIBRARY_FRAGMENT(KVBRIDGE_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
@@ -377,7 +377,7 @@ TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvbridge, CPU, m) {
+KVBRIDGE_LIBRARY_IMPL(KVBRIDGE_OPS, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rotary_", &rotary_);

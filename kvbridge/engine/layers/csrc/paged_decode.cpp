@@ -448,9 +448,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
 
 }  // namespace
 
-TORCH_LIBRARY(kvbridge, m) {
+KVBRIDGE_LIBRARY(KVBRIDGE_OPS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor context_lens, "
         "int sliding_window, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvbridge, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+KVBRIDGE_LIBRARY_IMPL(KVBRIDGE_OPS, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -177,8 +177,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
+KVBRIDGE_LIBRARY_FRAGMENT(KVBRIDGE_OPS, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvbridge, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+KVBRIDGE_LIBRARY_IMPL(KVBRIDGE_OPS, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

@@ -546,10 +546,10 @@ void prefill_attention_bf16_(at::Tensor out, const at::Tensor& q, const at::Tens
 #endif
 }
 
-TORCH_LIBRARY_FRAGMENT(kvbridge, m) {
+KVBRIDGE_LIBRARY_FRAGMENT(KVBRIDGE_OPS, m) {
   m.def("prefill_attention_bf16_isa() -> int", &prefill_attention_bf16_isa);
   m.def("prefill_attention_bf16_(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lens, "
         "float scale, int isa) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvbridge, CPU, m) { m.impl("prefill_attention_bf16_", &prefill_attention_bf16_); }
+KVBRIDGE_LIBRARY_IMPL(KVBRIDGE_OPS, CPU, m) { m.impl("prefill_attention_bf16_", &prefill_attention_bf16_); }

@@ -6,6 +6,16 @@
 #include <cstring>
 #include <limits>
 
+// The op namespace this build registers in: `kvbridge_<isa>` (cpu_kernels.py passes
+// -DKVBRIDGE_OPS=kvbridge_avx2 and so on), so that the builds of several ISAs load into one process
+// (tests, benchmarks) without colliding. The wrappers expand the name before torch pastes it.
+#ifndef KVBRIDGE_OPS
+#define KVBRIDGE_OPS kvbridge
+#endif
+#define KVBRIDGE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define KVBRIDGE_LIBRARY_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define KVBRIDGE_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
 namespace kvbridge {
 
 // 16 floats as one value: a zmm register with AVX-512, two ymm with AVX2 (GCC's vector extension;
