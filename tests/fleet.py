@@ -183,8 +183,13 @@ class Fleets:
     idle: OrderedDict[FleetSpec, Fleet] = field(default_factory=OrderedDict)
     starts: int = 0
 
-    def _log_dir(self) -> Path:
+    def _log_dir(self, spec: FleetSpec, shared: bool) -> Path:
         self.starts += 1
+        if os.environ.get("KVBRIDGE_MODULE_TIMES"):  # the suite's profile (tests/conftest.py): each start
+            import json
+            with open(os.environ["KVBRIDGE_MODULE_TIMES"], "a") as f:
+                f.write(json.dumps({"fleet_start": repr(spec), "shared": shared,
+                                    "test": os.environ.get("PYTEST_CURRENT_TEST", "")}) + "\n")
         path = self.log_root / f"fleet-{self.starts}"
         path.mkdir(parents=True)
         return path
@@ -197,7 +202,7 @@ class Fleets:
         while len(self.idle) >= MAX_IDLE:
             self.idle.popitem(last=False)[1].stop()
         if fleet is None:
-            fleet = Fleet(spec, self._log_dir())
+            fleet = Fleet(spec, self._log_dir(spec, True))
         self.idle[spec] = fleet
         return fleet
 
@@ -209,7 +214,7 @@ class Fleets:
 
     def own(self, spec: FleetSpec) -> Fleet:
         """A fleet for the caller alone; the caller stops it."""
-        return Fleet(spec, self._log_dir())
+        return Fleet(spec, self._log_dir(spec, False))
 
     def close(self) -> None:
         while self.idle:
