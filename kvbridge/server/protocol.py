@@ -12,7 +12,7 @@ rather than ignored. A sampling field left out (None) takes the model's default 
 A completion's `prompt` takes OpenAI's four forms (a text, a list of texts, a list of token ids, a
 list of token-id lists): `CompletionRequest.prompts` lists them, one choice each. Token ids (the
 prompt's, logit_bias', stop_token_ids') are checked against the vocabulary where it is known
-(`check_token_ids`, completions.py). /tokenize and /detokenize take vLLM's bodies.
+(`check_token_ids`, errors.py). /tokenize and /detokenize take vLLM's bodies.
 """
 
 from __future__ import annotations
@@ -38,6 +38,14 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 # ---------------------------------------------------------------- requests
+
+
+def _refused_when_set(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """The validator of a field kvbridge does not serve: a value that asks for it (true, a text)
+    is refused naming the field, never ignored."""
+    if value:
+        raise ValueError(f"{info.field_name} is not supported")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -74,7 +82,7 @@ class _Request(BaseModel):
     # the proxy already streamed: the answer continues from them (engine.add_request `continued`)
     continue_from_token_ids: list[TokenId] | None = None
 
-    # Structured output and prompt logprobs are still to come (issue 48): refused, never ignored.
+    # Structured output and prompt logprobs are not served yet: refused, never ignored.
     response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = None  # vLLM extension
     guided_json: Any = None  # vLLM extensions, the older and newer names of structured output
@@ -201,13 +209,6 @@ class CompletionRequest(_Request):
         return list(cast("list[str] | list[list[int]]", prompt)) if is_prompt_list(prompt) else [
             cast("str | list[int]", prompt)]
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
     @field_validator("best_of")
     @classmethod
     def _no_best_of(cls, value: int | None) -> int | None:
@@ -215,12 +216,7 @@ class CompletionRequest(_Request):
             raise ValueError("only best_of=1 is supported")
         return value
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
+    _not_supported = field_validator("echo", "suffix")(classmethod(_refused_when_set))
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -322,12 +318,7 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _no_continue_final(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("continue_final_message is not supported")
-        return value
+    _not_supported = field_validator("continue_final_message")(classmethod(_refused_when_set))
 
 
 class TokenizeResponse(BaseModel):

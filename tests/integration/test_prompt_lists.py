@@ -17,35 +17,14 @@ from typing import Any
 import httpx
 import pytest
 
-from kvbridge.engine.loader import LoadedModel, load_model
-from kvbridge.server.async_engine import AsyncEngine
 from kvbridge.server.protocol import MAX_PROMPTS
-from tests.integration.test_api_server import MODEL, REMOTE_PREFILL, InstrumentedEngine, Instance, new_engine, post
+from tests.integration.api_instance import MODEL, REMOTE_PREFILL, InstrumentedEngine, Instance, inst, llm, loaded, post
 from tests.openai_errors import assert_openai_error
 
 pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
 GREEDY: dict[str, Any] = {"max_tokens": 6, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_model(MODEL)
-
-
-@pytest.fixture(scope="module")
-def llm(loaded: LoadedModel) -> InstrumentedEngine:
-    return new_engine(loaded)
-
-
-@pytest.fixture(scope="module")
-def inst(llm: InstrumentedEngine) -> Iterator[Instance]:
-    engine = AsyncEngine(llm)
-    instance = Instance(engine)
-    yield instance
-    instance.close()
-    engine.shutdown()
 
 
 @pytest.fixture(autouse=True)
@@ -276,6 +255,8 @@ def test_tokenize_chat_counts_what_a_chat_request_prefills(inst: Instance) -> No
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "model"),
     ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
     ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens"),
     ("/detokenize", {"tokens": ["1"]}, 400, "tokens"),
     ("/detokenize", {"tokens": [1], "model": "nope"}, 404, "model"),
