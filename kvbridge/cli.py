@@ -220,7 +220,7 @@ def _kv_events_config(text: str | None):
 def _checked_engine_config(a: argparse.Namespace, program: str) -> EngineConfig | None:
     """engine_config_from_args, or None after printing (as argparse would, as `kvbridge program`) why
     the options are invalid (a --generation-config whose file cannot be used included)."""
-    from kvbridge.engine.generation_config import sampling_defaults
+    from kvbridge.engine.setup.generation_config import sampling_defaults
     try:
         config = engine_config_from_args(a)
         sampling_defaults(config.generation_config, config.model)

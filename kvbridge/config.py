@@ -140,7 +140,7 @@ class EngineConfig:
     # Which CPUs each rank computes on: auto, none or one list per rank ("0-3|4-7");
     # shape/cpu_lists.py reads it, engine/tp/cpu_bind.py applies it.
     cpu_bind: str = "auto"
-    # The model's sampling defaults for requests that omit them: auto, vllm or a folder (engine/generation_config.py).
+    # The model's sampling defaults for requests that omit them: auto, vllm or a folder (engine/setup/generation_config.py).
     generation_config: str = "auto"
     # --kv-events-config: vLLM's KV events (kv_events/config.py); None: none published.
     kv_events: KVEventsConfig | None = None

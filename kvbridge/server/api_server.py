@@ -45,12 +45,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvbridge import openai_wire as wire
 from kvbridge.openai_wire import bind_socket
 from kvbridge.config import EngineConfig
-from kvbridge.engine.generation_config import NO_DEFAULTS, SamplingDefaults, sampling_defaults, startup_lines
+from kvbridge.engine.setup.generation_config import NO_DEFAULTS, SamplingDefaults, sampling_defaults, startup_lines
 from kvbridge.http_protocol import AnnouncingServer, server_config
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from kvbridge.server.async_engine import AsyncEngine, EngineState
-from kvbridge.server.completions import ApiError, CompletionHandlers, as_api_error, json_response, read_json
+from kvbridge.server.completions import CompletionHandlers
+from kvbridge.server.errors import ApiError, as_api_error, json_response, read_json
 from kvbridge.server.metrics import CONTENT_TYPE, LoadCollector, ServerMetrics
 from kvbridge.server.undelivered import usable_release_key
 from kvbridge.tracing import Tracing, TracingConfig, program_tracing

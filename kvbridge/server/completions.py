@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from kvbridge import openai_wire as wire
 from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedError, EngineRequestError
-from kvbridge.engine.generation_config import SamplingDefaults
+from kvbridge.engine.setup.generation_config import SamplingDefaults
 from kvbridge.engine.outputs import RequestOutput, TokenLogprob
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.params import KVTransferParams, wire_or_none

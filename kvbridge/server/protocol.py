@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from kvbridge.engine.generation_config import SamplingDefaults
+from kvbridge.engine.setup.generation_config import SamplingDefaults
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import MAX_LOGIT_BIAS, SEED_MAX, SEED_MIN, SamplingParams
 from kvbridge.openai_wire import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob

@@ -27,7 +27,7 @@ import uvicorn
 
 from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
-from kvbridge.engine.generation_config import SamplingDefaults, sampling_defaults
+from kvbridge.engine.setup.generation_config import SamplingDefaults, sampling_defaults
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from kvbridge.engine.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.engine.setup.default_model import PUBLISHED_SAMPLING
-from kvbridge.engine.generation_config import (NO_DEFAULTS, GenerationConfigError, SamplingDefaults,
+from kvbridge.engine.setup.generation_config import (NO_DEFAULTS, GenerationConfigError, SamplingDefaults,
                                                sampling_defaults, startup_lines)
 from kvbridge.server import protocol as p
 

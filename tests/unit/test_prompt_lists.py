@@ -12,7 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kvbridge.engine.generation_config import NO_DEFAULTS
+from kvbridge.engine.setup.generation_config import NO_DEFAULTS
 from kvbridge.engine.sampling import Sampler, shape_logits
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.proxy import prompt_lists

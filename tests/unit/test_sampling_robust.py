@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kvbridge.engine.generation_config import NO_DEFAULTS
+from kvbridge.engine.setup.generation_config import NO_DEFAULTS
 from kvbridge.engine.sampling import Sampler, apply_repetition_penalty
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.server.protocol import CompletionRequest
