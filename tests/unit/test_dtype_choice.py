@@ -115,3 +115,17 @@ def test_model_config_dtype_reads_a_folders_torch_dtype(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"torch_dtype": "int8"}')
     assert model_config_dtype(str(tmp_path)) is None
     assert model_config_dtype("SmolLM2-135M-Instruct") is None  # the packaged GGUF states none
+
+
+def test_serve_on_an_avx2_only_cpu_picks_float32_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """An AMD Zen 3 (AVX2 + FMA, no AVX-512, no bf16 instruction), its flags injected: auto is float32,
+    and the start-up log says it is for want of native bf16 arithmetic."""
+    zen3 = parse_cpu_flags(CPUINFO.format(*["fpu sse sse2 ssse3 sse4_2 avx f16c fma bmi1 bmi2 avx2 sha_ni vaes"] * 2))
+    monkeypatch.setattr("kvbridge.engine.setup.dtype_choice.read_cpu_flags", lambda path="/proc/cpuinfo": zen3)
+    seen = []
+    monkeypatch.setattr("kvbridge.server.api_server.run_server", lambda config, *a, **k: seen.append(config) or 0)
+    with caplog.at_level(logging.INFO, logger="kvbridge.cli"):
+        assert cli.main(["serve", "--port", "0"]) == 0
+    assert [config.dtype for config in seen] == ["float32"]
+    assert "dtype float32 (--dtype auto: the CPU has no native bf16 arithmetic" in caplog.text
