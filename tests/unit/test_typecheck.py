@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(600)  # a cold cache reads torch's stubs
 
 ROOT = Path(__file__).resolve().parents[2]
 # The packages checked, strict, with zero errors: add one here once it checks clean.
-CHECKED = ("kvbridge/engine", "kvbridge/kv_events", "kvbridge/kv_transfer", "kvbridge/proxy", "kvbridge/tracing")
+CHECKED = ("kvbridge/engine", "kvbridge/kv_events", "kvbridge/kv_transfer", "kvbridge/proxy", "kvbridge/server",
+           "kvbridge/tracing")
 CACHE_DIR = Path(tempfile.gettempdir()) / f"kvbridge-mypy-cache-{os.getuid()}"
 
 
