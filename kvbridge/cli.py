@@ -17,11 +17,11 @@ if TYPE_CHECKING:
 
 # The OpenMP wait policy, set before torch is imported anywhere (its thread pool reads it once).
 # `kvbridge serve` of one rank owns its cores and keeps OpenMP's default, as vLLM does: threads
-# spin briefly between ops, then sleep. A decode step at batch 1 took 36-44 ms so, 47-61 ms with
-# PASSIVE (threads sleep at once; benchmarks/README.md, roofline). ACTIVE spins forever: as fast,
-# but an idle server then burns a core. Every other command sleeps (PASSIVE): `kvbridge up` runs
-# P, D and the proxy on the same cores, where spinning threads made small ops take 7-8 ms instead
-# of under 0.5. A value in the environment always wins (several `serve`s on one machine:
+# spin briefly between ops, then sleep: a decode step at batch 1 is faster so than with PASSIVE
+# (threads sleep at once; benchmarks/README.md, roofline, has both). ACTIVE spins forever: as
+# fast, but an idle server then burns a core. Every other command sleeps (PASSIVE): `kvbridge up`
+# runs P, D and the proxy on the same cores, where spinning threads made small ops many times
+# slower. A value in the environment always wins (several `serve`s on one machine:
 # OMP_WAIT_POLICY=PASSIVE).
 _WAIT_POLICY_GIVEN = "OMP_WAIT_POLICY" in os.environ
 if sys.argv[1:2] != ["serve"]:

@@ -83,7 +83,7 @@ class Sampler:
                 if sp.shapes_logits:
                     shape_logits(logits[row], sp, before[row])
         out = SamplerOutput()
-        # argmax over the greedy rows only (2.6 ms at 64 rows of a 49,152-entry vocabulary here).
+        # argmax over the greedy rows only (a full-vocabulary pass per row: benchmarks/sampling_ab.py).
         greedy_rows = [row for row, sp in enumerate(params) if sp.greedy]
         greedy = dict(zip(greedy_rows, torch.argmax(logits[greedy_rows], dim=-1).tolist())) if greedy_rows else {}
         drawn = self._sample_plain_rows(logits, params)

@@ -132,8 +132,9 @@ class Lease:
 
 
 # How long after a granted check_read P treats the read as in flight when no read-done
-# notification arrives (D died mid-read, or its notification was lost): an 8k-token read
-# takes 20-100 ms on loopback; this bounds the prompt polling a vanished reader can cause.
+# notification arrives (D died mid-read, or its notification was lost): far longer than an
+# 8k-token read on loopback (benchmarks/README.md, pd_transfer); this bounds the prompt polling
+# a vanished reader can cause.
 READ_WATCH_S = 5.0
 # A granted read holds its blocks for this many of the reader's own read timeouts after the
 # grant (D starts no read later than one timeout after it asked, and abandons a read one timeout

@@ -18,7 +18,7 @@ every process that runs NIXL, before start-up):
   each completed in 6 ms. kvbridge does not rely on it for liveness: a read has its own
   timeout (`transfer_timeout_s`), P's leases expire, D's heartbeats renew them.
 
-The progress thread is off by default (it cut throughput by 40-50% on 2 cores), so
+The progress thread is off by default (it cut throughput on a small CPU), so
 an agent progresses only inside its own calls: the target of reads must call
 ``get_new_notifs`` regularly or reads from it stay IN_PROGRESS (measured: a READ
 between two agents never completes while the target is idle), and a notification

@@ -42,7 +42,7 @@ _POOL_MAX_IDLE_S = 20.0  # so clients reuse pooled connections well before that
 
 def _tune(sock: socket.socket) -> None:
     # Control frames are tiny: no Nagle delay. Buffer sizes stay auto-tuned (fixing
-    # them at 4 MiB measured slower on loopback).
+    # them at 4 MiB was slower on loopback).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 

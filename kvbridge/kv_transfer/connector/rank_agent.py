@@ -12,7 +12,7 @@ result (the one gather):
     poll()           after the forward: the reads that settled (DONE or ERROR) since the
                      last poll, each reported once; the agent keeps a settled read's handle
                      until the control plane releases it, which it does only when every
-                     read of the request has settled (seed 000's order)
+                     read of the request has settled
 
 A read still in progress `read_timeout_s` after it started is abandoned: the agent of its peer
 is removed first (that closes the transport's endpoint, so the read can write nothing more into
@@ -81,8 +81,8 @@ def reads_start_together(step_commands: Sequence[RankCommands | None]) -> bool:
     """Do two or more ranks start reads in this step (every rank's commands, rank order)? Then the
     ranks wait for each other before starting them (a barrier, `ModelRunner.sync_ranks`): the
     request settles only when its last read does, and on a busy host a rank that is woken late
-    for the step would otherwise start its read only after another rank's copy (measured: 3-5 ms
-    later in a quarter of a D TP 2's reads; benchmarks/README.md, pd_transfer). Every rank sees
+    for the step would otherwise start its read only after another rank's copy (how much later:
+    benchmarks/README.md, pd_transfer). Every rank sees
     the same commands, so all of them take the same branch."""
     return sum(1 for c in step_commands if c is not None and c.reads) >= 2
 

@@ -9,7 +9,7 @@ ranks run, to hand them new reads; after, to take their reports) without blockin
   READ       the request's ReadPlan (tp_mapping.plan_request_reads): one one-sided read
              per (D rank, P rank) pair it names, without a backend notification (a
              replicated head, e.g. MLA's latent, from the one P rank the plan picks). The
-             request is settled only when EVERY read has settled (seed 000): then the
+             request is settled only when EVERY read has settled: then the
              handles are released, and either D sends P the plan's notice as one
              kv_read_done (all reads DONE) or the request fails with the first failure
              and the same notice goes as a kv_release
@@ -524,7 +524,7 @@ class KVReceiver:
                                   request_salt(s.remote_request_id), s.remote_request_id, s.lease_generation)
 
     def _settle_reads(self, rid: str, recv: _Recv) -> None:
-        """Once every read of the request has settled (never before: seed 000), release their
+        """Once every read of the request has settled (never before), release their
         handles and finish the request: read-done to P, or the first failure."""
         reads = recv.reads.values()
         if any(r.result is None for r in reads):

@@ -38,12 +38,11 @@ logger = logging.getLogger("kvbridge.kv_transfer")
 # P: how long a granted read D did not ask P to watch (every (D rank, P rank) pair it reads
 # between has completed a read since D added P's agent: their agents are wired up) may be in
 # flight before P's ranks poll their agents for it. Such a read needs no progress from P
-# (measured: 67 MiB and 540 MiB NIXL reads between wired-up agents completed with the target
-# making no call at all; UCX's keepalive, which breaks that after an idle spell, is off:
-# backends/nixl.py), so the polls are only a safety net, and at TP N each is a round through
-# N + 1 processes: one during a 1k-token read cost the reader's copy 0.4-0.7 ms on 2 cores
-# (benchmarks/README.md, pd_transfer). Longer than a 1k-token read (7 ms here), shorter than
-# an 8k-token one (45-65 ms).
+# (NIXL reads between wired-up agents complete with the target making no call at all; UCX's
+# keepalive, which breaks that after an idle spell, is off: backends/nixl.py), so the polls
+# are only a safety net, and at TP N each is a round through N + 1 processes that slows the
+# reader's copy. Chosen longer than a 1k-token read and shorter than an 8k-token one
+# (benchmarks/README.md, pd_transfer, has both read times and a poll's cost).
 UNWATCHED_POLL_AFTER_S = 0.02
 
 

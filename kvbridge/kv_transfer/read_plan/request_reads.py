@@ -7,7 +7,7 @@ each of D's ranks reads its attention heads from). This module turns that into
 {(D rank, P rank): (D descriptors, P descriptors)}:
 
 1. block_mapping.apply_prefix_caching pairs D's kernel blocks with P's, per group, each side's
-   ids expanded with its OWN ratio (seed 004), trimmed for D's prefix-cache hit (the tail) or,
+   ids expanded with its OWN ratio, trimmed for D's prefix-cache hit (the tail) or,
    when the ratios differ, cut to the common kernel count;
 2. an attention group's kernel blocks are read as the plan's head spans (tp_mapping.py);
 3. a Mamba group's state (one page per request) as the head and group spans of

@@ -22,7 +22,7 @@ both sides merged (equal TP sizes: a run of consecutive blocks is one descriptor
 executes: per local (D) rank the spans it reads and so the remote (P) ranks it reads
 from, the P ranks whose copies nobody reads (MLA with P TP > D TP: all but the chosen
 ones), and the `ReleaseNotice` that frees the request's blocks on EVERY P rank, read or
-not: P's request id (never D's: seed 003) and the lease generation. P's blocks live in
+not: P's request id (never D's: P knows no other) and the lease generation. P's blocks live in
 one block pool in P's engine process, so that one notice (D's read-done, or its release
 after a failure) frees every rank's copy at once; no P rank is left to its lease.
 
@@ -199,7 +199,7 @@ def request_salt(remote_request_id: str) -> int:
 class ReleaseNotice:
     """The one message that frees a request's blocks on every rank of P: D's read-done when
     every read succeeded, its release otherwise. Keyed by P's own request id (P knows no
-    other: seed 003's bug was D's id here) and the lease generation (a stale notice frees
+    other; D's id here once freed nothing) and the lease generation (a stale notice frees
     nothing). P's engine process owns one block pool for all its ranks, so one notice
     frees the copies of every rank in `remote_ranks`, read or not."""
 

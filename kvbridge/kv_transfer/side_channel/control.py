@@ -20,9 +20,9 @@
   kv_heartbeat   {"items": [[rid, gen], ...]}  D still waits; renew these leases
 
 The read-done notification goes here, not with the READ through NIXL: a NIXL READ
-that carries a notification is not DONE on D until P's agent has progressed
-(measured: with P polling every 20 ms, a 45 MiB read that copies in 3 ms completed
-after 20 ms; without the notification it completes when the copy ends). P's
+that carries a notification is not DONE on D until P's agent has progressed (it
+completed only at P's next poll; without the notification it completes when the copy ends:
+benchmarks/README.md, pd_transfer). P's
 side-channel thread answers at once, whatever P's engine loop is doing.
 
 P registers the handlers (ControlServer), which parse each body into a typed message

@@ -352,7 +352,7 @@ def validate_layout(remote: RankLayout, local: RankLayout, *, prefix_caching: bo
             f"local {len(local.region_base_addrs)}")
     refusal = check_block_ratios(local.physical_blocks_per_logical, remote.physical_blocks_per_logical,
                                  prefix_caching)
-    if refusal is not None:  # seed 004: D's prefix-cache hits cannot be paired with P's blocks
+    if refusal is not None:  # D's prefix-cache hits cannot be paired with P's blocks
         raise HandshakeLayoutMismatch(refusal)
 
 
