@@ -72,7 +72,7 @@ class CompletionHandlers:
         self.defaults = defaults  # the model's sampling defaults (--generation-config)
         self.created = int(time.time())
         # A prompt text longer than this has more tokens than the context holds, whatever
-        # its content: it is refused without being tokenised (a 10 MB prompt took 9 s).
+        # its content: it is refused without being tokenised (a huge prompt would hold a thread for seconds).
         self.max_prompt_bytes = engine.max_model_len * engine.tokenizer.max_bytes_per_token
         # P: the leases of answers the proxy gave up on, by the key it sent (undelivered.py)
         self.release_keys = ReleaseKeys(RELEASE_KEY_TTL_S)
