@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_decode.cpp", "prefill_attention.cpp", "prefill_attention_bf16.cpp", "elementwise.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "vec_avx512.h")]  # in the build's identity
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "vec_avx2.h", "vec_avx512.h")]  # in the build's identity
 _lock = threading.Lock()
 _available: bool | None = None  # decided once per process, by the first available()
 _active: str | None = None  # the ISA whose build the engine's calls go to (set by available())

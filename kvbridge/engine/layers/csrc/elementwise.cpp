@@ -5,7 +5,8 @@
 // is fp32, and a bf16 result is rounded (to nearest even) where torch's bf16 path rounds, so the
 // bf16 ops give torch's bf16 results (RMSNorm: the normalised row rounded, then times the weight;
 // the residual add rounded before the norm). With AVX-512 the bf16 loops are intrinsics rounding by
-// vcvtneps2bf16: within 1 bf16 ulp of torch's, subnormal results flushed. They run on the calling thread unless a tensor is
+// vcvtneps2bf16: within 1 bf16 ulp of torch's, subnormal results flushed; with AVX2 + FMA 8-lane
+// intrinsics rounding in integer arithmetic (vec_avx2.h). They run on the calling thread unless a tensor is
 // large (kSerialBelow elements), so a decode step's [batch, hidden] rows wake no OpenMP threads.
 // Registered in the build's op namespace (KVBRIDGE_OPS) (paged_decode.cpp defines it);
 // kvbridge/engine/layers/cpu_kernels.py builds and loads them.
@@ -13,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_avx2.h"
 #include "vec_avx512.h"
 #include "vec_math.h"
 
@@ -65,45 +67,78 @@ T* ptr(const at::Tensor& t) {
 }
 
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The vector forms of the bf16 rows' loops, in one 16- or 8-lane abstraction (V): AVX-512 (16
+// lanes, rounded by kvbridge::to_bf16_16: subnormal results flush to zero with AVX-512 BF16) or
+// AVX2 + FMA (8 lanes, vec_avx2.h: widened by shifts and rounded in integer arithmetic, the CPU
+// having no bf16 instruction). fp32 arithmetic. The compiler's vectorisation of the scalar forms
+// below left bf16 rows 2-3x slower than memory (a select per rounding).
+#define KVBRIDGE_SIMD 1
 #if defined(__AVX512F__)
-// The AVX-512 forms of the bf16 rows' loops: 16 lanes widened, fp32 arithmetic, rounded by
-// kvbridge::to_bf16_16 (subnormal results flush to zero). The compiler's vectorisation of the
-// scalar forms below left bf16 rows 2-3x slower than memory (a select per rounding).
 constexpr int64_t kLanes = 16;
+using V = __m512;
+inline V widen(const uint16_t* p) { return kvbridge::widen16(p); }
+inline void store_bf16(uint16_t* p, V x) { kvbridge::store_bf16_16(p, x); }
+inline V round_bf16(V x) { return kvbridge::round_bf16_16(x); }
+inline V vexp(V x) { return kvbridge::exp16(x); }
+inline V recip(V x) { return kvbridge::reciprocal16(x); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vfmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vset1(float x) { return _mm512_set1_ps(x); }
+inline V vzero() { return _mm512_setzero_ps(); }
+inline float reduce(V v) { return _mm512_reduce_add_ps(v); }
+#else
+constexpr int64_t kLanes = 8;
+using V = __m256;
+inline V widen(const uint16_t* p) { return kvbridge::widen8(p); }
+inline void store_bf16(uint16_t* p, V x) { kvbridge::store_bf16_8(p, x); }
+inline V round_bf16(V x) { return kvbridge::round_bf16_8(x); }
+inline V vexp(V x) { return kvbridge::exp8(x); }
+inline V recip(V x) { return _mm256_div_ps(_mm256_set1_ps(1.f), x); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vfmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vset1(float x) { return _mm256_set1_ps(x); }
+inline V vzero() { return _mm256_setzero_ps(); }
+inline float reduce(V v) { return kvbridge::reduce_add8(v); }
+#endif
 
 inline const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline uint16_t* bits(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
 
-// Sum of squares of the first n16 (a multiple of 16) values.
-inline float sum_squares16(const bf16* x, int64_t n16) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n16; i += kLanes) {
-    const __m512 v = kvbridge::widen16(bits(x + i));
-    acc = _mm512_fmadd_ps(v, v, acc);
+// Sum of squares of the first nv (a multiple of kLanes) values.
+inline float sum_squares_v(const bf16* x, int64_t nv) {
+  V acc = vzero();
+  for (int64_t i = 0; i < nv; i += kLanes) {
+    const V v = widen(bits(x + i));
+    acc = vfmadd(v, v, acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  return reduce(acc);
 }
 
-// out[i] = round(x[i] * scale) * w[i], rounded, for the first n16 values.
-inline void scale_row16(const bf16* x, const bf16* w, bf16* out, int64_t n16, float scale) {
-  const __m512 vs = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < n16; i += kLanes) {
-    const __m512 normed = kvbridge::round_bf16_16(_mm512_mul_ps(kvbridge::widen16(bits(x + i)), vs));
-    kvbridge::store_bf16_16(bits(out + i), _mm512_mul_ps(normed, kvbridge::widen16(bits(w + i))));
+// out[i] = round(x[i] * scale) * w[i], rounded, for the first nv values.
+inline void scale_row_v(const bf16* x, const bf16* w, bf16* out, int64_t nv, float scale) {
+  const V vs = vset1(scale);
+  for (int64_t i = 0; i < nv; i += kLanes) {
+    const V normed = round_bf16(vmul(widen(bits(x + i)), vs));
+    store_bf16(bits(out + i), vmul(normed, widen(bits(w + i))));
   }
 }
 #endif
 
 template <typename T>
 void norm_row(const T* __restrict x, const T* __restrict w, T* __restrict out, int64_t n, float eps) {
-#if defined(__AVX512F__)
+#if KVBRIDGE_SIMD
   if constexpr (std::is_same_v<T, bf16>) {
-    const int64_t n16 = n / kLanes * kLanes;
-    float sum = sum_squares16(x, n16);
-    for (int64_t i = n16; i < n; ++i) sum += to_float(x[i]) * to_float(x[i]);
+    const int64_t nv = n / kLanes * kLanes;
+    float sum = sum_squares_v(x, nv);
+    for (int64_t i = nv; i < n; ++i) sum += to_float(x[i]) * to_float(x[i]);
     const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-    scale_row16(x, w, out, n16, scale);
-    for (int64_t j = n16; j < n; ++j) store_scalar(out + j, round_to(to_float(x[j]) * scale, out) * to_float(w[j]));
+    scale_row_v(x, w, out, nv, scale);
+    for (int64_t j = nv; j < n; ++j) store_scalar(out + j, round_to(to_float(x[j]) * scale, out) * to_float(w[j]));
     return;
   }
 #endif
@@ -173,10 +208,10 @@ at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& delta, const at:
         T* __restrict h = hd + r * n;
         const T* __restrict d = dd + r * dstride;
         int64_t j = 0;
-#if defined(__AVX512F__)
+#if KVBRIDGE_SIMD
         if constexpr (std::is_same_v<T, bf16>) {
           for (; j + kLanes <= n; j += kLanes) {
-            kvbridge::store_bf16_16(bits(h + j), _mm512_add_ps(kvbridge::widen16(bits(h + j)), kvbridge::widen16(bits(d + j))));
+            store_bf16(bits(h + j), vadd(widen(bits(h + j)), widen(bits(d + j))));
           }
         }
 #endif
@@ -193,10 +228,10 @@ void silu_mul_row(const T* __restrict gate, const T* __restrict up, T* __restric
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + kvbridge::vector_exp(-gate[i])) * up[i];
   } else {
-#if defined(__AVX512F__)
-    // bf16 in AVX-512 intrinsics, 16 lanes at a time: the roundings by vcvtneps2bf16 (subnormal
+#if KVBRIDGE_SIMD
+    // bf16 in vector intrinsics. AVX-512, 16 lanes at a time: the roundings by vcvtneps2bf16 (subnormal
     // results flush to zero), 1 / (1 + e^-g) by a refined reciprocal instead of a division, the
-    // exp's range by vscalefps. At 2048 x 1536 (SmolLM2's MLP at a full step) 1.2x faster than the
+    // exp's range by vscalefps; AVX2, 8 lanes: integer rounding, a division, vector_exp's clamps. At 2048 x 1536 (SmolLM2's MLP at a full step) 1.2x faster than the
     // loops below, which the compiler vectorises but which stay arithmetic-bound (2.4x the time of
     // a torch add over the same bytes, now 2.05x: the same pairs of calls, medians of 300).
     const uint16_t* g16 = bits(gate);
@@ -204,10 +239,10 @@ void silu_mul_row(const T* __restrict gate, const T* __restrict up, T* __restric
     uint16_t* o16 = bits(out);
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
-      const __m512 g = kvbridge::widen16(g16 + i);
-      const __m512 e = kvbridge::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = kvbridge::round_bf16_16(_mm512_mul_ps(g, kvbridge::reciprocal16(_mm512_add_ps(_mm512_set1_ps(1.f), e))));
-      kvbridge::store_bf16_16(o16 + i, _mm512_mul_ps(silu, kvbridge::widen16(u16 + i)));
+      const V g = widen(g16 + i);
+      const V e = vexp(vsub(vzero(), g));
+      const V silu = round_bf16(vmul(g, recip(vadd(vset1(1.f), e))));
+      store_bf16(o16 + i, vmul(silu, widen(u16 + i)));
     }
     gate += i;
     up += i;
@@ -275,7 +310,7 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) 
     T* xd = ptr<T>(x);
     const T* cd = ptr<T>(cos);
     const T* sd = ptr<T>(signed_sin);
-#if defined(__AVX512F__)
+#if KVBRIDGE_SIMD
     if constexpr (std::is_same_v<T, bf16>) {
       if (half % kLanes == 0) {
         at::parallel_for(0, tokens, grain(tokens, heads * rope), [&](int64_t begin, int64_t end) {
@@ -285,13 +320,13 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) 
             for (int64_t h = 0; h < heads; ++h) {
               uint16_t* v = bits(xd + t * ts + h * hs);
               for (int64_t i = 0; i < half; i += kLanes) {
-                const __m512 a = kvbridge::widen16(v + i), b = kvbridge::widen16(v + i + half);
-                const __m512 first = _mm512_fmadd_ps(b, kvbridge::widen16(s + i),
-                                                     kvbridge::round_bf16_16(_mm512_mul_ps(a, kvbridge::widen16(c + i))));
-                const __m512 second = _mm512_fmadd_ps(a, kvbridge::widen16(s + i + half),
-                                                      kvbridge::round_bf16_16(_mm512_mul_ps(b, kvbridge::widen16(c + i + half))));
-                kvbridge::store_bf16_16(v + i, first);
-                kvbridge::store_bf16_16(v + i + half, second);
+                const V a = widen(v + i), b = widen(v + i + half);
+                const V first = vfmadd(b, widen(s + i),
+                                                     round_bf16(vmul(a, widen(c + i))));
+                const V second = vfmadd(a, widen(s + i + half),
+                                                      round_bf16(vmul(b, widen(c + i + half))));
+                store_bf16(v + i, first);
+                store_bf16(v + i + half, second);
               }
             }
           }
