@@ -330,9 +330,9 @@ class LLMEngine:
         """One step: schedule -> run -> postprocess. Never sleeps: how soon the next step is due
         comes back with the outputs, for the loop's owner to wait (engine/pacing.py)."""
         sched = self._schedule()
-        started = time.perf_counter()
+        started = time.monotonic()
         result = self._run(sched)
-        self._measure(sched, result, time.perf_counter() - started)
+        self._measure(sched, result, started)
         outputs = self._postprocess(sched, result)
         if self._events is not None and len(self._events):
             self.publisher.publish(KVEventBatch(ts=time.time(), events=self._events.drain()))
@@ -341,9 +341,12 @@ class LLMEngine:
         worker = self.connectors.worker.status() if self.connectors is not None else None
         return EngineStep(outputs, next_step(bool(sched.scheduled or outputs), worker))
 
-    def _measure(self, sched: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
-        """The step's rates (engine/load_rates.py): its compute, and D's loads that completed."""
+    def _measure(self, sched: SchedulerOutput, result: ModelRunnerOutput, started: float) -> None:
+        """The step's rates (engine/load_rates.py): its compute (`started`: time.monotonic() when
+        the ranks' step began), and D's loads that completed (parked -> loaded)."""
         s = self.scheduler
+        now = time.monotonic()
+        seconds = now - started
         if sched.scheduled:
             prefill = 0
             for chunk in sched.scheduled:
@@ -355,10 +358,9 @@ class LLMEngine:
             self._rates.record_step(seconds, prefill, total - prefill)
         if self.connectors is None:
             return
-        now = time.monotonic()
-        for rid, req in s.remote_waiting.items():
+        for rid, req in s.remote_waiting.items():  # parked by this step's schedule
             if rid not in self._remote_started:
-                self._remote_started[rid] = (now, max(0, req.num_prompt_tokens - req.num_computed_tokens))
+                self._remote_started[rid] = (started, max(0, req.num_prompt_tokens - req.num_computed_tokens))
         out = result.kv_connector_output
         if out is not None:
             for rid in out.finished_recving:

@@ -83,9 +83,9 @@ class KVCacheManager:
         self._tables: dict[str, tuple[list[KVBlock], ...]] = {}
         self._num_cached: dict[str, int] = {}  # full blocks of a request cache_blocks has handled
         self.hash_root = hash_root
-        self.events = events
+        self.events: KVEventQueue | None = None
         if events is not None:
-            pool.on_removed = self._record_removed
+            self.record_events(events)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
 
@@ -97,6 +97,11 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    def record_events(self, events: KVEventQueue) -> None:
+        """From now on, record the prefix cache's changes in `events`."""
+        self.events = events
+        self.pool.on_removed = self._record_removed
 
     def get_block_ids(self, request_id: str) -> BlockIds:
         table = self._tables.get(request_id)
