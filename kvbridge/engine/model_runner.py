@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 def configure_torch_threads(num_threads: int) -> None:
     """Process-wide settings for an engine's (or a TP rank's) torch work, before any model is built.
 
-    Small ops took 7-8 ms instead of <0.5 ms here without a passive OpenMP wait policy; the
-    variable must be set before torch starts its thread pool. oneDNN's per-shape caches are
+    Small ops are many times slower without a passive OpenMP wait policy where processes share
+    cores (cli.py); the variable must be set before torch starts its thread pool. oneDNN's per-shape caches are
     bounded before its first primitive (setup/native_memory.py: without it memory grew with every
     prompt length)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -55,8 +55,8 @@ _PAGE = 4096
 def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask Linux for transparent huge pages under a large CPU tensor (before it is touched).
 
-    NIXL/UCX pins the KV cache page by page for its zero-copy reads: on 4 KiB pages a read
-    ran at about 6 GB/s here, on huge pages at 14-17 GB/s. Best effort: False if refused."""
+    NIXL/UCX pins the KV cache page by page for its zero-copy reads, which run faster on huge
+    pages than on 4 KiB ones (benchmarks/README.md, pd_transfer). Best effort: False if refused."""
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)

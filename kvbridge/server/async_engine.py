@@ -162,7 +162,7 @@ class AsyncEngine:
 
     `from_config` builds the engine on the engine thread, so one thread runs all its torch ops:
     OpenMP keeps a worker team per thread that ran a parallel region, and with more team threads
-    than cores they sleep between ops (a 16-sequence decode step 52 -> 62 ms; benchmarks/README.md).
+    than cores they sleep between ops, and a decode step slows (benchmarks/README.md).
     """
 
     def __init__(self, engine: LLMEngine | None = None, *, build: Callable[[], LLMEngine] | None = None,

@@ -11,10 +11,10 @@ decode-only instance stays flat: its row counts are its batch sizes, a few dozen
 
 The fix bounds both caches (`PRIMITIVE_CACHE_CAPACITY` entries each, least recently used
 evicted): the working set of decode batch sizes stays cached, prefill shapes come and go (a
-new shape costs about 0.35 ms per weight to create, against tens to hundreds of milliseconds of
-prefill). The entries evicted and created leave holes in glibc's heap that it does not hand
+new shape's primitives cost little to create against the prefill they serve:
+benchmarks/native_memory_ab.py). The entries evicted and created leave holes in glibc's heap that it does not hand
 back by itself, so the model runner calls `malloc_trim` at most every `TRIM_INTERVAL_S`
-seconds (2-7 ms) to return the free pages to the OS.
+seconds to return the free pages to the OS.
 
 Both capacities are read from the environment once, when oneDNN makes its first primitive in
 the process, so `bound_onednn_caches` must run before any model is built (the engine and each

@@ -9,11 +9,11 @@ pd_transfer):
 
 - Unbound, a D of TP 2 that reads a request's KV on both ranks at once ran the two copies one
   after the other in a quarter of the reads: Linux woke the second rank on the CPU the first
-  was copying on and left it there for the rest of that rank's time slice (3-5 ms) while the
+  was copying on and left it there for the rest of that rank's time slice while the
   other CPU idled. Bound, each rank's main thread wakes on its own CPU.
-- Binding gloo's threads too (the whole process) made a TP 2 decode step at batch 1 20% slower
-  than unbound (130 vs 109 ms: the wake-ups of its 60 all_reduces queued on the one busy CPU);
-  with them free it took 72 ms.
+- Binding gloo's threads too (the whole process) made a TP 2 decode step at batch 1 slower
+  than unbound (the wake-ups of its all_reduces queued on the one busy CPU); with them free it
+  was fastest.
 
 The grammar of the spec (auto, none, one CPU list per rank) is shape/cpu_lists.py's.
 """

@@ -13,9 +13,9 @@ every process that runs NIXL, before start-up):
   installed.
 * ``UCX_KEEPALIVE_INTERVAL=inf``, set here unless the environment sets it (`KEEPALIVE_ENV`):
   UCX's endpoint keepalive (every 20 s by default) makes reads need the target's progress
-  again. Measured: after 25 s without traffic, with the target's agent making no call, the
-  first 64 MiB READ completed and every later one stayed in progress; with the keepalive off
-  each completed in 6 ms. kvbridge does not rely on it for liveness: a read has its own
+  again: after an idle spell, with the target's agent making no call, the first READ
+  completed and every later one stayed in progress; with the keepalive off each completed
+  (benchmarks/README.md, pd_transfer). kvbridge does not rely on it for liveness: a read has its own
   timeout (`transfer_timeout_s`), P's leases expire, D's heartbeats renew them.
 
 The progress thread is off by default (it cut throughput on a small CPU), so

@@ -12,7 +12,7 @@ Why P's ratio and D's ratio differ. A hybrid model chooses its logical block siz
 one logical block of attention KV takes as many bytes as one Mamba state (equal pages).
 A rank's Mamba state size depends on the TP size, and not in proportion to its share of
 attention KV, so engines of different TP sizes pick different logical sizes over the same
-kernel block: in seed 004 (vLLM PR #42097) P at TP 4 has 34 kernel blocks per logical
+kernel block: in vLLM PR #42097's case P at TP 4 has 34 kernel blocks per logical
 block and D at TP 1 has 66. Every id P sends is in P's logical blocks and every id D
 holds is in D's.
 
