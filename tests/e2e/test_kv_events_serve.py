@@ -140,3 +140,24 @@ def test_bad_kv_events_config_is_a_cli_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvbridge.cli", "serve", "--kv-events-config", '{"publisher": "kafka"}'],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--kv-events-config: publisher" in r.stderr
+
+
+def test_up_publishes_events_from_every_instance_and_pd_caches_on_both(smollm2_pd_cluster):
+    urls = smollm2_pd_cluster.urls
+    infos = {u: httpx.get(u + "/kvbridge/kv_events", timeout=10).json() for u in (*urls.prefill, *urls.decode)}
+    assert all(i["enabled"] for i in infos.values())
+    assert len({i["endpoint"] for i in infos.values()}) == len(infos)  # a port of its own each
+    assert len({i["hash_root"] for i in infos.values()}) == 1
+    first = next(iter(infos.values()))
+    index = FleetIndex(bytes.fromhex(first["hash_root"]), first["block_size"])
+    subs = {u: _subscribe(index, u, i) for u, i in infos.items()}
+    try:
+        bs = first["block_size"]
+        prompt = list(range(3000, 3000 + 3 * bs + 2))
+        client = openai.OpenAI(base_url=urls.proxy + "/v1", api_key="none", timeout=60, max_retries=0)
+        client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        for u, sub in subs.items():  # P computed the prompt, D read it: both cached its full blocks
+            _until(sub, lambda u=u: index.overlap(u, prompt) == 3)
+    finally:
+        for s in subs.values():
+            s.close()
