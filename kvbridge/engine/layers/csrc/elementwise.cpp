@@ -89,6 +89,8 @@ inline V vfmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vset1(float x) { return _mm512_set1_ps(x); }
 inline V vzero() { return _mm512_setzero_ps(); }
 inline float reduce(V v) { return _mm512_reduce_add_ps(v); }
+inline V load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline void store_f(float* p, V x) { _mm512_storeu_ps(p, x); }
 #else
 constexpr int64_t kLanes = 8;
 using V = __m256;
@@ -104,7 +106,17 @@ inline V vfmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vset1(float x) { return _mm256_set1_ps(x); }
 inline V vzero() { return _mm256_setzero_ps(); }
 inline float reduce(V v) { return kvbridge::reduce_add8(v); }
+inline V load_f(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_f(float* p, V x) { _mm256_storeu_ps(p, x); }
 #endif
+
+// kLanes values of T as fp32 lanes and back (bf16 rounded), and a product rounded as T holds it.
+inline V loadv(const float* p) { return load_f(p); }
+inline V loadv(const bf16* p) { return widen(reinterpret_cast<const uint16_t*>(p)); }
+inline void storev(float* p, V x) { store_f(p, x); }
+inline void storev(bf16* p, V x) { store_bf16(reinterpret_cast<uint16_t*>(p), x); }
+inline V roundv(V x, const float*) { return x; }
+inline V roundv(V x, const bf16*) { return round_bf16(x); }
 
 inline const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline uint16_t* bits(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
@@ -225,30 +237,27 @@ at::Tensor add_rms_norm_(at::Tensor residual, const at::Tensor& delta, const at:
 
 template <typename T>
 void silu_mul_row(const T* __restrict gate, const T* __restrict up, T* __restrict out, int64_t n) {
+#if KVBRIDGE_SIMD
+  // fp32 and bf16 in vector intrinsics. AVX-512, 16 lanes at a time: bf16 roundings by
+  // vcvtneps2bf16 (subnormal results flush to zero), 1 / (1 + e^-g) by a refined reciprocal
+  // instead of a division, the exp's range by vscalefps; AVX2, 8 lanes: integer rounding, a
+  // division, vector_exp's clamps. Faster than the loops below, which the compiler vectorises but
+  // which stay arithmetic-bound (benchmarks/isa_paths.py).
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const V g = loadv(gate + i);
+    const V e = vexp(vsub(vzero(), g));
+    const V silu = roundv(vmul(g, recip(vadd(vset1(1.f), e))), out);
+    storev(out + i, vmul(silu, loadv(up + i)));
+  }
+  gate += i;
+  up += i;
+  out += i;
+  n -= i;
+#endif
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + kvbridge::vector_exp(-gate[i])) * up[i];
   } else {
-#if KVBRIDGE_SIMD
-    // bf16 in vector intrinsics. AVX-512, 16 lanes at a time: the roundings by vcvtneps2bf16 (subnormal
-    // results flush to zero), 1 / (1 + e^-g) by a refined reciprocal instead of a division, the
-    // exp's range by vscalefps; AVX2, 8 lanes: integer rounding, a division, vector_exp's clamps. At 2048 x 1536 (SmolLM2's MLP at a full step) 1.2x faster than the
-    // loops below, which the compiler vectorises but which stay arithmetic-bound (2.4x the time of
-    // a torch add over the same bytes, now 2.05x: the same pairs of calls, medians of 300).
-    const uint16_t* g16 = bits(gate);
-    const uint16_t* u16 = bits(up);
-    uint16_t* o16 = bits(out);
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      const V g = widen(g16 + i);
-      const V e = vexp(vsub(vzero(), g));
-      const V silu = round_bf16(vmul(g, recip(vadd(vset1(1.f), e))));
-      store_bf16(o16 + i, vmul(silu, widen(u16 + i)));
-    }
-    gate += i;
-    up += i;
-    out += i;
-    n -= i;
-#endif
     // bf16: a chunk of gate and up widened into fp32 buffers first, so the SiLU loop is plain fp32
     // arithmetic over unaliased arrays (it vectorises; element by element from bf16 it did not, and
     // ran at 1.4x torch's two bf16 ops). SiLU(gate) is rounded to bf16 before the product, as torch's.
@@ -311,22 +320,20 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) 
     const T* cd = ptr<T>(cos);
     const T* sd = ptr<T>(signed_sin);
 #if KVBRIDGE_SIMD
-    if constexpr (std::is_same_v<T, bf16>) {
+    {  // fp32 and bf16 in vector intrinsics, where a half of the rotated dims is whole vectors
       if (half % kLanes == 0) {
         at::parallel_for(0, tokens, grain(tokens, heads * rope), [&](int64_t begin, int64_t end) {
           for (int64_t t = begin; t < end; ++t) {
-            const uint16_t* c = bits(cd + t * rope);
-            const uint16_t* s = bits(sd + t * rope);
+            const T* c = cd + t * rope;
+            const T* s = sd + t * rope;
             for (int64_t h = 0; h < heads; ++h) {
-              uint16_t* v = bits(xd + t * ts + h * hs);
+              T* v = xd + t * ts + h * hs;
               for (int64_t i = 0; i < half; i += kLanes) {
-                const V a = widen(v + i), b = widen(v + i + half);
-                const V first = vfmadd(b, widen(s + i),
-                                                     round_bf16(vmul(a, widen(c + i))));
-                const V second = vfmadd(a, widen(s + i + half),
-                                                      round_bf16(vmul(b, widen(c + i + half))));
-                store_bf16(v + i, first);
-                store_bf16(v + i + half, second);
+                const V a = loadv(v + i), b = loadv(v + i + half);
+                const V first = vfmadd(b, loadv(s + i), roundv(vmul(a, loadv(c + i)), v));
+                const V second = vfmadd(a, loadv(s + i + half), roundv(vmul(b, loadv(c + i + half)), v));
+                storev(v + i, first);
+                storev(v + i + half, second);
               }
             }
           }
