@@ -75,6 +75,7 @@ class KVTransferConfig:
     # transfer agent is dropped first so nothing lands later (rank_agent.py).
     transfer_timeout_s: float = 30.0
     load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
+    kv_verify: bool = True  # D checks every read against P's digests before decode (kv_transfer/digest.py)
     recompute_max_tokens: int = 2048  # for policy AUTO
     trusted_hosts: tuple[str, ...] = ()  # empty: only this host's addresses
     # The API key P and D share (--api-key): side-channel requests are authenticated with a key
