@@ -79,7 +79,8 @@ class OutputProcessor:
             request_id=req.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
             finish_reason=req.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0), logprobs=logprobs,
+            num_cached_tokens=max(req.num_cached_tokens, 0), num_loaded_tokens=req.num_loaded_tokens,
+            logprobs=logprobs,
             kv_transfer_params=req.kv_transfer_params_out if finished else None,
             error=req.error, stop_reason=st.stopped if st.stopped is not None else req.stop_reason,
             error_code=req.error_code, times=req.times if finished else None)

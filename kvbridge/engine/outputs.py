@@ -38,6 +38,8 @@ class RequestOutput:
     `error` is a human-readable cause when finish_reason is ERROR; `error_code` says what
     kind of failure it was where the API answers it differently (KV_LOAD_FAILED).
     `times` (finishing output only): when the request reached each phase in the engine.
+    `num_cached_tokens`: prompt tokens found in this instance's prefix cache; `num_loaded_tokens`:
+    prompt tokens whose KV was read from another instance. This instance computed the rest of the prompt.
     """
 
     request_id: str
@@ -48,6 +50,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_loaded_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     kv_transfer_params: "KVTransferParams | None" = None
     error: str | None = None

@@ -332,6 +332,7 @@ class Scheduler:
             # request that continues from tokens P sampled, compute those (the prompt's KV is
             # complete and the last known token is P's).
             req.num_computed_tokens = req.num_prompt_tokens - (0 if req.output_token_ids else 1)
+            req.num_loaded_tokens = req.num_computed_tokens - max(req.num_cached_tokens, 0)
             self.kvm.cache_blocks(req, req.num_computed_tokens)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
@@ -359,6 +360,7 @@ class Scheduler:
                                  req.num_computed_tokens // bs)
                 # Blocks before the first invalid one were loaded intact and are kept.
                 req.num_computed_tokens = min(first_bad * bs, req.num_prompt_tokens - 1)
+            req.num_loaded_tokens = max(req.num_computed_tokens - max(req.num_cached_tokens, 0), 0)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
             if req.trace is not None:

@@ -13,8 +13,11 @@ buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM work unchange
 vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
 vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds,
 vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds,
-vllm:request_inference_time_seconds, vllm:request_prompt_tokens and
-vllm:request_generation_tokens. Engine-wide gauges (queue lengths, KV cache usage, prefix cache counters) come from
+vllm:request_inference_time_seconds, vllm:request_prompt_tokens,
+vllm:request_generation_tokens, vllm:request_prefill_kv_computed_tokens (prompt tokens this instance
+computed: the prompt less its local prefix hit and the KV read from another instance) and the counter
+vllm:prompt_tokens_cached (those it did not compute), so a fleet's computed tokens per request sum
+from outside. Engine-wide gauges (queue lengths, KV cache usage, prefix cache counters) come from
 the latest EngineMetrics snapshot, which the server refreshes on every scrape. The load gauges (what GET
 /kvbridge/load answers: queued prompt tokens, the oldest wait, leases held, draining, the role) come from
 the load snapshot the engine thread publishes after each step (`LoadCollector`), read without waiting.
@@ -158,6 +161,12 @@ class _VllmHistograms:
         self.prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
         self.generation_tokens = histogram("request_generation_tokens", "Number of generation tokens processed.",
                                            tokens)
+        self.prefill_kv_computed_tokens = histogram(
+            "request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens)
+        self.prompt_tokens_cached = Counter(
+            VLLM_PREFIX + "prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+            VLLM_LABELS, registry=r).labels(*labels)
 
     def finished(self, output: RequestOutput, e2e_s: float) -> None:
         self.e2e_latency.observe(e2e_s)
@@ -166,6 +175,10 @@ class _VllmHistograms:
         times = output.times
         if times is None:  # failed outside the engine's request path (the engine died)
             return
+        if times.first_token:  # its prefill completed here
+            cached = min(output.num_cached_tokens + output.num_loaded_tokens, output.num_prompt_tokens)
+            self.prompt_tokens_cached.inc(cached)
+            self.prefill_kv_computed_tokens.observe(output.num_prompt_tokens - cached)
         for histogram, seconds in ((self.queue_time, times.queue_s), (self.prefill_time, times.prefill_s),
                                    (self.decode_time, times.decode_s), (self.inference_time, times.inference_s)):
             if seconds is not None:  # phases the request reached
