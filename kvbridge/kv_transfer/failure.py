@@ -29,6 +29,7 @@ class FailureKind(str, enum.Enum):
     PEER_DEATH = "peer_death"  # the peer went away mid-transfer
     STALE_LEASE = "stale_lease"  # P no longer holds the blocks (lease expired or foreign blocks)
     CONTENT_MISMATCH = "content_mismatch"  # P's blocks hold another prompt's KV (swapped/replayed params)
+    KV_CONTENT_MISMATCH = "kv_content_mismatch"  # the bytes D read differ from P's digests of them (digest.py)
 
 
 def recompute_on_failure(policy: LoadFailurePolicy, recompute_max_tokens: int, num_prompt_tokens: int) -> bool:

@@ -92,10 +92,12 @@ class LeaseOutcome(str, enum.Enum):
     EXPIRED = "expired"  # nobody read or renewed it in time
     CONTENT_MISMATCH = "content_mismatch"  # a reader presented another prompt's digest
     SHUTDOWN = "shutdown"  # P shut down while it was held
+    KV_CONTENT_MISMATCH = "kv_content_mismatch"  # what D read did not match P's digests (digest.py)
 
 
 _ERROR_OUTCOMES = {LeaseOutcome.EXPIRED: "the lease expired: its blocks were freed unread",
-                   LeaseOutcome.CONTENT_MISMATCH: "a reader presented another prompt's content digest"}
+                   LeaseOutcome.CONTENT_MISMATCH: "a reader presented another prompt's content digest",
+                   LeaseOutcome.KV_CONTENT_MISMATCH: "the bytes the reader read did not match their digests"}
 
 
 @dataclass(frozen=True)
@@ -309,6 +311,14 @@ class LeaseTable:
         ended = self._end(request_id, generation, LeaseOutcome.RELEASE)
         if ended:
             self.stats.incr("early_releases")
+        return ended
+
+    def kv_content_mismatch(self, request_id: str, generation: int) -> bool:
+        """D's read failed its digests (digest.py): end the lease and queue its blocks to be freed
+        (counted). True if this call ended it."""
+        ended = self._end(request_id, generation, LeaseOutcome.KV_CONTENT_MISMATCH)
+        if ended:
+            self.stats.incr("kv_content_mismatches")
         return ended
 
     def _end(self, request_id: str, generation: int, outcome: LeaseOutcome) -> bool:

@@ -91,6 +91,8 @@ class KVTransferStats(Collector):
         self.early_releases = 0  # P freed on a release notification (no read)
         self.refused_reads = 0  # P refused a read for a stale or foreign lease
         self.content_mismatches = 0  # P refused a read: its blocks hold another prompt's KV
+        self.kv_content_mismatches = 0  # P: a reader's read failed its digests (digest.py)
+        self.unverified_reads = 0  # D: reads whose P rank sent no digest (KV not in host memory)
         self._transfer_s = _Histogram()
         self._handshake_s = _Histogram()
         self._load_s = _LabelledHistogram("outcome", LOAD_BUCKETS)  # D: park -> settled, per request
@@ -169,6 +171,12 @@ class KVTransferStats(Collector):
             yield CounterMetricFamily(PREFIX + "content_mismatches",
                                       "reads P refused because its blocks hold another prompt's KV "
                                       "(swapped or replayed kv_transfer_params)", value=self.content_mismatches)
+            yield CounterMetricFamily(PREFIX + "kv_content_mismatches",
+                                      "P: leases ended because the reader's bytes failed their digests",
+                                      value=self.kv_content_mismatches)
+            yield CounterMetricFamily(PREFIX + "unverified_reads",
+                                      "D: reads not verified (their P rank could not digest its KV)",
+                                      value=self.unverified_reads)
             yield CounterMetricFamily(PREFIX + "recomputed_requests", "D requests recomputed after a failed load",
                                       value=self.recomputed_requests)
             yield CounterMetricFamily(PREFIX + "handshakes", "successful handshakes", value=self.handshakes)

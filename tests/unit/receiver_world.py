@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbridge.config import KVRole, KVTransferConfig
+from kvbridge.kv_transfer.backends.base import TransferBackend
+from kvbridge.kv_transfer.backends.corrupting import CorruptingBackend
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput
 from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec, ReleaseSpec, RemoteEngine
@@ -36,7 +38,7 @@ from kvbridge.kv_transfer.connector.rank_agent import RankAgent
 from kvbridge.kv_transfer.connector.receiving import ReceiverDeps
 from kvbridge.kv_transfer.connector.worker_side import KVBridgeWorkerConnector
 from kvbridge.kv_transfer.side_channel.control import (MSG_CHECK_READ, MSG_HEARTBEAT, MSG_READ_DONE, MSG_RELEASE, ControlServer,
-                                                       LeaseKey, parse_lease_key)
+                                                       LeaseKey, RankDigester, parse_lease_key)
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
 from kvbridge.kv_transfer.side_channel.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
                                                          HandshakeMetadata, HandshakePeerError, HandshakeRefused, HandshakeTimeout,
@@ -228,7 +230,9 @@ class PrefillEnd:
 
     def __init__(self, net: SideChannelNet, fabric: FakeFabric, clock: ManualClock, *, tp: int = 1,
                  engine_id: str = "prefill-0", port: int = P_PORT, compat: CompatibilityInfo = COMPAT,
-                 backend: str = "fake", block_size: int = BLOCK_SIZE) -> None:
+                 backend: str = "fake", block_size: int = BLOCK_SIZE, digests: bool = True) -> None:
+        """`digests`: P answers digests of what D reads (False: as a P whose KV it cannot hash)."""
+        self.digests = digests
         self.net, self.fabric, self.clock = net, fabric, clock
         self.tp, self.engine_id, self.port = tp, engine_id, port
         self.compat, self.backend, self.block_size = compat, backend, block_size
@@ -247,6 +251,8 @@ class PrefillEnd:
                                    for r, (agent, cache) in enumerate(zip(self.agents, self.caches)))
         self.control.publish_ranks(self.engine_id, self.backend, self.compat,
                                    [(r.agent_metadata, r.layout) for r in self.registrations])
+        if self.digests:  # every rank's KV is in this process's memory: P digests what D reads
+            self.control.digesters = {r.layout.tp_rank: RankDigester.of(r.layout) for r in self.registrations}
         self.net.servers[(HOST, self.port)] = self.server
 
     def restart(self) -> None:
@@ -303,7 +309,10 @@ class ReceiverWorld:
     """D (TP `d_tp`) and one in-memory P (TP `p_tp`); see the module docstring."""
 
     def __init__(self, *, d_tp: int = 1, p_tp: int = 1, d_faults: dict[int, FaultConfig] | None = None,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, kv_verify: bool = True,
+                 corrupt: tuple[float, tuple[str, ...]] | None = None, p_digests: bool = True) -> None:
+        """`kv_verify`: D checks reads against P's digests; `corrupt`: (rate, kinds) of a
+        CorruptingBackend around each D rank's agent; `p_digests`: P answers digests."""
         self.clock = ManualClock()
         self.fabric = FakeFabric()
         self.net = SideChannelNet()
@@ -311,7 +320,7 @@ class ReceiverWorld:
         self.control = ManualExecutor("control")
         self.config = KVTransferConfig(role=KVRole.CONSUMER, backend="fake", engine_id="decode-0",
                                        handshake_timeout_s=HANDSHAKE_TIMEOUT_S, transfer_timeout_s=TRANSFER_TIMEOUT_S,
-                                       lease_seconds=LEASE_S)
+                                       lease_seconds=LEASE_S, kv_verify=kv_verify)
         self.stats = KVTransferStats()
         self.failures = FailureHandler(self.stats, clock=self.clock)
         deps = ReceiverDeps(LoopbackClient(self.net), self.control, self.handshakes, self.clock, self.clock)
@@ -320,13 +329,16 @@ class ReceiverWorld:
             None, prefix_caching, receiver_deps=deps)
         self.receiver = self.connector.receiving
         faults = d_faults or {}
-        self.agents = [RankAgent(self.fabric.create_agent(f"decode-0-rank{r}", faults.get(r)), False,
-                                 TRANSFER_TIMEOUT_S, clock=self.clock) for r in range(d_tp)]
+        backends: list[TransferBackend] = [self.fabric.create_agent(f"decode-0-rank{r}", faults.get(r))
+                                           for r in range(d_tp)]
+        if corrupt is not None:
+            backends = [CorruptingBackend(b, corrupt[0], corrupt[1], seed=r) for r, b in enumerate(backends)]
+        self.agents = [RankAgent(b, False, TRANSFER_TIMEOUT_S, clock=self.clock) for b in backends]
         self.caches = [kv_cache(d_tp, fill=0.0) for _ in range(d_tp)]
         self.d_tp = d_tp
         self.connector.register_ranks([agent.register(cache, BLOCK_SIZE, r, d_tp, rank_heads(d_tp, r))
                                        for r, (agent, cache) in enumerate(zip(self.agents, self.caches))])
-        self.p = PrefillEnd(self.net, self.fabric, self.clock, tp=p_tp)
+        self.p = PrefillEnd(self.net, self.fabric, self.clock, tp=p_tp, digests=p_digests)
         self.out = Outputs()
         self._meta = ConnectorMetadata()
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.kv_transfer.backends.base import MemoryRegion, TransferBackend, TransferState, XferHandle
+from kvbridge.kv_transfer.digest import digest_span
 from kvbridge.kv_transfer.failure import FailureKind
 from kvbridge.kv_transfer.side_channel.handshake import RankLayout
 
@@ -65,6 +66,9 @@ class ReadOp:
     remote: tuple[Desc, ...]
     remote_memory: tuple[str, int] = ("cpu", 0)  # where the peer rank registered them (RankLayout)
     traced: bool = False  # the request is traced: note the read's start and settle times (time.time_ns)
+    # P's digest of each remote desc (digest.py): the read is DONE only if the local descs match;
+    # None: not verified
+    expected: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -147,6 +151,7 @@ class RankAgent:
         self._reads: dict[str, XferHandle | None] = {}  # live xfer id -> handle (None: never started)
         self._settled: list[ReadResult] = []  # settled since the last poll
         self._reported: set[str] = set()  # live xfer ids already settled (polled no more)
+        self._expected: dict[str, tuple[tuple[Desc, ...], tuple[int, ...]]] = {}  # xfer id -> (local, digests)
         self._closed = False
 
     def register(self, kv_cache: torch.Tensor, block_size: int, tp_rank: int, tp_size: int, kv_heads: range,
@@ -190,7 +195,7 @@ class RankAgent:
                 continue
             if state is TransferState.DONE:
                 self._reported.add(xfer_id)
-                self._settle(xfer_id, None)
+                self._settle(xfer_id, *self._verify(xfer_id))
             elif state is TransferState.IN_PROGRESS and self._timed_out(xfer_id):
                 started, peer = self._started[xfer_id]
                 self._drop_peer(peer)  # before the handle is released: no byte may land later
@@ -217,6 +222,19 @@ class RankAgent:
         else:
             self._settled.append(ReadResult(xfer_id, kind, cause, started_ns, time.time_ns()))
 
+    def _verify(self, xfer_id: str) -> tuple[FailureKind | None, str]:
+        """A DONE read against P's digests of what it read (digest.py), in this rank's memory
+        before anything uses it: (None, "") when they match or nothing is to be verified."""
+        check = self._expected.pop(xfer_id, None)
+        if check is None:
+            return None, ""
+        local, expected = check
+        for i, ((addr, length), want) in enumerate(zip(local, expected)):
+            if digest_span(addr, length) != want:
+                return FailureKind.KV_CONTENT_MISMATCH, (f"descriptor {i} of {len(local)} ({length} bytes) does not "
+                                                         "match the prefill engine's digest")
+        return None, ""
+
     def _timed_out(self, xfer_id: str) -> bool:
         started = self._started.get(xfer_id)
         return self.read_timeout_s is not None and started is not None and \
@@ -242,6 +260,11 @@ class RankAgent:
             return
         self._reads[op.xfer_id] = None
         self._started[op.xfer_id] = (self._clock(), op.peer)
+        if op.expected is not None:
+            if len(op.expected) != len(op.local) or self._device != "cpu":
+                self._settle(op.xfer_id, FailureKind.TRANSFER_SETUP, "digests do not fit the read (count or memory)")
+                return
+            self._expected[op.xfer_id] = (op.local, op.expected)
         if op.traced:
             self._started_ns[op.xfer_id] = time.time_ns()
         try:
@@ -279,6 +302,7 @@ class RankAgent:
         self._reported.discard(xfer_id)
         self._started.pop(xfer_id, None)
         self._started_ns.pop(xfer_id, None)
+        self._expected.pop(xfer_id, None)
         handle = self._reads.pop(xfer_id, None)
         if handle is None:
             return

@@ -56,7 +56,8 @@ from kvbridge.kv_transfer.connector.rank_agent import RankCommands, RankRegistra
 from kvbridge.kv_transfer.connector.receive_spans import LoadSpans, traced_message
 from kvbridge.kv_transfer.side_channel.control import ControlClient, incarnation_of
 from kvbridge.kv_transfer.failure import FailureHandler, FailureKind
-from kvbridge.kv_transfer.side_channel.handshake import (CompatibilityInfo, HandshakeError, HandshakeFailureKind,
+from kvbridge.kv_transfer.side_channel.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeError,
+                                                         HandshakeFailureKind,
                                                          HandshakeHashMismatch, HandshakeLayoutMismatch, HandshakeMetadata,
                                                          HandshakeVersionMismatch, RankLayout)
 from kvbridge.kv_transfer.side_channel.handshake_manager import HandshakeManager
@@ -150,6 +151,8 @@ class _Recv:
     handshake_from: float | None = None  # waiting for a handshake since (ReceiverDeps.timer), or not waiting
     spans: LoadSpans | None = None  # a traced request's (RecvSpec.trace), until the load settles
     abandoned: tuple[FailureKind, str] | None = None  # READ: failed by a bug while reads were in flight
+    # CHECK, with verification on: the reads planned before asking P (P digests their remote spans)
+    planned: tuple[ReadPlan, Descs] | None = None
 
     def notice(self) -> ReleaseNotice:
         """What frees P's blocks of this request: the plan's notice; before a plan, the same
@@ -158,6 +161,26 @@ class _Recv:
             return self.plan.notice
         ranks = tuple(range(len(self.peer.ranks))) if self.peer is not None else ()
         return ReleaseNotice(self.spec.remote_request_id, self.spec.lease_generation, ranks)
+
+
+def _expected_digests(descs: Descs, digests: dict[int, list[int] | None]
+                      ) -> dict[tuple[int, int], tuple[int, ...] | None]:
+    """Each read's share of P's digests: P digested each P rank's spans in the order D sent them
+    (every read of that rank, in `descs` order). None for a read whose P rank sent no digests."""
+    out: dict[tuple[int, int], tuple[int, ...] | None] = {}
+    offsets: dict[int, int] = {}
+    for (local_rank, remote_rank), (_, r_descs) in descs.items():
+        rank_digests = digests.get(remote_rank)
+        start = offsets.get(remote_rank, 0)
+        offsets[remote_rank] = start + len(r_descs)
+        if rank_digests is None:
+            out[(local_rank, remote_rank)] = None
+        elif len(rank_digests) < start + len(r_descs):
+            raise HandshakeDecodeError(f"P rank {remote_rank} digested none of the spans D planned to read "
+                                       "(outside the blocks its lease grants)")
+        else:
+            out[(local_rank, remote_rank)] = tuple(rank_digests[start:start + len(r_descs)])
+    return out
 
 
 def rank_blocks(layout: RankLayout) -> RankBlocks:
@@ -398,8 +421,18 @@ class KVReceiver:
         recv.asked_at = self._clock()
         watch = self._needs_watch(s, peer)
         traceparent = recv.spans.check_sent(watch) if recv.spans is not None else None
-        future = self._executor.submit(self.control.check_read, s.remote.host, s.remote.port, s.remote_request_id,
-                                       s.lease_generation, s.remote_block_ids, s.content, watch, traceparent)
+        digest: dict[int, list[tuple[int, int]]] | None = None
+        if self.config.kv_verify:
+            try:  # the read plan is pure: plan now, so P can digest exactly what D will read (digest.py)
+                recv.planned = self._plan_reads(s, peer)
+            except (TPMappingError, BlockMappingError) as exc:
+                self._fail(rid, recv, FailureKind.TRANSFER_SETUP, str(exc))
+                return
+            digest = {}
+            for (_, remote_rank), (_, r_descs) in recv.planned[1].items():
+                digest.setdefault(remote_rank, []).extend(r_descs)
+        future = self._executor.submit(self.control.check_read_digests, s.remote.host, s.remote.port, s.remote_request_id,
+                                       s.lease_generation, s.remote_block_ids, s.content, watch, traceparent, digest)
         if recv.spans is not None:
             future.add_done_callback(recv.spans.check_answered)
         recv.futures = [future]
@@ -469,7 +502,8 @@ class KVReceiver:
         s = recv.spec
         peer = recv.peer
         assert peer is not None
-        if future.result() != peer.incarnation:
+        incarnation, digests = future.result()
+        if incarnation != peer.incarnation:
             # P restarted under the same address: its old agents are gone. Handshake afresh, once.
             self._check_done(recv, "restarted", "the prefill engine answered as another incarnation")
             self._drop_peer(s.remote)
@@ -491,10 +525,17 @@ class KVReceiver:
                        f"the read timeout ({self.config.transfer_timeout_s}s); not starting it")
             return
         try:
-            plan, descs = self._plan_reads(s, peer)
+            plan, descs = recv.planned if recv.planned is not None else self._plan_reads(s, peer)
         except (TPMappingError, BlockMappingError) as exc:
             self._fail(rid, recv, FailureKind.TRANSFER_SETUP, str(exc))
             return
+        try:
+            expected = _expected_digests(descs, digests) if digests is not None else None
+        except HandshakeDecodeError as exc:
+            self._fail(rid, recv, FailureKind.TRANSFER_SETUP, str(exc))
+            return
+        if expected is not None:
+            self.stats.incr("unverified_reads", sum(1 for e in expected.values() if e is None))
         recv.phase = _Phase.READ
         recv.plan = plan
         recv.started = self._timer()
@@ -502,7 +543,8 @@ class KVReceiver:
             xfer_id = f"x{next(self._xfer_ids)}"
             self._commands[local_rank].reads.append(ReadOp(
                 xfer_id, peer.rank_key(remote_rank), peer.agent_metadata[remote_rank], tuple(l_descs), tuple(r_descs),
-                peer.memory[remote_rank], traced=recv.spans is not None))
+                peer.memory[remote_rank], traced=recv.spans is not None,
+                expected=expected.get((local_rank, remote_rank)) if expected is not None else None))
             recv.reads[xfer_id] = _SubRead(local_rank, remote_rank, sum(n for _, n in l_descs), len(l_descs))
             self._xfers[xfer_id] = rid
         self._settle_reads(rid, recv)  # a notification-only request has no reads: settled now
@@ -577,7 +619,9 @@ class KVReceiver:
         self._release_handles(recv)
         self._recvs.pop(rid, None)
         self.failures.handle(rid, kind, cause, recv.spec.local_block_ids, recv.spec.remote.engine_id)
-        if kind in _RELEASE_AFTER or recv.phase is _Phase.READ or p_answered:
+        if kind is FailureKind.KV_CONTENT_MISMATCH:  # P's lease ends as a content mismatch
+            self._notify(recv, "release", self.control.release_mismatch)
+        elif kind in _RELEASE_AFTER or recv.phase is _Phase.READ or p_answered:
             # P granted the read on its side channel: let every P rank free now, not at lease expiry.
             self._notify(recv, "release", self.control.release)
 

@@ -12,6 +12,7 @@ its result (rank_agent.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,8 @@ from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, RankCommands, RankRegistration, RankReport, RankSetup
 from kvbridge.kv_transfer.connector.receiving import KVReceiver, ReceiverDeps
 from kvbridge.kv_transfer.failure import FailureHandler
-from kvbridge.kv_transfer.side_channel.control import ControlServer
+from kvbridge.kv_transfer.digest import DIGEST_ID, DIGEST_OFF
+from kvbridge.kv_transfer.side_channel.control import ControlServer, RankDigester
 from kvbridge.kv_transfer.side_channel.handshake import CompatibilityInfo
 from kvbridge.kv_transfer.lease import LeaseTable
 from kvbridge.kv_transfer.params import KVTransferParams
@@ -60,14 +62,15 @@ class KVBridgeWorkerConnector(WorkerConnector):
         and threads; a unit test gives its in-memory P, executors and clock)."""
         self.config = config
         self.engine_id = engine_id
-        self.compat = compat  # what a peer must share with this engine to exchange KV
+        # what a peer must share with this engine to exchange KV, the digest setting included (digest.py)
+        self.compat = dataclasses.replace(compat, kv_digest=DIGEST_ID if config.kv_verify else DIGEST_OFF)
         local_agent = (RankAgent(backend, side_channel is not None, config.transfer_timeout_s)
                        if backend is not None else None)
         self._rank_setup = RankSetup(engine_id, config.backend, side_channel is not None, local_agent)
         self.leases = leases
         self.stats = stats
         self.side_channel = side_channel
-        self.receiving = KVReceiver(config, compat, failures, stats, prefix_caching, groups,
+        self.receiving = KVReceiver(config, self.compat, failures, stats, prefix_caching, groups,
                                     receiver_deps if receiver_deps is not None else ReceiverDeps.default(config))
         # P: D's handshakes and control messages, answered from the lease table
         self.control = ControlServer(side_channel, leases) if side_channel is not None else None
@@ -102,6 +105,10 @@ class KVBridgeWorkerConnector(WorkerConnector):
         if [r.layout.tp_rank for r in self.ranks] != list(range(len(self.ranks))):
             raise ValueError("rank registrations must be ranks 0..n-1 in order")
         if self.control is not None:
+            local = self.local_agent.registration if self.local_agent is not None else None
+            if self.config.kv_verify and local is not None and local.layout.memory == "cpu":
+                # this process holds the rank's KV in host memory: it digests what readers read (digest.py)
+                self.control.digesters[local.layout.tp_rank] = RankDigester.of(local.layout)
             self.control.publish_ranks(self.engine_id, self.config.backend, self.compat,
                                        [(r.agent_metadata, r.layout) for r in self.ranks])
         self.receiving.register_ranks(self.ranks, handshakes=self.is_consumer)

@@ -15,8 +15,15 @@
                  check (kv.lease_check) when D traces the request: P records its
                  handling as kv.check_read under it. An old peer omits it; a malformed
                  one is ignored (never a refusal); D sends none when it does not trace.
+                 "digest" (optional): {P rank: [[addr, len], ...]}, the spans D will read
+                 from each P rank; P answers their digests with the grant (digest.py).
+                 Without it P answers its incarnation alone; with it, JSON
+                 {"incarnation", "digests": {P rank: [int, ...] | null}} (null: that rank's
+                 KV is not in host memory P can hash; []: a span lies outside the granted blocks).
   kv_read_done   {"rid", "gen"}            D's read of the request's blocks completed
-  kv_release     {"rid", "gen"}            D will not read (abort, rejection, full hit)
+  kv_release     {"rid", "gen"}            D will not read (abort, rejection, full hit);
+                 "reason": "kv_content_mismatch" (optional): what D read did not match the
+                 digests, so the lease ends as a content mismatch (LeaseOutcome)
   kv_heartbeat   {"items": [[rid, gen], ...]}  D still waits; renew these leases
 
 The read-done notification goes here, not with the READ through NIXL: a NIXL READ
@@ -41,11 +48,13 @@ from typing import Any
 
 from opentelemetry.trace import SpanContext
 
+from kvbridge.kv_transfer.digest import MAX_DIGEST_SPANS, Span, digest_spans, within
 from kvbridge.kv_transfer.lease import MAX_READ_TIMEOUT_S, LeaseTable
 from kvbridge.kv_transfer.params import BlockIds
 from kvbridge.kv_transfer.side_channel.server import HandlerRefusal, SideChannelServer
 from kvbridge.kv_transfer.side_channel.client import HandshakeClient
-from kvbridge.kv_transfer.side_channel.handshake import CompatibilityInfo, HandshakeMetadata, RankLayout, encode_payload
+from kvbridge.kv_transfer.side_channel.handshake import (CompatibilityInfo, HandshakeDecodeError, HandshakeMetadata,
+                                                         RankLayout, encode_payload)
 from kvbridge.tracing import parse_traceparent
 
 MSG_CHECK_READ = "kv_check_read"
@@ -53,6 +62,7 @@ MSG_READ_DONE = "kv_read_done"
 MSG_RELEASE = "kv_release"
 MSG_HEARTBEAT = "kv_heartbeat"
 MAX_HEARTBEAT_ITEMS = 4096
+KV_CONTENT_MISMATCH = "kv_content_mismatch"  # kv_release's reason: D's read failed its digests
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,7 @@ class CheckRead:
     connect: bool  # D has not completed a read from this P lately: P must step promptly
     read_timeout_s: float | None  # D's read timeout (None: not sent)
     parent: SpanContext | None = None  # D's span for this check ("traceparent"; None: absent or malformed)
+    digest: dict[int, list[Span]] | None = None  # P rank -> the spans D will read ("digest"; None: absent)
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,50 @@ def parse_check_read(body: bytes) -> CheckRead:
     if read_timeout is not None and (type(read_timeout) not in (int, float)
                                      or not 0 < read_timeout <= MAX_READ_TIMEOUT_S):
         raise HandlerRefusal(f"read_timeout_s must be a number of seconds in (0, {MAX_READ_TIMEOUT_S:g}]")
-    return CheckRead(key, tuple(blocks), content, connect, read_timeout, parse_traceparent(obj.get("traceparent")))
+    digest = obj.get("digest")
+    spans: dict[int, list[Span]] | None = None
+    if digest is not None:
+        if not isinstance(digest, dict):
+            raise HandlerRefusal("digest must be an object of P rank -> spans")
+        spans = {}
+        for rank, items in digest.items():
+            if not rank.isdigit() or not isinstance(items, list) or not all(
+                    isinstance(i, list) and len(i) == 2 and all(type(v) is int and v >= 0 for v in i) for i in items):
+                raise HandlerRefusal("digest must map P ranks to lists of [address, length]")
+            spans[int(rank)] = [(a, n) for a, n in items]
+        if sum(len(v) for v in spans.values()) > MAX_DIGEST_SPANS:
+            raise HandlerRefusal(f"digest names more than {MAX_DIGEST_SPANS} spans")
+    return CheckRead(key, tuple(blocks), content, connect, read_timeout, parse_traceparent(obj.get("traceparent")),
+                     spans)
+
+
+@dataclass(frozen=True)
+class RankDigester:
+    """Hashes a P rank's KV in place: its registered region (host memory only) and geometry."""
+
+    base_addr: int
+    block_len: int  # bytes of one kernel block
+    blocks_per_logical: int
+    num_blocks: int  # kernel blocks
+
+    @classmethod
+    def of(cls, layout: RankLayout) -> "RankDigester":
+        """The hasher of a rank registered in this process (its KV in host memory)."""
+        return cls(layout.region_base_addrs[0], layout.block_len_bytes[0], layout.physical_blocks_per_logical,
+                   layout.num_blocks)
+
+    def granted_spans(self, block_ids: Sequence[Sequence[int]]) -> list[Span]:
+        """The spans of the logical blocks a lease grants (every group: each indexes the region)."""
+        page = self.block_len * self.blocks_per_logical
+        return [(self.base_addr + b * page, page) for group in block_ids for b in group
+                if 0 <= b and (b + 1) * self.blocks_per_logical <= self.num_blocks]
+
+    def digest(self, spans: Sequence[Span], block_ids: Sequence[Sequence[int]]) -> list[int]:
+        """Digests of `spans`; none ([]) when one leaves the granted blocks: P hashes nothing else
+        (the reader mapped its read wrong, or planned it against a P that since restarted)."""
+        if not within(spans, self.granted_spans(block_ids)):
+            return []
+        return digest_spans(spans)
 
 
 def parse_heartbeat(body: bytes) -> Heartbeat:
@@ -156,6 +210,8 @@ class ControlServer:
         # Identifies this process's transfer agent; D compares it with the agent it
         # handshook with, to notice a P restarted under the same address.
         self.incarnation = ""
+        # P rank -> its hasher, for the ranks whose KV this process holds in host memory
+        self.digesters: dict[int, RankDigester] = {}
         server.register_handler(MSG_CHECK_READ, self._check_read)
         server.register_handler(MSG_READ_DONE, self._read_done)
         server.register_handler(MSG_RELEASE, self._release)
@@ -176,7 +232,13 @@ class ControlServer:
                                          watch=msg.connect, read_timeout_s=msg.read_timeout_s, parent=msg.parent)
         if refusal is not None:
             raise HandlerRefusal(refusal.reason)
-        return self.incarnation.encode()
+        if msg.digest is None:
+            return self.incarnation.encode()
+        digests: dict[str, list[int] | None] = {}
+        for rank, spans in msg.digest.items():
+            digester = self.digesters.get(rank)
+            digests[str(rank)] = digester.digest(spans, msg.blocks) if digester is not None else None
+        return json.dumps({"incarnation": self.incarnation, "digests": digests}).encode()
 
     def _read_done(self, body: bytes) -> bytes:
         key = parse_lease_key(body)
@@ -185,7 +247,10 @@ class ControlServer:
 
     def _release(self, body: bytes) -> bytes:
         key = parse_lease_key(body)
-        self.leases.release(key.request_id, key.generation)
+        if _load(body).get("reason") == KV_CONTENT_MISMATCH:
+            self.leases.kv_content_mismatch(key.request_id, key.generation)
+        else:
+            self.leases.release(key.request_id, key.generation)
         return b"ok"
 
     def _heartbeat(self, body: bytes) -> bytes:
@@ -209,13 +274,32 @@ class ControlClient:
         content_digest of the reader's own prompt tokens; `connect`: this reader has not
         completed a read from P lately (P then steps promptly for the read); `traceparent`:
         the reader's span for this check, when it traces the request (sent only then)."""
-        msg = {"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks], "content": content, "connect": connect}
-        if self.read_timeout_s is not None:
-            msg["read_timeout_s"] = self.read_timeout_s
+        msg: dict[str, Any] = {"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks], "content": content,
+                               "connect": connect}
         if traceparent is not None:
             msg["traceparent"] = traceparent
-        body = json.dumps(msg).encode()
-        return self._client.request(host, port, MSG_CHECK_READ, body, self.timeout_s).decode("ascii", "replace")
+        return self._request_check(host, port, msg).decode("ascii", "replace")
+
+    def check_read_digests(self, host: str, port: int, rid: str, gen: int, blocks: BlockIds, content: str,
+                           connect: bool = True, traceparent: str | None = None,
+                           digest: dict[int, list[Span]] | None = None
+                           ) -> tuple[str, dict[int, list[int] | None] | None]:
+        """check_read, and with `digest` (P rank -> the spans D will read) P's digests of them per
+        rank too (None for a rank P cannot hash); raises HandshakeDecodeError on an answer that
+        does not parse. Without `digest`: (incarnation, None)."""
+        if digest is None:
+            return self.check_read(host, port, rid, gen, blocks, content, connect, traceparent), None
+        msg: dict[str, Any] = {"rid": rid, "gen": gen, "blocks": [list(g) for g in blocks], "content": content,
+                               "connect": connect,
+                               "digest": {str(r): [list(s) for s in spans] for r, spans in digest.items()}}
+        if traceparent is not None:
+            msg["traceparent"] = traceparent
+        return parse_digest_answer(self._request_check(host, port, msg), set(digest))
+
+    def _request_check(self, host: str, port: int, msg: dict[str, Any]) -> bytes:
+        if self.read_timeout_s is not None:
+            msg["read_timeout_s"] = self.read_timeout_s
+        return self._client.request(host, port, MSG_CHECK_READ, json.dumps(msg).encode(), self.timeout_s)
 
     def read_done(self, host: str, port: int, rid: str, gen: int) -> None:
         self._client.request(host, port, MSG_READ_DONE, _rid_gen_body(rid, gen), self.timeout_s)
@@ -223,6 +307,29 @@ class ControlClient:
     def release(self, host: str, port: int, rid: str, gen: int) -> None:
         self._client.request(host, port, MSG_RELEASE, _rid_gen_body(rid, gen), self.timeout_s)
 
+    def release_mismatch(self, host: str, port: int, rid: str, gen: int) -> None:
+        """A release after D's read failed its digests: P's lease ends as a content mismatch."""
+        body = json.dumps({"rid": rid, "gen": gen, "reason": KV_CONTENT_MISMATCH}).encode()
+        self._client.request(host, port, MSG_RELEASE, body, self.timeout_s)
+
     def heartbeat(self, host: str, port: int, items: list[tuple[str, int]]) -> None:
         body = json.dumps({"items": [list(i) for i in items]}).encode()
         self._client.request(host, port, MSG_HEARTBEAT, body, self.timeout_s)
+
+
+def parse_digest_answer(answer: bytes, ranks: set[int]) -> tuple[str, dict[int, list[int] | None]]:
+    """P's check_read answer to a request with "digest": (incarnation, P rank -> digests or None),
+    exactly the ranks asked. Raises HandshakeDecodeError for anything else."""
+    try:
+        obj = json.loads(answer)
+        incarnation, raw = obj["incarnation"], obj["digests"]
+        if not isinstance(incarnation, str) or not isinstance(raw, dict) or {int(r) for r in raw} != ranks:
+            raise ValueError("wrong fields")
+        digests: dict[int, list[int] | None] = {}
+        for rank, values in raw.items():
+            if values is not None and not (isinstance(values, list) and all(type(v) is int for v in values)):
+                raise ValueError("digests must be lists of ints")
+            digests[int(rank)] = values
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise HandshakeDecodeError(f"undecodable check_read answer: {exc}") from None
+    return incarnation, digests

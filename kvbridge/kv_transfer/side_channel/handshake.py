@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
+from kvbridge.kv_transfer.digest import DIGEST_ID
 from kvbridge.kv_transfer.read_plan.block_mapping import check_block_ratios
 
 KVBRIDGE_CONNECTOR_VERSION = 1
@@ -117,6 +118,7 @@ class CompatibilityInfo:
     attention_backend: str = "torch"
     use_mla: bool = False
     kv_cache_groups: tuple[str, ...] = ("full_attention",)  # spec kind of each group, in order
+    kv_digest: str = DIGEST_ID  # the transferred blocks' digest and its version, or "off" (digest.py)
     connector_version: int = KVBRIDGE_CONNECTOR_VERSION
 
     def __post_init__(self) -> None:
