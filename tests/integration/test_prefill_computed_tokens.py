@@ -13,6 +13,7 @@ from kvbridge.config import KVRole
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.params import parse_kv_transfer_params, to_wire
 from kvbridge.server.metrics import ServerMetrics
 from tests.integration.api_instance import CONFIG, MODEL, Instance, inst, llm, loaded  # noqa: F401
@@ -113,6 +114,32 @@ def test_pd_loaded_kv_counts_as_cached_on_d_and_p_computes_the_prompt(loaded, ba
         # The fleet computed each prompt token once per request that needed it, plus D's last token.
         fleet = _value(pm, COMPUTED + "_sum") + _value(dm, COMPUTED + "_sum")
         assert fleet == len(first) + 1 + len(second) - hit + 1
+        settle(p, d)
+        for e in (p, d):
+            assert e.kv_cache_manager.num_free_blocks == e.kv_cache_manager.pool.num_usable_blocks
+    finally:
+        settle(p, d)
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_failed_read_counts_nothing_as_loaded_and_d_computes_past_its_own_hit(loaded):  # noqa: F811
+    fabric = FakeFabric(seed=5)
+    p = make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), engine_id="P")
+    d = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), engine_id="D")
+    dm = ServerMetrics(MODEL, 512)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    try:
+        first = list(range(500, 540))
+        decode(d, p, first, _wire(_prefill(p, first, "p-1")), greedy, request_id="d-1")  # D now holds 2 blocks
+        second = first + list(range(800, 830))
+        hit = 2 * d.block_size
+        fabric.lookup("D").set_faults(FaultConfig(error_state=True))  # D's read fails: recompute locally
+        d_outs = decode(d, p, second, _wire(_prefill(p, second, "p-2")), greedy, request_id="d-2")
+        assert len(tokens(d_outs)) == 2
+        assert (d_outs[-1].num_cached_tokens, d_outs[-1].num_loaded_tokens) == (hit, 0)
+        _record(dm, d_outs)
+        assert _value(dm, COMPUTED + "_sum") == len(second) - hit and _value(dm, CACHED) == hit
         settle(p, d)
         for e in (p, d):
             assert e.kv_cache_manager.num_free_blocks == e.kv_cache_manager.pool.num_usable_blocks
