@@ -154,7 +154,7 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
         bound_port = sock.getsockname()[1]
         url_host = f"[{host}]" if sock.family == socket.AF_INET6 else host
         prefill = f"prefill: {' '.join(prefill_urls)}" if prefill_urls else "colocated: no prefill"
-        # printed once serving, with SIGINT/SIGTERM handled (issue 44)
+        # printed once serving, with SIGINT/SIGTERM handled
         server = AnnouncingServer(server_config(app, log_level=log_level, timeout_graceful_shutdown=5),
                                   f"kvbridge proxy: http://{url_host}:{bound_port} ({prefill}; decode: "
                                   f"{' '.join(decode_urls)})")

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from kvbridge.openai_wire import parse_json_object, read_capped
+from kvbridge.openai_wire import REQUEST_ID_HEADER, parse_json_object, read_capped, usable_request_id
 
 
 async def read_body(request: Request, limit: int) -> bytes | None:
@@ -96,3 +97,9 @@ def forwardable(value: str | None) -> str | None:
         return None
     value = value.strip(" \t")
     return value if _SENDABLE_HEADER_VALUE.fullmatch(value) else None
+
+
+def request_id_of(request: Request) -> str:
+    """The client's X-Request-Id when it is usable, else a new one."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    return given if given is not None and usable_request_id(given) else f"kvb-{uuid.uuid4().hex}"

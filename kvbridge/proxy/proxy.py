@@ -29,10 +29,9 @@ import hmac
 import logging
 import random
 import time
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, assert_never
+from typing import Any, assert_never
 
 import httpx
 from fastapi import Request
@@ -40,9 +39,11 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from kvbridge.kv_transfer.params import KV_LOAD_FAILED
-from kvbridge.openai_wire import MAX_BODY_BYTES, REQUEST_ID_HEADER, parse_json_object, usable_request_id
-from kvbridge.proxy import first_token, prompt_lists, tracing_spans
-from kvbridge.proxy.bodies import error_code, forwardable, kv_transfer_params, prefill_body, prompt_text, read_body
+from kvbridge.openai_wire import MAX_BODY_BYTES, REQUEST_ID_HEADER, parse_json_object
+from kvbridge.proxy import first_token, gone, prompt_lists, tracing_spans
+from kvbridge.proxy.bodies import (error_code, forwardable, kv_transfer_params, prefill_body, prompt_text, read_body,
+                                   request_id_of)
+from kvbridge.proxy.instance_info import ask_context_len
 from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy, openai_error
 from kvbridge.proxy.health import HealthChecks
 from kvbridge.proxy.legs import Legs
@@ -56,7 +57,6 @@ __all__ = ["BAD_KEY_MESSAGE", "FIRST_BYTE_TIMEOUT_S", "ClientRequest", "PDProxy"
            "openai_error"]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # How long a decode instance may take to start a streamed answer (its status line, sent once it
 # admitted the request): a stopped or hung one fails the attempt rather than holding it for the
@@ -206,8 +206,7 @@ class PDProxy:
     async def handle(self, request: Request, route: str) -> Response:
         """Serve one completions or chat-completions request through P then D (colocated
         mode: straight to a decode-list instance)."""
-        given = request.headers.get(REQUEST_ID_HEADER)
-        request_id = given if given is not None and usable_request_id(given) else f"kvb-{uuid.uuid4().hex}"
+        request_id = request_id_of(request)
         spans = tracing_spans.request_spans(request, request_id)
         body = await self._read_request(request, request_id, spans)
         if isinstance(body, Response):
@@ -218,7 +217,7 @@ class PDProxy:
             return unavailable
         headers = {REQUEST_ID_HEADER: request_id, "Accept-Encoding": "identity", **self._auth_headers(request)}
         call = ClientRequest(route, body, headers, request_id, spans, asyncio.Event())
-        watcher = asyncio.create_task(_watch_disconnect(request, call.gone))
+        watcher = asyncio.create_task(gone.watch_disconnect(request, call.gone))
         try:  # the watcher must stop before a StreamingResponse listens to the client itself
             if self.prefill is None:
                 return await self._decode_alone(call)
@@ -262,7 +261,7 @@ class PDProxy:
     # ---- one method per outcome of P's leg ----------------------------------------------
     async def _prefill_then_decode(self, call: ClientRequest, prefill: UpstreamPool) -> Response:
         """P/D mode: P's leg, then the method for its outcome (or 499 when the client left first)."""
-        outcome = await _unless(call.gone, self._prefill(call, prefill))
+        outcome = await gone.unless(call.gone, self._prefill(call, prefill))
         if outcome is None or call.gone.is_set():
             return await self._gone_before_decode(outcome, call)
         match outcome:
@@ -284,10 +283,11 @@ class PDProxy:
                 call.route, bodies[0], call.headers, call.request_id, call.spans, call.gone), prefill)
         parts = [ClientRequest(call.route, b, {**call.headers, REQUEST_ID_HEADER: f"{call.request_id}-{i}"},
                                f"{call.request_id}-{i}", call.spans, asyncio.Event()) for i, b in enumerate(bodies)]
-        relay = asyncio.create_task(_relay_gone(call.gone, [part.gone for part in parts]))
+        events = [part.gone for part in parts]
+        relay = asyncio.create_task(gone.relay(call.gone, events))
         tasks = [asyncio.create_task(self._prefill_then_decode(part, prefill)) for part in parts]
         try:
-            answers, failure = await _first_failure_stops_the_rest(tasks, parts)
+            answers, failure = await gone.first_failure_stops_the_rest(tasks, events)
         finally:
             relay.cancel()
         if failure is not None or call.gone.is_set():
@@ -351,7 +351,7 @@ class PDProxy:
                                  first: bytes = b"") -> Response:
         """D's answer, or 499 when the client left first: the D call is cancelled, which closes its
         connection, so D aborts and frees through its own path."""
-        answer = await _unless(call.gone, self._decode(call, body, prefilled, first))
+        answer = await gone.unless(call.gone, self._decode(call, body, prefilled, first))
         return answer if answer is not None else Response(status_code=499)
 
     # ---- P's leg ------------------------------------------------------------------------
@@ -404,29 +404,12 @@ class PDProxy:
         context_len = None
         if first_token.limited_by_context(body, route):
             if upstream.context_len is None:
-                upstream.context_len = await self._ask_context_len(upstream, call.headers)
+                upstream.context_len = await ask_context_len(self.client(), upstream, call.headers,
+                                                             self.short_timeout)
             context_len = upstream.context_len
         plan = first_token.plan(body, route, prefilled.answer, prefilled.params, context_len)
         call.spans.first_token_planned(plan is not None)
         return plan
-
-    async def _ask_context_len(self, upstream: Upstream, headers: dict[str, str]) -> int | None:
-        """`upstream`'s max_model_len from its /v1/models (kvbridge's and vLLM's cards name it); 0
-        when its answer does not say, None when it could not be asked (asked again next time)."""
-        try:
-            r = await self.client().get(upstream.url + "/v1/models", headers=headers, timeout=self.short_timeout)
-        except httpx.HTTPError as exc:
-            logger.warning("could not ask %s for its context length: %r", upstream.url, exc)
-            return None
-        try:
-            context_len = r.json()["data"][0]["max_model_len"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            context_len = None
-        if type(context_len) is not int or context_len < 1:
-            logger.warning("%s named no context length on /v1/models: streamed chat requests without max_tokens "
-                           "take the ordinary P/D path", upstream.url)
-            return 0
-        return context_len
 
     # ---- D's leg ------------------------------------------------------------------------
     async def _decode(self, call: ClientRequest, body: dict[str, Any], prefilled: Prefilled | None,
@@ -474,8 +457,7 @@ class PDProxy:
         """vLLM's /tokenize or /detokenize, forwarded to a healthy instance (decode first, then prefill;
         the next one when one cannot be reached); its answer, status and body, goes back as is. Every
         instance serves the same model, so any one answers for all."""
-        request_id = request.headers.get(REQUEST_ID_HEADER)
-        request_id = request_id if request_id is not None and usable_request_id(request_id) else f"kvb-{uuid.uuid4().hex}"
+        request_id = request_id_of(request)
         body = await self._read_request(request, request_id, tracing_spans.NO_SPANS)
         if isinstance(body, Response):
             return body
@@ -501,74 +483,3 @@ class PDProxy:
                 continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return openai_error(503, "no healthy decode instance answered /v1/models", "no_healthy_instance")
-
-
-async def _relay_gone(gone: asyncio.Event, parts: list[asyncio.Event]) -> None:
-    """Set every part's event once `gone` is set (the client left: every prompt of its list stops)."""
-    await gone.wait()
-    for part in parts:
-        part.set()
-
-
-async def _first_failure_stops_the_rest(tasks: list[asyncio.Task[Response]], parts: list[ClientRequest],
-                                        ) -> tuple[list[Response], Response | None]:
-    """Every task's answer, in order, and the first error answer (None: none). Once one answers an
-    error (or raises), the others' clients are 'gone': each stops as a request whose client left
-    (P's KV released, D's connection closed) and answers 499. Cancelled itself, it stops them all
-    the same before it ends."""
-
-    def bad(task: asyncio.Task[Response]) -> bool:
-        return task.cancelled() or task.exception() is not None or prompt_lists.failed(task.result())
-
-    def stop_all() -> None:
-        for part in parts:
-            part.gone.set()
-
-    first: Response | None = None
-    try:
-        pending: set[asyncio.Task[Response]] = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if any(bad(task) for task in done):
-                stop_all()
-                if first is None:  # the failure that stopped the rest (theirs are 499s)
-                    first = next((t.result() for t in tasks if t in done and not t.cancelled()
-                                  and t.exception() is None and prompt_lists.failed(t.result())), None)
-    except BaseException:
-        stop_all()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await _close_answers(tasks)
-        raise
-    broken = [task for task in tasks if task.cancelled() or task.exception() is not None]
-    if broken:
-        await _close_answers(tasks)
-        broken[0].result()  # raises its exception (a bug: the app answers 500)
-    return [task.result() for task in tasks], first
-
-
-async def _close_answers(tasks: list[asyncio.Task[Response]]) -> None:
-    answers = [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
-    await asyncio.gather(*(prompt_lists.close(a) for a in answers), return_exceptions=True)
-
-
-async def _watch_disconnect(request: Request, gone: asyncio.Event) -> None:
-    """Set `gone` when the client disconnects. The body has been read, so the next ASGI
-    message can only be the disconnect."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
-
-
-async def _unless(gone: asyncio.Event, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None if `gone` is set first; then `work` is cancelled, which
-    closes its upstream connection (an upstream kvbridge server aborts the request)."""
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(gone.wait())
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return task.result() if not task.cancelled() else None

@@ -1,4 +1,4 @@
-"""The proxy's spans (issue 30; docs: the span contract): one `proxy.request` per client request
+"""The proxy's spans (docs: the span contract): one `proxy.request` per client request
 and children that tile it, from its first byte in to its last byte out:
 
   proxy.read_body    the request's ASGI dispatch, authorisation, body read and JSON parsing
