@@ -84,12 +84,12 @@ class CorruptingBackend(TransferBackend):
         if kind in ("truncate", "shift", "foreign"):
             local = self.inner.prep_descs(l_descs, local.device, local.device_id)
             remote = self.inner.prep_descs(r_descs, remote.device, remote.device_id)
+        if kind is not None:
+            self.counts[kind] += 1
         handle = self.inner.read(remote_agent, local, remote, notif)
         if kind == "corrupt":
             addr, length = l_descs[self._rng.randrange(len(l_descs))]
             self._corrupt_on_done[handle.handle_id] = (addr + self._rng.randrange(length), 1)
-        if kind is not None:
-            self.counts[kind] += 1
         return handle
 
     def check_state(self, handle: XferHandle) -> TransferState:

@@ -1,0 +1,149 @@
+"""KV digests over the real default model: in-process P and D (the fake transfer backend wrapped
+in a CorruptingBackend on D, the real side channel and connectors). Every corrupted read is caught
+before decode and the load recomputed (or failed, per policy); every answer equals the colocated
+engine's; every block is back in its pool. With verification off on both ends, the same kind of
+corruption yields a wrong answer: the check is what keeps it out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
+from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.kv_connector_factory import build_connectors
+from kvbridge.engine.loader import load_model
+from kvbridge.engine.request import FinishReason
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.kv_transfer.backends.corrupting import KINDS, CorruptingBackend
+from kvbridge.kv_transfer.backends.fake import FakeFabric
+from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+QUESTIONS = ["Which ocean is the largest?", "Name three primary colours.", "What is the capital of France?",
+             "How many legs does a spider have?", "Why is the sky blue?", "Who wrote Hamlet?"]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded):
+    tok = loaded.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def wants(loaded, prompts):
+    colocated = make_engine(loaded, None)
+    try:
+        return colocated.generate(prompts, GREEDY)
+    finally:
+        colocated.shutdown()
+
+
+def pd_engine(loaded, role: KVRole, backend, *, kv_verify: bool, policy: LoadFailurePolicy) -> LLMEngine:
+    kv = KVTransferConfig(role=role, backend="fake", engine_id=role.value, lease_seconds=30.0,
+                          load_failure_policy=policy, handshake_timeout_s=5.0, transfer_timeout_s=7.0,
+                          kv_verify=kv_verify)
+    config = EngineConfig(model=loaded.source, kv_transfer=kv, num_threads=2,
+                          cache=CacheConfig(block_size=16, num_blocks=96, enable_prefix_caching=True))
+    return LLMEngine(config, loaded, build_connectors(config, loaded.arch, loaded.name, backend))
+
+
+def pair(loaded, rate: float, kinds, *, kv_verify: bool = True, policy=LoadFailurePolicy.RECOMPUTE):
+    fabric = FakeFabric(seed=3)
+    corrupting = CorruptingBackend(fabric.create_agent("D"), rate, kinds, seed=11)
+    p = pd_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), kv_verify=kv_verify, policy=policy)
+    d = pd_engine(loaded, KVRole.CONSUMER, corrupting, kv_verify=kv_verify, policy=policy)
+    return corrupting, p, d
+
+
+def all_blocks_free(*engines: LLMEngine) -> bool:
+    return all(e.metrics().num_free_blocks == e.metrics().num_total_blocks and e.metrics().num_held_for_remote == 0
+               for e in engines)
+
+
+def test_corrupted_reads_are_caught_and_every_answer_is_colocated(loaded, prompts, wants):
+    corrupting, p, d = pair(loaded, 0.5, KINDS)
+    try:
+        for prompt, want in zip(prompts + prompts, wants + wants):  # twice: "foreign" has earlier reads to take
+            assert tokens(decode(d, p, prompt, prefill(p, prompt), GREEDY)) == want
+        settle(p, d)
+        hit = sum(corrupting.counts.values())
+        failed = dict(d.connectors.worker.stats.failed_transfers)
+        assert hit > 0 and set(failed) <= {"kv_content_mismatch", "transfer_setup"}, failed
+        # every corrupted read failed its load (a shift off P's region fails at setup, before any byte)
+        assert sum(failed.values()) == hit and d.connectors.worker.stats.recomputed_requests == hit
+        assert p.connectors.worker.stats.kv_content_mismatches == failed.get("kv_content_mismatch", 0) > 0
+        assert d.connectors.worker.stats.unverified_reads == 0
+        assert all_blocks_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_corrupted_read_fails_the_request_under_the_fail_policy(loaded, prompts, wants):
+    corrupting, p, d = pair(loaded, 1.0, ("corrupt",), policy=LoadFailurePolicy.FAIL)
+    try:
+        outs = decode(d, p, prompts[0], prefill(p, prompts[0]), GREEDY)
+        assert outs[-1].finish_reason is FinishReason.ERROR and not tokens(outs)
+        assert "kv_content_mismatch" in outs[-1].error
+        corrupting.rate = 0.0  # D serves on: the next load is intact and verified
+        assert tokens(decode(d, p, prompts[1], prefill(p, prompts[1]), GREEDY)) == wants[1]
+        settle(p, d)
+        assert all_blocks_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_with_verification_off_the_same_corruption_answers_wrong(loaded, prompts, wants):
+    """A read of another request's KV (the earlier request's blocks: foreign, or shifted onto them)
+    lands unverified: D decodes from it and answers something else than the colocated engine."""
+    corrupting, p, d = pair(loaded, 0.0, ("foreign", "shift"), kv_verify=False)
+    try:
+        first, second = prompts[0], prompts[1]
+        assert tokens(decode(d, p, first, prefill(p, first), GREEDY)) == wants[0]
+        corrupting.rate = 1.0
+        got = tokens(decode(d, p, second, prefill(p, second), GREEDY))
+        assert sum(corrupting.counts.values()) == 1 and got != wants[1]
+        assert not d.connectors.worker.stats.failed_transfers  # nothing noticed
+        settle(p, d)
+        assert all_blocks_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_p_and_d_with_different_digest_settings_refuse_cleanly(loaded, prompts, wants):
+    fabric = FakeFabric(seed=5)
+    p = pd_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), kv_verify=False,
+                  policy=LoadFailurePolicy.RECOMPUTE)
+    d = pd_engine(loaded, KVRole.CONSUMER, fabric.create_agent("D"), kv_verify=True,
+                  policy=LoadFailurePolicy.RECOMPUTE)
+    try:
+        assert tokens(decode(d, p, prompts[0], prefill(p, prompts[0]), GREEDY)) == wants[0]  # recomputed
+        stats = d.connectors.worker.stats
+        assert dict(stats.failed_transfers) == {"handshake": 1} and dict(stats.handshake_failures) == {"hash_mismatch": 1}
+        settle(p, d)
+        assert all_blocks_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_the_digest_setting_is_part_of_the_compatibility_hash(loaded):
+    fabric = FakeFabric()
+    on = pd_engine(loaded, KVRole.CONSUMER, fabric.create_agent("a"), kv_verify=True, policy=LoadFailurePolicy.FAIL)
+    off = pd_engine(loaded, KVRole.CONSUMER, fabric.create_agent("b"), kv_verify=False, policy=LoadFailurePolicy.FAIL)
+    try:
+        c_on, c_off = on.connectors.worker.compat, off.connectors.worker.compat
+        assert c_on.kv_digest == "xxh3_64/v1" and c_off.kv_digest == "off"
+        assert c_on.hash() != c_off.hash() and dataclasses.replace(c_on, kv_digest="off") == c_off
+    finally:
+        on.shutdown()
+        off.shutdown()
