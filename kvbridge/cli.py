@@ -109,6 +109,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-load-failure-policy", choices=["recompute", "fail", "auto"], default="recompute",
                     help="when KV does not arrive: recompute the prompt, fail the request, or recompute "
                          "up to --kv-load-failure-recompute-max-tokens (default: %(default)s)")
+    kv.add_argument("--kv-verify", choices=["on", "off"], default="on",
+                    help="a decode instance checks every KV read against the prefill instance's digests before "
+                         "decoding from it; P and D must agree (benchmarks/README.md, kv_verify) (default: %(default)s)")
     kv.add_argument("--kv-load-failure-recompute-max-tokens", type=int, default=2048,
                     help="the longest prompt policy auto recomputes (default: %(default)s)")
     kv.add_argument("--kv-trusted-hosts", default="",
@@ -194,7 +197,7 @@ def engine_config_from_args(a: argparse.Namespace):
             lease_seconds=a.kv_lease_seconds, handshake_timeout_s=a.kv_handshake_timeout,
             transfer_timeout_s=a.kv_transfer_timeout,
             load_failure_policy=LoadFailurePolicy(a.kv_load_failure_policy),
-            recompute_max_tokens=a.kv_load_failure_recompute_max_tokens,
+            recompute_max_tokens=a.kv_load_failure_recompute_max_tokens, kv_verify=a.kv_verify == "on",
             trusted_hosts=tuple(h for h in a.kv_trusted_hosts.split(",") if h),
             side_channel_key=a.api_key or None)  # P and D share it: it authenticates the side channel
     return EngineConfig(
