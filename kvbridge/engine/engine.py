@@ -165,7 +165,11 @@ class LLMEngine:
         self.publisher: EventPublisher = NullEventPublisher()
         self.kv_events: KVEventsInfo | None = None
         if self._events is not None:  # last: nothing after it can fail and leave its sockets open
-            self.publisher = make_publisher(events_config)
+            try:
+                self.publisher = make_publisher(events_config)
+            except Exception as e:  # a taken port, an unusable address: what started goes again
+                self.shutdown()
+                raise ValueError(f"--kv-events-config: cannot publish KV events ({e})") from e
             ep = getattr(self.publisher, "endpoint", None)
             assert events_config is not None and isinstance(ep, str)
             self.kv_events = KVEventsInfo(ep, getattr(self.publisher, "replay_endpoint", None), events_config.topic,

@@ -22,6 +22,7 @@ from typing import Sequence
 from kvbridge.engine.block_pool import BlockPool, KVBlock
 from kvbridge.engine.kv_event_queue import KVEventQueue
 from kvbridge.engine.request import Request
+from kvbridge.kv_events.events import SPEC_KIND
 from kvbridge.kv_events.hashing import block_digest, model_root, to_external
 from kvbridge.kv_transfer.params import BlockIds
 from kvbridge.shape.kv_groups import KVCacheKind
@@ -217,7 +218,9 @@ class KVCacheManager:
         Each block once per allocation; the blocks that enter the cache are recorded as events."""
         rid = request.request_id
         table = self._tables.get(rid)
-        if table is None or not self.pool.enable_caching:
+        # A model with a Mamba group gets no prefix hits (get_computed_blocks): blocks it cannot
+        # reuse are neither cached nor published, or a router would route to them for nothing.
+        if table is None or not self.pool.enable_caching or self.has_mamba:
             return
         hashes = self.block_hashes(request)
         start = self._num_cached.get(rid, 0)
@@ -243,7 +246,7 @@ class KVCacheManager:
             first, last = stored[run_start], stored[k - 1]
             self.events.stored([to_external(h) for h in hashes[first:last + 1]],
                                to_external(hashes[first - 1]) if first > 0 else None,
-                               list(tokens[first * bs:(last + 1) * bs]), bs, gi, group.kind.value,
+                               list(tokens[first * bs:(last + 1) * bs]), bs, gi, SPEC_KIND[group.kind],
                                group.sliding_window)
             run_start = k
 
@@ -268,6 +271,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their requests)."""
         self.pool.reset_prefix_cache()
+        self._num_cached.clear()  # running requests' full blocks enter the cache again at their next step
         if self.events is not None:
             self.events.cleared()
 

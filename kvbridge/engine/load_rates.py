@@ -2,8 +2,10 @@
 weighted moving averages over recent steps and loads.
 
 - prefill tokens per second: prompt tokens a step computed / the step's compute time, over steps
-  that computed prompt tokens (a step that also decodes counts whole: the decodes ride along);
-- seconds per decode step: the compute time of steps that computed output tokens only;
+  where prompt tokens were most of the step's tokens (a step that also decodes counts whole: the
+  decodes ride along);
+- seconds per decode step: the compute time of the other steps (output tokens, and D's one
+  recomputed prompt token per loaded request riding in a batch of decodes);
 - KV pull bytes per second: bytes a completed remote load read / its time from parking to done.
 
 Each is None until measured once. Not thread-safe: the engine thread updates it and snapshots it
@@ -41,10 +43,10 @@ class LoadRateMeter:
         if seconds <= 0.0:
             return
         r = self.rates
-        if prefill_tokens > 0:
+        if prefill_tokens > 0 and prefill_tokens >= decode_tokens:
             self.rates = LoadRates(_ewma(r.prefill_tokens_per_s, prefill_tokens / seconds, self.alpha),
                                    r.decode_step_s, r.kv_pull_bytes_per_s)
-        elif decode_tokens > 0:
+        elif decode_tokens > 0:  # mostly decodes: a few prompt tokens would read as a slow prefill
             self.rates = LoadRates(r.prefill_tokens_per_s, _ewma(r.decode_step_s, seconds, self.alpha),
                                    r.kv_pull_bytes_per_s)
 

@@ -166,6 +166,19 @@ class FleetIndex:
         with self._lock:
             self._heard(instance)
 
+    def begin_catch_up(self, instance: str) -> int | None:
+        """A subscriber that has applied nothing yet asks for the history its publisher kept (a
+        router started after the instance cached, or a first batch sent before the SUB's
+        subscription reached the PUB: ZMQ drops it, and no later seq would reveal the gap when no
+        later batch comes). The seq to replay from (0), or None when the stream is already
+        followed or a resync runs; the caller replays, then calls `end_replay`."""
+        with self._lock:
+            st = self._state(instance)
+            if st.resync_from is not None or st.last_seq is not None:
+                return None
+            self._begin_resync(st, 0, None)
+            return 0
+
     def reset(self, instance: str) -> None:
         """The instance restarted or left (the health loop saw it): forget all about it."""
         with self._lock:

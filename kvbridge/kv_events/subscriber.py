@@ -69,6 +69,13 @@ class EventSubscriber:
                 logger.warning("kv events from %s: socket error %s (logged once)", self.instance, e)
         return n
 
+    def catch_up(self) -> None:
+        """Replay what the publisher kept when the index has applied nothing of this instance yet
+        (FleetIndex.begin_catch_up); a no-op otherwise. Bounded by the replay timeout."""
+        start = self._index.begin_catch_up(self.instance)
+        if start is not None:
+            self._replay(start)
+
     def run_until(self, stop: threading.Event, poll_s: float = 0.1) -> None:
         """The subscriber thread's loop: `run_once` until `stop` is set (noticed within poll_s plus
         one replay's timeout). Does not close: the owner does, after joining the thread."""

@@ -117,12 +117,13 @@ def serve_command(cli: Sequence[str], model: str, spec: InstanceSpec, *, host: s
             "--otlp-service-name", f"kvbridge-{spec.name}", *extra_args]
 
 
-def kv_events_json(host: str) -> str:
+def kv_events_json() -> str:
     """Every instance `up` starts publishes KV events (and answers replays) on ports of its own that
-    the OS picks, on the cluster's address; GET /kvbridge/kv_events tells a router which."""
-    h = f"[{host}]" if ":" in host else host
-    return json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://{h}:*",
-                       "replay_endpoint": f"tcp://{h}:*"})
+    the OS picks, on loopback whatever the cluster's address: the events carry every prompt's
+    token ids and ZMQ checks no peer, and the one subscriber, the proxy `up` starts, runs on this
+    host. GET /kvbridge/kv_events tells it which ports."""
+    return json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
+                       "replay_endpoint": "tcp://127.0.0.1:*"})
 
 
 def proxy_command(cli: Sequence[str], prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
@@ -316,7 +317,7 @@ class LocalCluster:
         """KV events on for every instance, unless the serve args configure them."""
         if any(a.startswith("--kv-events-config") for a in self.extra_serve_args):
             return []
-        return ["--kv-events-config", kv_events_json(self.host)]
+        return ["--kv-events-config", kv_events_json()]
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], url: str) -> None:
         assert self.log_dir is not None

@@ -37,10 +37,14 @@ class Serve:
                  "--dtype", "float32", "--num-blocks", str(NUM_BLOCKS), "--kv-events-config", EVENTS],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + 180
-        while (m := READY.search(log.read_text())) is None:
-            assert self.popen.poll() is None, f"serve exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"serve not ready:\n{log.read_text()}"
-            time.sleep(0.2)
+        try:  # the log is the only readiness signal a `serve` on port 0 gives: polled, bounded
+            while (m := READY.search(log.read_text())) is None:
+                assert self.popen.poll() is None, f"serve exited:\n{log.read_text()}"
+                assert time.monotonic() < deadline, f"serve not ready:\n{log.read_text()}"
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()  # not yet the fixture's: stopped here
+            raise
         self.url = m.group(1)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
 
@@ -71,6 +75,7 @@ def _subscribe(index: FleetIndex, name: str, info: dict) -> EventSubscriber:
 def _until(sub: EventSubscriber, done, timeout_s: float = 20.0) -> None:
     """Ingest `sub`'s messages until `done()` holds (each wait is the socket's, bounded)."""
     deadline = time.monotonic() + timeout_s
+    sub.catch_up()  # a batch published before the subscription reached the PUB is only in the replay
     while not done():
         assert time.monotonic() < deadline, "the index did not get there in time"
         sub.run_once(0.5)

@@ -82,3 +82,13 @@ def test_a_real_engine_publishes_what_it_cached_and_a_vllm_consumer_reads_it(eng
     load = a.load()
     assert load.prefill_tokens_per_s is not None and load.prefill_tokens_per_s > 0
     assert load.kv_bytes_per_token > 0 and load.kv_pull_bytes_per_s is None
+
+
+def test_an_endpoint_that_cannot_bind_is_a_clear_error(tmp_path):
+    from kvbridge.config import CacheConfig, EngineConfig
+    from kvbridge.engine.engine import LLMEngine
+    from kvbridge.kv_events.config import parse_kv_events_config
+    cfg = EngineConfig(num_threads=1, cache=CacheConfig(num_blocks=12), kv_events=parse_kv_events_config(
+        '{"enable_kv_cache_events": true, "endpoint": "ipc://%s/no-such-folder/events"}' % tmp_path))
+    with pytest.raises(ValueError, match="cannot publish KV events"):
+        LLMEngine.from_config(cfg)

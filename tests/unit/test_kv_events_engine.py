@@ -123,3 +123,53 @@ def test_load_rates_are_ewmas_none_until_measured():
     assert m.rates.kv_pull_bytes_per_s == pytest.approx(500.0) and m.rates.prefill_tokens_per_s == pytest.approx(300.0)
     with pytest.raises(ValueError):
         LoadRateMeter(alpha=0.0)
+
+
+def test_a_step_of_decodes_with_one_recomputed_prompt_token_is_a_decode_step_not_a_slow_prefill():
+    m = LoadRateMeter(alpha=0.5)
+    m.record_step(0.25, prefill_tokens=1000, decode_tokens=0)  # a real prefill: 4000 tok/s
+    for _ in range(10):  # D: a loaded request's last prompt token rides in a batch of 31 decodes
+        m.record_step(0.05, prefill_tokens=1, decode_tokens=31)
+    assert m.rates.prefill_tokens_per_s == pytest.approx(4000.0)
+    assert m.rates.decode_step_s == pytest.approx(0.05)
+
+
+def test_a_model_with_a_mamba_group_publishes_no_blocks_it_can_never_hit():
+    q = KVEventQueue()
+    groups = (KVCacheGroupSpec(KVCacheKind.FULL_ATTENTION, BS, (0,)), KVCacheGroupSpec(KVCacheKind.MAMBA, BS, (1,)))
+    kvm = _manager(num_blocks=20, events=q, groups=groups)
+    prompt = list(range(1, 14))
+    _run(kvm, "a", prompt)
+    assert q.drain() == []
+    assert kvm.get_computed_blocks(Request("b", prompt, SamplingParams(max_tokens=4), frozenset()))[1] == 0
+    assert kvm.num_free_blocks == 20
+
+
+def test_mla_groups_carry_vllms_spec_kind():
+    q = KVEventQueue()
+    kvm = _manager(events=q, groups=(KVCacheGroupSpec(KVCacheKind.MLA, BS, (0,)),))
+    _run(kvm, "a", list(range(9)))
+    [stored] = q.drain()
+    assert isinstance(stored, BlockStored) and stored.kv_cache_spec_kind == "mla_attention"
+
+
+def test_a_reset_while_a_request_runs_lets_its_blocks_enter_the_cache_again():
+    q = KVEventQueue()
+    kvm = _manager(events=q)
+    prompt = list(range(30, 39))  # 2 full blocks + 1 token
+    req = Request("a", list(prompt), SamplingParams(max_tokens=64), frozenset())
+    assert kvm.allocate_slots(req, len(prompt), kvm.get_computed_blocks(req)[0]) is not None
+    req.num_computed_tokens = len(prompt)
+    kvm.cache_blocks(req, req.num_computed_tokens)
+    kvm.reset_prefix_cache()
+    q.drain()
+    for t in (1, 2, 3):  # three decode steps fill the third block
+        req.output_token_ids.append(t)
+        assert kvm.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        kvm.cache_blocks(req, req.num_computed_tokens)
+    stored = [h for e in q.drain() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == block_hashes(ROOT, prompt + [1, 2, 3], BS)  # the reset blocks again, then the new one
+    kvm.free("a")
+    again = Request("b", prompt + [1, 2, 3, 4], SamplingParams(max_tokens=4), frozenset())
+    assert kvm.get_computed_blocks(again)[1] == 3 * BS

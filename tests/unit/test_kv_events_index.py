@@ -163,6 +163,18 @@ def test_a_router_that_joins_late_replays_from_0():
     assert view.complete and view.last_seq == 2 and index.overlap_blocks("d0", h) == 3 and view.problems == {}
 
 
+def test_a_subscriber_that_missed_the_only_batch_catches_up_by_replay_and_the_late_copy_is_ignored():
+    index = make_index()
+    h = index.hashes(TOKENS)
+    assert index.begin_catch_up("d0") == 0 and index.begin_catch_up("d0") is None  # one resync at a time
+    index.ingest_replay("d0", 0, payload(stored(h[:2])))
+    index.end_replay("d0", ok=True)
+    assert index.overlap_blocks("d0", h) == 2 and index.begin_catch_up("d0") is None  # followed: nothing to do
+    assert index.ingest("d0", frames(0, stored(h[:2]))).outcome is Outcome.IGNORED
+    assert index.ingest("d0", frames(1, stored(h[2:3]))).outcome is Outcome.APPLIED
+    assert index.overlap_blocks("d0", h) == 3 and index.view("d0").problems == {}
+
+
 def test_seq_0_again_is_a_restart_the_old_entries_go():
     index = make_index()
     h = index.hashes(TOKENS)
