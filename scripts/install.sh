@@ -16,8 +16,12 @@ want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
 # kvbridge's CPU kernels (kvbridge/engine/layers/csrc), compiled once per machine and cache
 # directory so that no server compiles at start-up (a no-op in about 2 s once built); a failure
 # leaves the engine on its torch-only path (kvbridge/engine/layers/cpu_kernels.py).
+# With --test, every ISA's build this CPU runs (the kernel tests run each; KVBRIDGE_CPU_ISA), so no
+# test compiles one on first use.
 build_kernels() {
-  .venv/bin/python -m kvbridge.engine.layers.cpu_kernels || echo "install.sh: kvbridge CPU kernels not built" >&2
+  local isas=()
+  [ "$extras" = "[test]" ] && isas=(all)
+  .venv/bin/python -m kvbridge.engine.layers.cpu_kernels "${isas[@]}" || echo "install.sh: kvbridge CPU kernels not built" >&2
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   build_kernels
