@@ -4,35 +4,33 @@ Random initialisation of a multi-billion-parameter model costs seconds and is th
 by `load_weights`, so parameters start as `torch.empty`.
 
 On CPU in fp32 and bf16 the weight can be prepacked once for oneDNN (`prepack`): MKL's fp32
-matmul here costs about 9x more at 16 rows than at 1, oneDNN's prepacked one about
-half of MKL's at batch sizes 16-64, and reordered into oneDNN's blocked layout another
-1.2-1.5x less (benchmarks/README.md). In bf16 torch's own `F.linear` already reaches oneDNN's
-AMX matmul but with the plain weight on every call; the weight reordered once is 1.1-1.6x
-faster than that from 1 row to 1024 (benchmarks/README.md, "bf16"). KVBRIDGE_ONEDNN=0 turns it off.
+matmul grows steeply with the row count at decode batch sizes, oneDNN's prepacked one less so,
+and reordered into oneDNN's blocked layout less again; in bf16 torch's own `F.linear` reaches
+oneDNN's AMX matmul but with the plain weight on every call, and the weight reordered once is
+faster from 1 row to 1024 (figures: benchmarks/README.md, linear_vs_vllm and "bf16").
+KVBRIDGE_ONEDNN=0 turns it off.
 
 Row buckets (bf16): oneDNN compiles and caches one primitive per matmul shape, and a
 step's row count is its token count, so a prefilling server meets a new shape with almost every
-prompt. A bf16 primitive costs 4-13 ms to create (AMX brgemm JIT), and with the caches bounded
-(native_memory.py) a shape evicted comes back as a new creation. A bf16 matmul of more than
+prompt. A bf16 primitive costs milliseconds to create (AMX brgemm JIT), and with the caches bounded
+(setup/native_memory.py) a shape evicted comes back as a new creation. A bf16 matmul of more than
 `BUCKET_MIN_ROWS` rows therefore runs on its row count rounded up to a bucket
 (shape_buckets.bucket_rows, which bf16 prefill attention uses too): multiples of 16 (AMX's tile
 height) up to 256, then 8 buckets per doubling, so the zero rows added are at most 1/8 of the
 rows (16 rows below 256) and a token budget of 2048 shows oneDNN 55 row counts per weight:
 each is created once, at warm-up, and stays cached. The result is
 the first rows of the padded product (a view: nothing copied). fp32 keeps exact row counts (a
-creation costs about 0.5 ms there, and padded rows are real work). KVBRIDGE_ROW_BUCKETS=0 turns
+creation is cheaper there, and padded rows are real work). KVBRIDGE_ROW_BUCKETS=0 turns
 it off.
 
 Widened bf16 (CPUs without AMX): there oneDNN's bf16 matmul runs on AVX-512 BF16's vdpbf16ps,
 which issues at a quarter of the rate of fp32 FMAs for twice their products, so bf16's peak is
-half of fp32's: 168 GFLOP/s on 2 cores where fp32 GEMM reaches 305 (benchmarks/README.md,
-"Fourteenth session: a CPU without AMX"). A bf16 matmul of at least `WIDEN_MIN_ROWS` rows on such
-a CPU (a prefill step) therefore widens the input and the plain weight to fp32 (exact),
-multiplies in fp32 and rounds the result to bf16 once: the sums are fp32 in both, and the time
-0.61-0.81x from 128 rows up with OpenMP's default wait policy (as `kvbridge serve` runs; under
-PASSIVE break-even at 128 rows, 0.67-0.71x from 512), weight conversion included (no fp32 copy is
-kept). Decode batches (fewer rows) stay on the packed bf16 weight, where reading half the bytes
-is what counts. KVBRIDGE_BF16_WIDEN=0 turns it off.
+half of fp32's (benchmarks/README.md, "Fourteenth session: a CPU without AMX"). A bf16 matmul of
+at least `WIDEN_MIN_ROWS` rows on such a CPU (a prefill step) therefore widens the input and the
+plain weight to fp32 (exact), multiplies in fp32 and rounds the result to bf16 once: the sums are
+fp32 in both, and the time is lower from 128 rows up, weight conversion included (no fp32 copy is
+kept; figures in the same section). Decode batches (fewer rows) stay on the packed bf16 weight,
+where reading half the bytes is what counts. KVBRIDGE_BF16_WIDEN=0 turns it off.
 """
 
 from __future__ import annotations
@@ -99,8 +97,8 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None  # a CPU without AVX-512: torch's own bf16 linear
     # Reordered into oneDNN's blocked layout for its matmul kernel (AB16b64a here), not merely
-    # converted (`to_mkldnn()` keeps the plain layout): 1.46x faster at 16 rows, 1.16x at 64, as
-    # fast from 1 row to prefill's 2048 (benchmarks/README.md, linear_vs_vllm). The hint is the
+    # converted (`to_mkldnn()` keeps the plain layout): faster at decode batch sizes, as fast up
+    # to prefill's row counts (benchmarks/README.md, linear_vs_vllm). The hint is the
     # decode batch the layout is chosen for; any row count works.
     packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _LAYOUT_ROWS_HINT)
     return packed
