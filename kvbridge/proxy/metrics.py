@@ -29,6 +29,8 @@ class ProxyMetrics:
                                    registry=r)
         for outcome in ("continued", "finished_at_prefill"):
             self.first_token.labels(outcome)  # exported at 0 from the start
+        self.pd_path = Counter("kvbridge_proxy_pd_path", "Requests by the path that served them (prefill_decode, "
+                               "decode_only) and why", ["path", "reason"], registry=r)
         self.circuit = Gauge("kvbridge_proxy_circuit_state", "Circuit breaker per upstream: 0 closed, 1 half-open, "
                              "2 open", ["kind", "url"], registry=r)
         # Gauges are set from the pools at scrape time (PDProxy.refresh_gauges).

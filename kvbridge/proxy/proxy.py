@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 FIRST_BYTE_TIMEOUT_S = 30.0
 COMPLETIONS_ROUTE = "/v1/completions"
 UPSTREAM_KEEPALIVE_S = 2.0
+PD_PATH_HEADER, PD_REASON_HEADER = "x-kvbridge-pd-path", "x-kvbridge-pd-reason"
 BAD_KEY_MESSAGE = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
 
 
@@ -220,7 +221,7 @@ class PDProxy:
         watcher = asyncio.create_task(gone.watch_disconnect(request, call.gone))
         try:  # the watcher must stop before a StreamingResponse listens to the client itself
             if self.prefill is None:
-                return await self._decode_alone(call)
+                return self._path(call, await self._decode_alone(call), "decode_only", "colocated")
             if route == COMPLETIONS_ROUTE and (bodies := prompt_lists.split(body)) is not None:
                 return await self._prompt_list(call, self.prefill, bodies)
             return await self._prefill_then_decode(call, self.prefill)
@@ -263,16 +264,23 @@ class PDProxy:
         """P/D mode: P's leg, then the method for its outcome (or 499 when the client left first)."""
         outcome = await gone.unless(call.gone, self._prefill(call, prefill))
         if outcome is None or call.gone.is_set():
-            return await self._gone_before_decode(outcome, call)
+            return self._path(call, await self._gone_before_decode(outcome, call), "prefill_decode", "forced")
         match outcome:
             case Prefilled():
-                return await self._decode_prefilled(outcome, call)
+                return self._path(call, await self._decode_prefilled(outcome, call), "prefill_decode", "forced")
             case Exhausted():
-                return await self._without_prefill(outcome, call)
+                return await self._without_prefill(outcome, call, prefill)
             case Response():  # P's 4xx: the request's own fault, never retried
-                return outcome
+                return self._path(call, outcome, "prefill_decode", "forced")
             case _:
                 assert_never(outcome)
+
+    def _path(self, call: ClientRequest, answer: Response, path: str, reason: str) -> Response:
+        """Says which path served the request and why: a counter, a span attribute, two headers."""
+        self.metrics.pd_path.labels(path, reason).inc()
+        call.spans.pd_path(path, reason)
+        answer.headers[PD_PATH_HEADER], answer.headers[PD_REASON_HEADER] = path, reason
+        return answer
 
     async def _prompt_list(self, call: ClientRequest, prefill: UpstreamPool, bodies: list[dict[str, Any]]) -> Response:
         """A completion's list of prompts: each its own P/D path (`<id>-<index>`), the answers merged;
@@ -311,14 +319,15 @@ class PDProxy:
         logger.info("request %s: client went away before decode started", call.request_id)
         return Response(status_code=499)
 
-    async def _without_prefill(self, exhausted: Exhausted, call: ClientRequest) -> Response:
+    async def _without_prefill(self, exhausted: Exhausted, call: ClientRequest, prefill: UpstreamPool) -> Response:
         """No P could prefill: D serves the request alone (the decode-only fallback), unless the
         fallback is off or the request itself could not be sent."""
         if not self.retry.decode_only_fallback or exhausted.request_at_fault:
-            return exhausted.response
+            return self._path(call, exhausted.response, "prefill_decode", "forced")
         self.metrics.decode_only_fallback.inc()
         logger.warning("request %s: no prefill instance could serve it; decode-only fallback", call.request_id)
-        return await self._decode_alone(call)
+        reason = "prefill_failed" if prefill.healthy() else "no_prefill_healthy"
+        return self._path(call, await self._decode_alone(call), "decode_only", reason)
 
     async def _decode_prefilled(self, prefilled: Prefilled, call: ClientRequest) -> Response:
         """P prefilled: D decodes from P's KV, and from P's token where the first-token path serves."""

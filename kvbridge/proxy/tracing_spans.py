@@ -104,6 +104,10 @@ class Spans(Protocol):
         """continued | finished_at_prefill | decode_failed | no_token."""
         ...
 
+    def pd_path(self, path: str, reason: str) -> None:
+        """The path that served the request (prefill_decode | decode_only) and why."""
+        ...
+
 
 # ---- tracing off: the null objects ------------------------------------------------------------
 class _NoAttempt(AttemptSpans):
@@ -147,6 +151,9 @@ class _NoSpans(Spans):
         pass
 
     def first_token_outcome(self, outcome: str) -> None:
+        pass
+
+    def pd_path(self, path: str, reason: str) -> None:
         pass
 
 
@@ -288,6 +295,10 @@ class RequestSpans(Spans):
         if not planned:
             self.first_token_outcome("no_token")
             self._end_first_token(time.time_ns())
+
+    def pd_path(self, path: str, reason: str) -> None:
+        self.request.set_attribute("kvbridge.pd_path", path)
+        self.request.set_attribute("kvbridge.pd_reason", reason)
 
     def first_token_outcome(self, outcome: str) -> None:
         """continued | finished_at_prefill | decode_failed | no_token."""
