@@ -35,6 +35,7 @@ from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel, load_model
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.kv_transfer.backends.corrupting import CorruptingBackend
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.proxy.app import build_proxy_app
 from kvbridge.server.api_server import bind_socket, build_app
@@ -58,6 +59,8 @@ class ChaosReport:
     bad_examples: list[str] = field(default_factory=list)
     swapped: int = 0  # requests that reached D with another request's kv_transfer_params
     content_mismatches: int = 0  # reads P refused because the blocks held another prompt's KV
+    corrupted_reads: int = 0  # reads D's CorruptingBackend delivered wrong (--corrupt-rate)
+    digest_caught: int = 0  # D's loads failed by the KV digest (kv_content_mismatch)
 
     @property
     def ok(self) -> bool:
@@ -70,6 +73,8 @@ class ChaosReport:
         rows += [(f"failed loads: {k}", v) for k, v in sorted(self.failures_by_class.items())]
         rows += [("requests sent to D with swapped params", self.swapped),
                  ("P reads refused for another prompt's KV", self.content_mismatches),
+                 ("reads delivered corrupted (--corrupt-rate)", self.corrupted_reads),
+                 ("loads caught by the KV digest", self.digest_caught),
                  ("P leases expired", self.expired_leases), ("P early releases", self.early_releases),
                  ("all KV blocks free on P and D", self.blocks_free), ("servers alive", self.servers_alive),
                  ("wall time (s)", f"{self.seconds:.1f}")]
@@ -186,8 +191,9 @@ def make_engine(loaded: LoadedModel, role: KVRole | None, backend, policy: LoadF
 def run_chaos(num_requests: int = 32, concurrency: int = 8, fault_rate: float = 0.2, seed: int = 0,
               policy: str = "recompute", max_tokens: int = 4, lease_s: float = 2.0,
               loaded: LoadedModel | None = None, swap_rate: float | None = None,
-              swap_window_s: float = 0.3) -> ChaosReport:
-    """`swap_rate`: the swapped-params fault's rate (default: `fault_rate`)."""
+              swap_window_s: float = 0.3, corrupt_rate: float = 0.0) -> ChaosReport:
+    """`swap_rate`: the swapped-params fault's rate (default: `fault_rate`); `corrupt_rate`: the
+    fraction of D's reads a CorruptingBackend delivers wrong (corrupt, truncate, shift, foreign)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     loaded = loaded or load_model(MODEL)
     rng = random.Random(seed)
@@ -202,8 +208,9 @@ def run_chaos(num_requests: int = 32, concurrency: int = 8, fault_rate: float = 
     fabric = FakeFabric(seed=seed)
     pol = LoadFailurePolicy(policy)
     p_engine = AsyncEngine(make_engine(loaded, KVRole.PRODUCER, fabric.create_agent("P"), pol, "P", lease_s, 256))
-    d_engine = AsyncEngine(make_engine(loaded, KVRole.CONSUMER, fabric.create_agent(
-        "D", FaultConfig.chaos(fault_rate)), pol, "D", lease_s, 256))
+    corrupting = CorruptingBackend(fabric.create_agent("D", FaultConfig.chaos(fault_rate)), corrupt_rate,
+                                   seed=seed + 2)
+    d_engine = AsyncEngine(make_engine(loaded, KVRole.CONSUMER, corrupting, pol, "D", lease_s, 256))
     swapper = ParamSwapper(build_app(d_engine), fault_rate if swap_rate is None else swap_rate,
                            random.Random(seed + 1), swap_window_s)
     servers = [ThreadServer(build_app(p_engine)), ThreadServer(swapper)]
@@ -220,6 +227,8 @@ def run_chaos(num_requests: int = 32, concurrency: int = 8, fault_rate: float = 
         report.failures_by_class = dict(d_stats.failed_transfers)
         report.expired_leases, report.early_releases = p_stats.expired_leases, p_stats.early_releases
         report.swapped, report.content_mismatches = swapper.swapped, p_stats.content_mismatches
+        report.corrupted_reads = sum(corrupting.counts.values())
+        report.digest_caught = d_stats.failed_transfers.get("kv_content_mismatch", 0)
     finally:
         report.seconds = time.monotonic() - start
         for s in servers:
@@ -301,9 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--swap-rate", type=float, default=None,
                     help="rate of the swapped-params fault in front of D (default: --fault-rate)")
+    ap.add_argument("--corrupt-rate", type=float, default=0.0,
+                    help="fraction of D's KV reads delivered wrong (a byte flipped, truncated, shifted by a "
+                         "block, another request's blocks): every one must be caught by the KV digest")
     a = ap.parse_args(argv)
     report = run_chaos(a.requests, a.concurrency, a.fault_rate, a.seed, a.policy, a.max_tokens,
-                       swap_rate=a.swap_rate)
+                       swap_rate=a.swap_rate, corrupt_rate=a.corrupt_rate)
     print(f"kvbridge chaos: {a.requests} requests, concurrency {a.concurrency}, fault rate {a.fault_rate}, "
           f"seed {a.seed}, policy {a.policy}\n")
     print(report.table())
