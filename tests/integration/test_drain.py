@@ -152,9 +152,14 @@ def test_load_names_role_blocks_and_leases_and_metrics_export_them(loaded) -> No
                Served(loaded, None, "C"))
     try:
         for inst, role in ((p, "prefill"), (d, "decode"), (c, "both")):
-            assert inst.load() == {"role": role, "running": 0, "waiting": 0, "queued_prompt_tokens": 0,
-                                   "oldest_wait_s": 0.0, "kv_blocks_total": NUM_BLOCKS, "kv_blocks_used": 0,
-                                   "leases_held": 0, "draining": False}
+            load = inst.load()
+            assert load.pop("kv_bytes_per_token") > 0  # the model's (the router's transfer cost)
+            assert load == {"role": role, "running": 0, "waiting": 0, "queued_prompt_tokens": 0,
+                            "oldest_wait_s": 0.0, "kv_blocks_total": NUM_BLOCKS, "kv_blocks_used": 0,
+                            "leases_held": 0, "draining": False,
+                            # the rates a router's cost model reads: none measured before a step
+                            "waiting_prefill_tokens": 0, "kv_blocks_free": NUM_BLOCKS,
+                            "prefill_tokens_per_s": None, "decode_step_s": None, "kv_pull_bytes_per_s": None}
         body = {"model": MODEL, "prompt": "Tell me about dragons.", "max_tokens": 8, "temperature": 0}
         params = httpx.post(p.url + "/v1/completions", timeout=60, json={
             **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
