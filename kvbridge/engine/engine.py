@@ -158,7 +158,6 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
         self.role = _ROLES[config.kv_transfer.role] if config.kv_transfer is not None else "both"
         self._rates = LoadRateMeter()
-        self._remote_started: dict[str, tuple[float, int]] = {}  # D: parked at, tokens to read
         self.kv_bytes_per_token = (kv_bytes_per_block(loaded.arch, config.cache.block_size, DTYPES[config.dtype],
                                                       config.tensor_parallel_size)
                                    * config.tensor_parallel_size // config.cache.block_size)
@@ -360,17 +359,14 @@ class LLMEngine:
                                    - chunk.start_pos)
             total = sum(len(chunk.token_ids) for chunk in sched.scheduled)
             self._rates.record_step(seconds, prefill, total - prefill)
-        if self.connectors is None:
-            return
-        for rid, req in s.remote_waiting.items():  # parked by this step's schedule
-            if rid not in self._remote_started:
-                self._remote_started[rid] = (started, max(0, req.num_prompt_tokens - req.num_computed_tokens))
         out = result.kv_connector_output
-        if out is not None:
-            for rid in out.finished_recving:
-                parked = self._remote_started.pop(rid, None)
-                if parked is not None and rid not in out.failed_recving:
-                    self._rates.record_pull(now - parked[0], parked[1] * self.kv_bytes_per_token)
+        if self.connectors is None or out is None:
+            return
+        for rid in out.finished_recving:  # still parked: the scheduler unparks them in _postprocess
+            req = s.remote_waiting.get(rid)
+            if req is not None and rid not in out.failed_recving:
+                to_read = max(0, req.num_prompt_tokens - req.num_computed_tokens)
+                self._rates.record_pull(now - req.parked_at, to_read * self.kv_bytes_per_token)
 
     def _record_first_steps(self) -> None:
         end = time.time_ns()

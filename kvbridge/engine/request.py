@@ -78,6 +78,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until scheduled
+    parked_at: float = 0.0  # time.monotonic() when it began WAITING_FOR_REMOTE_KVS (D's pull rate)
     num_loaded_tokens: int = 0  # prompt tokens whose KV was read from another instance (kept after a failed read)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None

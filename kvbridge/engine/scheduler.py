@@ -186,6 +186,7 @@ class Scheduler:
                     req.num_computed_tokens = num_local
                     req.num_cached_tokens = num_local
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    req.parked_at = time.monotonic()
                     self.remote_waiting[req.request_id] = req
                     if req.trace is not None:
                         req.trace.parked(time.time_ns(), sum(len(g) for g in block_ids), n_ext)
