@@ -51,6 +51,7 @@ from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.releases import Releases, UnreadAnswers
 from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
 from kvbridge.proxy.tracing_spans import Spans
+from kvbridge.proxy.transport import UpstreamTransport
 
 # RetryPolicy and openai_error are named here too: the CLI and the Ray ingress import them from here.
 __all__ = ["BAD_KEY_MESSAGE", "FIRST_BYTE_TIMEOUT_S", "ClientRequest", "PDProxy", "Prefilled", "RetryPolicy",
@@ -143,7 +144,7 @@ class PDProxy:
     async def start(self) -> None:
         """Open the client and run one health round before serving (then one every interval)."""
         # trust_env=False: an HTTP(S)_PROXY variable must never reroute upstream calls.
-        transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport(
+        transport: httpx.AsyncBaseTransport = UpstreamTransport(
             trust_env=False, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                  # below uvicorn's 5 s keep-alive: never reuse a
                                                  # connection the upstream is closing

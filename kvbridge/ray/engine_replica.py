@@ -36,6 +36,7 @@ from kvbridge.config import KVRole
 from kvbridge.launcher.cluster import (DEFAULT_CLI, LOOPBACK_HOSTS, ChildProcess, InstanceSpec, child_env,
                                        free_ports, http_url, serve_command, spawn_child, stop_children)
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
+from kvbridge.proxy.transport import UpstreamTransport
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,9 @@ class EngineReplica:
     # ---- internals -------------------------------------------------------------------------
     def _async_client(self) -> httpx.AsyncClient:
         if self._aclient is None:
-            self._aclient = httpx.AsyncClient(timeout=5.0, trust_env=False, headers=self._auth())
+            # UpstreamTransport: its engine killed while a connection opens is an httpx error here too.
+            self._aclient = httpx.AsyncClient(timeout=5.0, trust_env=False, headers=self._auth(),
+                                              transport=UpstreamTransport(trust_env=False))
         return self._aclient
 
     def _stop_child(self, grace_s: float) -> None:
