@@ -70,6 +70,19 @@ def has_pacing(tree: Path) -> bool:
     return out.strip().endswith("True")
 
 
+def has_kv_events(tree: Path) -> bool:
+    """Whether `tree`'s kvbridge publishes KV events (`serve --kv-events-config`, which the launcher
+    passes to every instance)."""
+    return "--kv-events-config" in (tree / "kvbridge" / "cli.py").read_text()
+
+
+class WithoutKVEvents(cluster.LocalCluster):
+    """A cluster of a tree from before KV events: this launcher must not pass it --kv-events-config."""
+
+    def _kv_events_args(self) -> list[str]:
+        return []
+
+
 def stream(http: httpx.Client, proxy: str, model: str, prompt: list[int], max_tokens: int) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True}
@@ -105,10 +118,16 @@ def main() -> int:
     print({name: has_pacing(tree) for name, tree in trees.items()})
     log_dir = Path(tempfile.mkdtemp(prefix="kvbridge-pacing-ab-"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops every process
-    clusters = {name: cluster.LocalCluster(args.model, 1, 1, port=0, kv_backend="nixl", cli=tree_cli(tree),
-                                           extra_serve_args=["--kv-cache-memory-gb", "0.5", "--log-level", "warning"],
-                                           ready_timeout_s=READY_TIMEOUT_S, log_dir=log_dir / name, num_threads=1)
+    # Both sides alike: when one tree predates KV events, the other runs with them off.
+    events = {name: has_kv_events(tree) for name, tree in trees.items()}
+    off = ["--kv-events-config", json.dumps({"enable_kv_cache_events": False})] if not all(events.values()) else []
+    clusters = {name: (cluster.LocalCluster if events[name] else WithoutKVEvents)(
+                    args.model, 1, 1, port=0, kv_backend="nixl", cli=tree_cli(tree),
+                    extra_serve_args=["--kv-cache-memory-gb", "0.5", "--log-level", "warning",
+                                      *(off if events[name] else [])],
+                    ready_timeout_s=READY_TIMEOUT_S, log_dir=log_dir / name, num_threads=1)
                 for name, tree in trees.items()}
+    print(f"KV events: {'on in both' if not off else 'off in both (a tree predates them)'}")
     rng = random.Random(args.seed)
     samples: list[Sample] = []
     http = httpx.Client(timeout=300, trust_env=False)
