@@ -9,8 +9,12 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvbridge.proxy.kv_cost import PD_MODES
+from kvbridge.proxy.routing import POLICIES
 from kvbridge.ray import cli as ray_cli
 from kvbridge.tracing import trace_command
+
+ROUTING_POLICIES = list(POLICIES)
 
 if TYPE_CHECKING:
     from kvbridge.config import EngineConfig
@@ -272,7 +276,7 @@ def cmd_proxy(a: argparse.Namespace) -> int:
                                 decode_only_fallback=not a.no_decode_only_fallback),
               breaker_failures=a.breaker_failures, breaker_cooldown_s=a.breaker_cooldown,
               first_token_from_prefill=not a.no_first_token_from_prefill, max_body_bytes=a.max_body_bytes,
-              first_byte_timeout_s=a.first_byte_timeout)
+              first_byte_timeout_s=a.first_byte_timeout, pd_mode=a.pd_mode)
     return 0
 
 
@@ -357,7 +361,9 @@ def up_tracing_args(a: argparse.Namespace) -> list[str]:
 def up_proxy_args(a: argparse.Namespace) -> list[str]:
     """The `kvbridge proxy` options `up` was given for its proxy (tracing: as its instances')."""
     args = ["--max-body-bytes", str(a.max_body_bytes)] if a.max_body_bytes is not None else []
-    return [*args, *up_tracing_args(a)]
+    if a.routing_policy is not None:
+        args += ["--prefill-policy", a.routing_policy, "--decode-policy", a.routing_policy]
+    return [*args, "--pd-mode", a.pd_mode, *up_tracing_args(a)]
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -406,14 +412,16 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     proxy.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
-    proxy.add_argument("--prefill-policy", choices=["round_robin", "least_outstanding", "prefix"],
-                       default="round_robin",
+    proxy.add_argument("--prefill-policy", choices=ROUTING_POLICIES, default="round_robin",
                        help="how a prefill instance is picked for each request; prefix: requests sharing a "
-                            "prompt prefix go to the same instance (its prefix cache hits) unless it is "
-                            "overloaded (default: %(default)s)")
-    proxy.add_argument("--decode-policy", choices=["round_robin", "least_outstanding", "prefix"],
-                       default="round_robin",
+                            "prompt prefix text go to the same instance unless it is overloaded; kv_aware: the "
+                            "lowest cost from the blocks each instance holds (its KV events) and its load "
+                            "(README, KV-aware routing) (default: %(default)s)")
+    proxy.add_argument("--decode-policy", choices=ROUTING_POLICIES, default="round_robin",
                        help="how a decode instance is picked for each request (default: %(default)s)")
+    proxy.add_argument("--pd-mode", choices=PD_MODES, default="always",
+                       help="per request, through P or D alone: always, never, auto (the measured costs of both), "
+                            "static (Dynamo's rule), threshold (llm-d's) (default: %(default)s)")
     proxy.add_argument("--health-interval", type=float, default=2.0,
                        help="seconds between health checks of every instance (default: %(default)s)")
     proxy.add_argument("--api-key", default=os.environ.get("KVBRIDGE_API_KEY"),
@@ -470,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="tensor parallel size of each decode instance (default: %(default)s)")
     cluster.add_argument("--max-body-bytes", type=_positive_int, default=None,
                          help="the proxy's --max-body-bytes (default: the proxy's, 32 MiB)")
+    cluster.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=None,
+                         help="the proxy's --prefill-policy and --decode-policy (default: the proxy's)")
+    cluster.add_argument("--pd-mode", choices=PD_MODES, default="always", help="the proxy's --pd-mode (default: %(default)s)")
     ray_cli.add_up_ray_args(up)
     _add_engine_args(up)
     _add_tracing_args(up, service_name=False)

@@ -2,10 +2,12 @@
 weighted moving averages over recent steps and loads.
 
 - prefill tokens per second: prompt tokens a step computed / the step's compute time, over steps
-  where prompt tokens were most of the step's tokens (a step that also decodes counts whole: the
-  decodes ride along);
+  where prompt tokens were most of the step's tokens and at least MIN_PREFILL_SAMPLE_TOKENS (a
+  step that also decodes counts whole: the decodes ride along);
 - seconds per decode step: the compute time of the other steps (output tokens, and D's one
-  recomputed prompt token per loaded request riding in a batch of decodes);
+  recomputed prompt token per loaded request, riding in a batch of decodes or alone: a step of a
+  few tokens costs what a decode step costs, and read as a prefill rate it would be a small
+  fraction of the real one);
 - KV pull bytes per second: bytes a completed remote load read / its time from parking to done.
 
 Each is None until measured once. Not thread-safe: the engine thread updates it and snapshots it
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_ALPHA = 0.2  # weight of the newest sample
+MIN_PREFILL_SAMPLE_TOKENS = 32  # fewer prompt tokens in a step: a decode-like step (module docstring)
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,10 @@ class LoadRateMeter:
         if seconds <= 0.0:
             return
         r = self.rates
-        if prefill_tokens > 0 and prefill_tokens >= decode_tokens:
+        if prefill_tokens >= MIN_PREFILL_SAMPLE_TOKENS and prefill_tokens >= decode_tokens:
             self.rates = LoadRates(_ewma(r.prefill_tokens_per_s, prefill_tokens / seconds, self.alpha),
                                    r.decode_step_s, r.kv_pull_bytes_per_s)
-        elif decode_tokens > 0:  # mostly decodes: a few prompt tokens would read as a slow prefill
+        elif decode_tokens > 0 or prefill_tokens > 0:  # a few prompt tokens would read as a slow prefill
             self.rates = LoadRates(r.prefill_tokens_per_s, _ewma(r.decode_step_s, seconds, self.alpha),
                                    r.kv_pull_bytes_per_s)
 

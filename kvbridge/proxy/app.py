@@ -14,7 +14,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbridge.http_protocol import AnnouncingServer, server_config
 from kvbridge.openai_wire import MAX_BODY_BYTES, bind_socket
+from kvbridge.proxy import instance_routes
 from kvbridge.proxy.exchange import RetryPolicy, openai_error
+from kvbridge.proxy.kv_cost import PdMode
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
 from kvbridge.proxy.tracing_spans import ProxyTracingMiddleware
@@ -30,7 +32,8 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     health_timeout_s: float = 2.0, retry: RetryPolicy = RetryPolicy(), breaker_failures: int = 5,
                     breaker_cooldown_s: float = 10.0, first_token_from_prefill: bool = True,
                     max_body_bytes: int = MAX_BODY_BYTES,
-                    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, tracing: Tracing | None = None) -> FastAPI:
+                    first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, tracing: Tracing | None = None,
+                    pd_mode: PdMode = "always") -> FastAPI:
     """The proxy as a FastAPI app; the health loop and HTTP client live in its lifespan.
 
     `api_key` guards the proxy's /v1 routes (Bearer); upstreams get `upstream_api_key` if
@@ -41,8 +44,8 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
     and the decode-only fallback; `breaker_*`: each upstream's circuit breaker (routing.py);
     `first_token_from_prefill`: stream P's token at once and let D continue from it
     (first_token.py); `max_body_bytes`: longer request bodies get HTTP 413, read no further
-    than that. `tracing`: the proxy's tracer (None: no spans), owned by the caller. ValueError for an
-    empty decode list or bad names.
+    than that. `tracing`: the proxy's tracer (None: no spans), owned by the caller. `pd_mode`: P/D
+    per request (kv_routing.py). ValueError for an empty decode list or bad names.
     """
     if health_interval_s <= 0 or health_timeout_s <= 0 or timeout_s <= 0 or connect_timeout_s <= 0:
         raise ValueError("intervals and timeouts must be positive")
@@ -57,7 +60,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                     api_key=api_key, upstream_api_key=upstream_api_key, retry=retry,
                     first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
-                    first_byte_timeout_s=first_byte_timeout_s)
+                    first_byte_timeout_s=first_byte_timeout_s, pd_mode=pd_mode)
     return proxy_app(proxy, tracing)
 
 
@@ -109,7 +112,7 @@ def proxy_app(proxy: PDProxy, tracing: Tracing | None = None) -> FastAPI:
     app.add_api_route("/v1/chat/completions", route, methods=["POST"])
 
     async def tokenization(request: Request) -> Response:
-        response = await proxy.tokenization(request, request.url.path)
+        response = await instance_routes.tokenization(proxy, request, request.url.path)
         proxy.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
         return response
 
@@ -120,7 +123,14 @@ def proxy_app(proxy: PDProxy, tracing: Tracing | None = None) -> FastAPI:
     async def models(request: Request) -> Response:
         if not proxy.authorized(request):
             return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key")
-        return await proxy.models(request)
+        return await instance_routes.models(proxy, request)
+
+    @app.get("/kvbridge/fleet")
+    async def fleet() -> Response:
+        """The router's fleet view (fleet_view.py): what it knows each instance holds, and its load."""
+        view = proxy.fleet
+        return JSONResponse({"enabled": view is not None, "pd_mode": proxy.pd_mode,
+                             "instances": view.report() if view is not None else {}})
 
     @app.get("/health")
     async def health() -> Response:
@@ -141,7 +151,8 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
               upstream_api_key: str | None = None, log_level: str = "info", retry: RetryPolicy = RetryPolicy(),
               breaker_failures: int = 5, breaker_cooldown_s: float = 10.0,
               first_token_from_prefill: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
-              first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, tracing: TracingConfig | None = None) -> int:
+              first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, tracing: TracingConfig | None = None,
+              pd_mode: PdMode = "always") -> int:
     """Serve the proxy until SIGINT/SIGTERM; prints its URL once bound (port 0: the OS picks)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with program_tracing(tracing) as tracer:  # shut down (spans flushed) once the server stopped
@@ -149,7 +160,7 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
                               api_key, timeout_s, upstream_api_key=upstream_api_key, retry=retry,
                               breaker_failures=breaker_failures, breaker_cooldown_s=breaker_cooldown_s,
                               first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
-                              first_byte_timeout_s=first_byte_timeout_s, tracing=tracer)
+                              first_byte_timeout_s=first_byte_timeout_s, tracing=tracer, pd_mode=pd_mode)
         sock = bind_socket(host, port)  # connections made right after the URL is printed wait in the backlog
         bound_port = sock.getsockname()[1]
         url_host = f"[{host}]" if sock.family == socket.AF_INET6 else host

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import httpx
 
+from kvbridge.proxy.fleet_view import FleetView
 from kvbridge.proxy.routing import Upstream, UpstreamPool
 
 logger = logging.getLogger("kvbridge.proxy.proxy")  # the name these lines logged under before the split
@@ -24,11 +25,12 @@ MISSED_PROBES_TO_DROP = 3
 
 class HealthChecks:
     """Owns the health loop's task. `client`: the proxy's pooled client (once it started);
-    `headers`: what each probe sends (the upstream key)."""
+    `headers`: what each probe sends (the upstream key); `fleet`: the router's fleet view, told
+    what each probe found (fleet_view.py), or None."""
 
     def __init__(self, pools: tuple[UpstreamPool, ...], client: Callable[[], httpx.AsyncClient],
-                 headers: dict[str, str], interval_s: float, timeout_s: float) -> None:
-        self._pools, self._client, self._headers = pools, client, headers
+                 headers: dict[str, str], interval_s: float, timeout_s: float, fleet: FleetView | None = None) -> None:
+        self._pools, self._client, self._headers, self._fleet = pools, client, headers, fleet
         self._interval_s, self._timeout_s = interval_s, timeout_s
         self._task: asyncio.Task[None] | None = None
 
@@ -46,6 +48,15 @@ class HealthChecks:
         await asyncio.gather(*(self.probe(pool, u) for pool in self._pools for u in pool.upstreams))
 
     async def probe(self, pool: UpstreamPool, upstream: Upstream) -> None:
+        await self._probe(pool, upstream)
+        if self._fleet is None:
+            return
+        if upstream.healthy:
+            await self._fleet.refresh(self._client(), upstream.url, self._headers, self._timeout_s)
+        else:
+            await self._fleet.forget(upstream.url)
+
+    async def _probe(self, pool: UpstreamPool, upstream: Upstream) -> None:
         try:
             r = await self._client().get(upstream.url + "/health", timeout=self._timeout_s, headers=self._headers)
         except httpx.TimeoutException:

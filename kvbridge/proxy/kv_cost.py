@@ -39,6 +39,8 @@ STATIC_MAX_FRACTION = 0.7
 THRESHOLD_TOKENS = 256
 
 Path = Literal["prefill_decode", "decode_only"]
+PdMode = Literal["always", "never", "auto", "static", "threshold"]  # kv_routing.py says what each does
+PD_MODES: tuple[PdMode, ...] = ("always", "never", "auto", "static", "threshold")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import httpx
@@ -38,7 +38,7 @@ class Legs:
     async def run(self, pool: UpstreamPool, route: str, body: dict[str, Any], headers: dict[str, str],
                   request_id: str, prompt: str, judge: Callable[[Exchange], Awaitable[T | Failed]], *,
                   first_byte_s: float | None = None, spans: LegSpans = NO_LEG,
-                  keys: AttemptKeys = NO_KEYS) -> T | Exhausted:
+                  keys: AttemptKeys = NO_KEYS, costs: Mapping[str, float] | None = None) -> T | Exhausted:
         """POST `body` to an instance of `pool` until `judge` makes the leg's result of one's open
         answer. An attempt that failed before anything reached the client (connection, timeout, a
         broken answer, 5xx, or what `judge` calls a failure) is retried on another instance, within
@@ -47,7 +47,8 @@ class Legs:
         could not be sent at all ends the leg at once, counted nowhere. Exhausted: no attempt left,
         or no instance could be tried; its `received` says whether any instance may have received
         the request. `spans` observe the leg; `keys` sign each attempt (P's leg: a fresh release
-        key, kept until its answer is read). `first_byte_s`: the status line's deadline."""
+        key, kept until its answer is read). `first_byte_s`: the status line's deadline. `costs`:
+        the fleet view's cost per instance URL (the kv_aware policy's), or None."""
         started = time.monotonic()
         tried: list[Upstream] = []
         received, last, reason = False, None, ""
@@ -57,7 +58,7 @@ class Legs:
                 spans.backoff_ended(attempt + 1, retrying)
                 if not retrying:
                     break
-            upstream = pool.pick(exclude=tried, prompt=prompt)
+            upstream = pool.pick(exclude=tried, prompt=prompt, costs=costs)
             spans.routed(pool, route, tried, upstream)
             if upstream is None:
                 break

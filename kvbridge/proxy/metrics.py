@@ -31,6 +31,12 @@ class ProxyMetrics:
             self.first_token.labels(outcome)  # exported at 0 from the start
         self.pd_path = Counter("kvbridge_proxy_pd_path", "Requests by the path that served them (prefill_decode, "
                                "decode_only) and why", ["path", "reason"], registry=r)
+        # Predicted minus reported: 0 when the fleet index is exact; whole answers of a P leg and
+        # of D alone (a streamed D answer is passed through unread).
+        self.cached_prediction_error = Histogram(
+            "kvbridge_proxy_cached_tokens_prediction_error", "Prompt tokens the router predicted an instance "
+            "held minus the cached_tokens its answer reported", registry=r,
+            buckets=(-1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, float("inf")))
         self.circuit = Gauge("kvbridge_proxy_circuit_state", "Circuit breaker per upstream: 0 closed, 1 half-open, "
                              "2 open", ["kind", "url"], registry=r)
         # Gauges are set from the pools at scrape time (PDProxy.refresh_gauges).

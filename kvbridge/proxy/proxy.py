@@ -25,6 +25,7 @@ that P/D latency is compared with (benchmarks/pd_ttft.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import random
@@ -44,12 +45,16 @@ from kvbridge.proxy import first_token, gone, prompt_lists, tracing_spans
 from kvbridge.proxy.bodies import (error_code, forwardable, kv_transfer_params, prefill_body, prompt_text, read_body,
                                    request_id_of)
 from kvbridge.proxy.instance_info import ask_context_len
+from kvbridge.proxy.fleet_view import FleetView
+from kvbridge.proxy import kv_routing
+from kvbridge.proxy.kv_cost import PdMode
+from kvbridge.proxy.kv_routing import FORCED_PD, RoutePlan
 from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy, openai_error
 from kvbridge.proxy.health import HealthChecks
 from kvbridge.proxy.legs import Legs
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.releases import Releases, UnreadAnswers
-from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
+from kvbridge.proxy.routing import KvAwarePolicy, Upstream, UpstreamKind, UpstreamPool
 from kvbridge.proxy.tracing_spans import Spans
 from kvbridge.proxy.transport import UpstreamTransport
 
@@ -94,6 +99,7 @@ class ClientRequest:
     request_id: str
     spans: Spans  # tracing_spans.NO_SPANS when tracing is off
     gone: asyncio.Event  # set when the client disconnects
+    plan: RoutePlan = FORCED_PD  # the fleet view's costs and P/D decision (kv_routing.py)
 
 
 class PDProxy:
@@ -105,8 +111,11 @@ class PDProxy:
                  api_key: str | None, upstream_api_key: str | None, retry: RetryPolicy = RetryPolicy(),
                  seed: int | None = None, first_token_from_prefill: bool = True,
                  max_body_bytes: int = MAX_BODY_BYTES, first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S,
-                 wrap_transport: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None) -> None:
+                 wrap_transport: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
+                 pd_mode: PdMode = "always") -> None:
         """`wrap_transport`: wraps the upstream connections' transport (tests inject faults there).
+        `pd_mode`: kv_routing.py's; a fleet view (KV events, loads) runs when it or a kv_aware
+        policy needs one.
         Tracing is the app's (app.py): a request's spans come in its ASGI scope (`request_spans`)."""
         if max_body_bytes < 1 or first_byte_timeout_s <= 0:
             raise ValueError("max_body_bytes and first_byte_timeout_s must be positive")
@@ -126,8 +135,11 @@ class PDProxy:
         self._client: httpx.AsyncClient | None = None  # opened by start()
         self.legs = Legs(self.client, self.metrics, retry, self._rng)
         self.releases = Releases(self.client, self.metrics, self.short_timeout)
+        self.pd_mode = pd_mode
+        wanted = pd_mode != "always" or any(isinstance(p.policy, KvAwarePolicy) for p in self.pools)
+        self.fleet: FleetView | None = FleetView() if wanted else None
         self.health = HealthChecks(self.pools, self.client, self._auth_headers(None), health_interval_s,
-                                   health_timeout_s)
+                                   health_timeout_s, self.fleet)
 
     def client(self) -> httpx.AsyncClient:
         """The pooled client of every upstream call; RuntimeError before start()."""
@@ -156,6 +168,8 @@ class PDProxy:
 
     async def stop(self) -> None:
         await self.health.stop()
+        if self.fleet is not None:
+            await self.fleet.close()
         await self.releases.stop()
         if self._client is not None:
             await self._client.aclose()
@@ -167,7 +181,10 @@ class PDProxy:
         pool = self.decode if kind is UpstreamKind.DECODE else self.prefill
         if pool is None:
             raise ValueError("colocated mode has no prefill pool")
-        added, _removed = pool.set_members(urls)
+        added, removed = pool.set_members(urls)
+        for u in removed:
+            if self.fleet is not None:
+                await self.fleet.forget(u.url)
         if added and self._client is not None:  # else start() probes them
             await asyncio.gather(*(self.health.probe(pool, u) for u in added))
 
@@ -225,6 +242,9 @@ class PDProxy:
                 return self._path(call, await self._decode_alone(call), "decode_only", "colocated")
             if route == COMPLETIONS_ROUTE and (bodies := prompt_lists.split(body)) is not None:
                 return await self._prompt_list(call, self.prefill, bodies)
+            call = await self._planned(call)
+            if call.plan.decision.path == "decode_only":
+                return self._path(call, await self._decode_alone(call), "decode_only", call.plan.decision.reason)
             return await self._prefill_then_decode(call, self.prefill)
         finally:
             watcher.cancel()
@@ -264,15 +284,16 @@ class PDProxy:
     async def _prefill_then_decode(self, call: ClientRequest, prefill: UpstreamPool) -> Response:
         """P/D mode: P's leg, then the method for its outcome (or 499 when the client left first)."""
         outcome = await gone.unless(call.gone, self._prefill(call, prefill))
+        reason = call.plan.decision.reason
         if outcome is None or call.gone.is_set():
-            return self._path(call, await self._gone_before_decode(outcome, call), "prefill_decode", "forced")
+            return self._path(call, await self._gone_before_decode(outcome, call), "prefill_decode", reason)
         match outcome:
             case Prefilled():
-                return self._path(call, await self._decode_prefilled(outcome, call), "prefill_decode", "forced")
+                return self._path(call, await self._decode_prefilled(outcome, call), "prefill_decode", reason)
             case Exhausted():
                 return await self._without_prefill(outcome, call, prefill)
             case Response():  # P's 4xx: the request's own fault, never retried
-                return self._path(call, outcome, "prefill_decode", "forced")
+                return self._path(call, outcome, "prefill_decode", reason)
             case _:
                 assert_never(outcome)
 
@@ -324,7 +345,7 @@ class PDProxy:
         """No P could prefill: D serves the request alone (the decode-only fallback), unless the
         fallback is off or the request itself could not be sent."""
         if not self.retry.decode_only_fallback or exhausted.request_at_fault:
-            return self._path(call, exhausted.response, "prefill_decode", "forced")
+            return self._path(call, exhausted.response, "prefill_decode", call.plan.decision.reason)
         self.metrics.decode_only_fallback.inc()
         logger.warning("request %s: no prefill instance could serve it; decode-only fallback", call.request_id)
         reason = "prefill_failed" if prefill.healthy() else "no_prefill_healthy"
@@ -373,21 +394,23 @@ class PDProxy:
         try:
             outcome: PrefillOutcome = await self.legs.run(
                 pool, call.route, prefill_body(call.body), call.headers, call.request_id, prompt_text(call.body),
-                lambda exchange: self._prefill_answer(exchange, call.request_id, keys),
-                spans=call.spans.leg("prefill"), keys=keys)
+                lambda exchange: self._prefill_answer(exchange, call, keys),
+                spans=call.spans.leg("prefill"), keys=keys, costs=call.plan.prefill_costs)
         finally:  # cancelled (the client left), or attempts that broke mid-answer: P may hold their KV
             self.releases.unread_in_background(keys, call.headers, call.request_id)
         if isinstance(outcome, Prefilled):
             self.metrics.prefill_seconds.observe(time.monotonic() - started)
         return outcome
 
-    async def _prefill_answer(self, exchange: Exchange, request_id: str,
+    async def _prefill_answer(self, exchange: Exchange, call: ClientRequest,
                               keys: UnreadAnswers) -> Prefilled | Response | Failed:
         """P's whole answer as the leg's outcome (a 4xx, the request's own fault, is never retried),
         or why this attempt failed (an answer without kv_transfer_params: not P's breaker's failure)."""
+        request_id = call.request_id
         answer = await self.legs.read_all(exchange, request_id)
         if isinstance(answer, Failed):
             return answer
+        kv_routing.observe_cached(self.metrics.cached_prediction_error, call.plan, exchange.upstream.url, answer)
         keys.read(exchange.upstream)  # read whole: its params (if any) are ours to pass on or release
         failed = self.legs.server_error(UpstreamKind.PREFILL, answer)
         if failed is not None:
@@ -441,55 +464,34 @@ class PDProxy:
         role = "decode" if prefilled is not None else "colocated" if self.prefill is None else "decode_only"
         result = await self.legs.run(
             self.decode, call.route, forwarded, call.headers, call.request_id, prompt_text(body),
-            lambda exchange: self._decode_answer(exchange, call.request_id, stream, first),
-            first_byte_s=first_byte_s, spans=call.spans.leg(role))
+            lambda exchange: self._decode_answer(exchange, call, stream, first, prefilled is None),
+            first_byte_s=first_byte_s, spans=call.spans.leg(role), costs=call.plan.decode_costs)
         if not isinstance(result, Exhausted):
             return result
         if prefilled is not None and not result.received:
             await self._release(prefilled, call)
         return result.response
 
-    async def _decode_answer(self, exchange: Exchange, request_id: str, stream: bool,
-                             first: bytes) -> Response | Failed:
+    async def _decode_answer(self, exchange: Exchange, call: ClientRequest, stream: bool,
+                             first: bytes, alone: bool) -> Response | Failed:
         """D's answer as the leg's result: a stream passed through (its first byte goes to the
         client: no retry after it), or the whole answer; or why this attempt failed."""
         status = exchange.response.status_code
         if status < 400 and stream:
-            return PassthroughStream(exchange, request_id, first)
-        answer = await self.legs.read_all(exchange, request_id)
+            return PassthroughStream(exchange, call.request_id, first)
+        answer = await self.legs.read_all(exchange, call.request_id)
+        if alone and not isinstance(answer, Failed):  # D computed the prompt from its own cache
+            kv_routing.observe_cached(self.metrics.cached_prediction_error, call.plan, exchange.upstream.url, answer)
         if not isinstance(answer, Failed) and status >= 500 and error_code(answer) == KV_LOAD_FAILED:
             # D is fine; the request's KV could not be loaded and P has released it, so
             # another D could not load it either: the client gets D's answer, D's breaker a success.
             return answer
         return self.legs.server_error(UpstreamKind.DECODE, answer) or answer
 
-    async def tokenization(self, request: Request, path: str) -> Response:
-        """vLLM's /tokenize or /detokenize, forwarded to a healthy instance (decode first, then prefill;
-        the next one when one cannot be reached); its answer, status and body, goes back as is. Every
-        instance serves the same model, so any one answers for all."""
-        request_id = request_id_of(request)
-        body = await self._read_request(request, request_id, tracing_spans.NO_SPANS)
-        if isinstance(body, Response):
-            return body
-        headers = {REQUEST_ID_HEADER: request_id, **self._auth_headers(request)}
-        for upstream in [u for pool in reversed(self.pools) for u in pool.healthy()]:
-            try:
-                r = await self.client().post(upstream.url + path, json=body, headers=headers,
-                                             timeout=self.short_timeout)
-            except httpx.HTTPError as exc:
-                logger.warning("request %s: %s on %s failed: %r", request_id, path, upstream.url, exc)
-                continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
-                            headers={REQUEST_ID_HEADER: request_id})
-        return openai_error(503, f"no healthy instance answered {path}", "no_healthy_instance", request_id)
-
-    async def models(self, request: Request) -> Response:
-        """/v1/models as the first healthy D that answers it reports."""
-        for upstream in self.decode.healthy():
-            try:
-                r = await self.client().get(upstream.url + "/v1/models", headers=self._auth_headers(request),
-                                            timeout=self.short_timeout)
-            except httpx.HTTPError:
-                continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return openai_error(503, "no healthy decode instance answered /v1/models", "no_healthy_instance")
+    async def _planned(self, call: ClientRequest) -> ClientRequest:
+        """`call` with its routing plan (kv_routing.py), when a fleet view runs."""
+        if self.fleet is None:
+            return call
+        plan = await kv_routing.plan_for(self.fleet, self.client(), self.prefill, self.decode, call.route, call.body,
+                                         call.headers, self.short_timeout, self.pd_mode)
+        return dataclasses.replace(call, plan=plan)

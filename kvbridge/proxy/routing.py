@@ -20,7 +20,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -116,9 +116,12 @@ class SelectionPolicy(ABC):
     name = ""  # its configuration name (POLICIES), for traces
 
     @abstractmethod
-    def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
+    def choose(self, candidates: Sequence[Upstream], prompt: str = "",
+               costs: Mapping[str, float] | None = None) -> Upstream:
         """Return one of `candidates`: non-empty, healthy, in configuration order. `prompt`:
-        the request's prompt text (PrefixAffinityPolicy uses it; the others ignore it).
+        the request's prompt text (PrefixAffinityPolicy uses it); `costs`: the fleet view's cost
+        per candidate URL when it could predict the request (KvAwarePolicy uses them; the others
+        ignore them).
 
         Called once per attempt, on the event loop; may update the policy's own state.
         """
@@ -132,7 +135,8 @@ class RoundRobinPolicy(SelectionPolicy):
     def __init__(self) -> None:
         self._last_index = -1
 
-    def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
+    def choose(self, candidates: Sequence[Upstream], prompt: str = "",
+               costs: Mapping[str, float] | None = None) -> Upstream:
         chosen = next((u for u in candidates if u.index > self._last_index), candidates[0])
         self._last_index = chosen.index
         return chosen
@@ -143,7 +147,8 @@ class LeastOutstandingPolicy(SelectionPolicy):
 
     name = "least_outstanding"
 
-    def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
+    def choose(self, candidates: Sequence[Upstream], prompt: str = "",
+               costs: Mapping[str, float] | None = None) -> Upstream:
         return min(candidates, key=lambda u: u.outstanding)
 
 
@@ -184,7 +189,8 @@ class PrefixAffinityPolicy(SelectionPolicy):
             keys.append(parent)
         return keys
 
-    def choose(self, candidates: Sequence[Upstream], prompt: str = "") -> Upstream:
+    def choose(self, candidates: Sequence[Upstream], prompt: str = "",
+               costs: Mapping[str, float] | None = None) -> Upstream:
         least = min(candidates, key=lambda u: u.outstanding)
         keys = self.prefix_keys(prompt)
         by_url = {u.url: u for u in candidates}
@@ -206,10 +212,24 @@ class PrefixAffinityPolicy(SelectionPolicy):
         return chosen
 
 
+class KvAwarePolicy(SelectionPolicy):
+    """The lowest cost the fleet view computed for the request (kv_cost.py: the instance's
+    cached overlap from its KV events and its reported load); ties, and a request without
+    costs (no prediction: events off, a prompt list), go to the fewest in-flight requests."""
+
+    name = "kv_aware"
+
+    def choose(self, candidates: Sequence[Upstream], prompt: str = "",
+               costs: Mapping[str, float] | None = None) -> Upstream:
+        known = costs or {}
+        return min(candidates, key=lambda u: (known.get(u.url, float("inf")) if known else 0.0, u.outstanding))
+
+
 POLICIES: dict[str, type[SelectionPolicy]] = {
     "round_robin": RoundRobinPolicy,
     "least_outstanding": LeastOutstandingPolicy,
     "prefix": PrefixAffinityPolicy,
+    "kv_aware": KvAwarePolicy,
 }
 
 
@@ -265,7 +285,8 @@ class UpstreamPool:
     def healthy(self) -> list[Upstream]:
         return [u for u in self.upstreams if u.healthy]
 
-    def pick(self, exclude: Sequence[Upstream] = (), prompt: str = "") -> Upstream | None:
+    def pick(self, exclude: Sequence[Upstream] = (), prompt: str = "",
+             costs: Mapping[str, float] | None = None) -> Upstream | None:
         """The policy's choice among healthy instances not in `exclude` whose breaker lets a
         request through (`prompt`: the request's prompt text, for the prefix policy); None if
         none is left. The chosen one's breaker counts the send."""
@@ -273,7 +294,7 @@ class UpstreamPool:
         candidates = [u for u in self.healthy() if u not in exclude and u.breaker.allows(now)]
         if not candidates:
             return None
-        chosen = self.policy.choose(candidates, prompt)
+        chosen = self.policy.choose(candidates, prompt, costs)
         chosen.breaker.on_send(now)
         return chosen
 

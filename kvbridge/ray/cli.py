@@ -74,6 +74,9 @@ def up_on_ray(a: argparse.Namespace, model: str, child: argparse.Namespace, extr
     router = {"host": a.host, "port": a.port, "scale_from_zero_timeout_s": wait_s}
     if a.max_body_bytes is not None:
         router["max_body_bytes"] = a.max_body_bytes
+    if a.routing_policy is not None:
+        router["prefill_policy"] = router["decode_policy"] = a.routing_policy
+    router["pd_mode"] = a.pd_mode
     config = AppConfig(model=model, prefill=prefill, decode=decode, name=a.app_name, kv_backend=child.kv_backend,
                        num_threads=child.num_threads, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
                        serve_args=tuple(extra), api_key=child.api_key, prefill_resources=prefill_resources,

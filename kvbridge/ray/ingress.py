@@ -39,6 +39,7 @@ from kvbridge.http_protocol import server_config
 from kvbridge.openai_wire import MAX_BODY_BYTES, REQUEST_ID_HEADER, bind_socket, usable_request_id
 from kvbridge.proxy.app import proxy_app
 from kvbridge.proxy.exchange import RetryPolicy
+from kvbridge.proxy.kv_cost import PD_MODES, PdMode
 from kvbridge.proxy.proxy import FIRST_BYTE_TIMEOUT_S, PDProxy, openai_error
 from kvbridge.proxy.routing import UpstreamKind, UpstreamPool, make_policy
 from kvbridge.ray import discovery
@@ -68,6 +69,7 @@ class RouterOptions:
     max_body_bytes: int = MAX_BODY_BYTES
     first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
     scale_from_zero_timeout_s: float = 120.0  # how long a request waits for a pool at zero to start a replica
+    pd_mode: PdMode = "always"  # kvbridge/proxy/kv_routing.py
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -75,6 +77,8 @@ class RouterOptions:
 
 def build_router(o: RouterOptions) -> PDProxy:
     """A PDProxy over two empty pools whose membership follows Ray."""
+    if o.pd_mode not in PD_MODES:
+        raise ValueError(f"pd_mode must be one of {', '.join(PD_MODES)}, got {o.pd_mode!r}")
     breaker = dict(breaker_failures=o.breaker_failures, breaker_cooldown_s=o.breaker_cooldown_s, dynamic=True)
     return PDProxy(UpstreamPool(UpstreamKind.PREFILL, [], make_policy(o.prefill_policy), **breaker),
                    UpstreamPool(UpstreamKind.DECODE, [], make_policy(o.decode_policy), **breaker),
@@ -84,7 +88,7 @@ def build_router(o: RouterOptions) -> PDProxy:
                    retry=RetryPolicy(retries=o.retries, budget_s=o.retry_budget_s,
                                      decode_only_fallback=o.decode_only_fallback),
                    first_token_from_prefill=o.first_token_from_prefill, max_body_bytes=o.max_body_bytes,
-                   first_byte_timeout_s=o.first_byte_timeout_s)
+                   first_byte_timeout_s=o.first_byte_timeout_s, pd_mode=o.pd_mode)
 
 
 # The routes that need an engine: a request to one of them wakes a pool at zero.

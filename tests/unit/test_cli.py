@@ -51,6 +51,22 @@ def test_up_forwards_the_drain_timeout_to_its_instances(started: list[dict]) -> 
     assert call["extra_serve_args"] == [*auto_dtype(), "--drain-timeout-s", "2.5"]
 
 
+def test_up_hands_its_proxy_the_routing_policy_and_the_pd_mode(started: list[dict]) -> None:
+    assert run_cli(["up", "--routing-policy", "kv_aware", "--pd-mode", "auto"]) == 0
+    assert run_cli(["up"]) == 0
+    routed, plain = started
+    assert routed["proxy_args"] == ["--prefill-policy", "kv_aware", "--decode-policy", "kv_aware", "--pd-mode", "auto"]
+    assert plain["proxy_args"] == ["--pd-mode", "always"]  # the proxy's own policies
+
+
+def test_a_pd_mode_or_policy_the_proxy_does_not_know_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["proxy", "--decode", "http://d", "--pd-mode", "sometimes"],
+                 ["proxy", "--decode", "http://d", "--decode-policy", "random"], ["up", "--pd-mode", "x"]):
+        with pytest.raises(SystemExit) as exited:
+            cli.build_parser().parse_args(argv)
+        assert exited.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
 def test_up_gives_prefill_and_decode_instances_their_tp_sizes(started: list[dict]) -> None:
     assert run_cli(["up", "--prefill-tp", "2", "--decode-tp", "3"]) == 0
     [call] = started

@@ -134,6 +134,15 @@ def test_a_step_of_decodes_with_one_recomputed_prompt_token_is_a_decode_step_not
     assert m.rates.decode_step_s == pytest.approx(0.05)
 
 
+def test_d_recomputing_one_loaded_prompt_token_alone_is_a_decode_like_step_not_a_slow_prefill():
+    m = LoadRateMeter(alpha=0.5)
+    m.record_step(0.02, prefill_tokens=1, decode_tokens=0)  # D's first step of a lone loaded request
+    m.record_step(0.02, prefill_tokens=31, decode_tokens=0)
+    assert m.rates.prefill_tokens_per_s is None and m.rates.decode_step_s == pytest.approx(0.02)
+    m.record_step(0.25, prefill_tokens=1000, decode_tokens=0)
+    assert m.rates.prefill_tokens_per_s == pytest.approx(4000.0)
+
+
 def test_a_model_with_a_mamba_group_publishes_no_blocks_it_can_never_hit():
     q = KVEventQueue()
     groups = (KVCacheGroupSpec(KVCacheKind.FULL_ATTENTION, BS, (0,)), KVCacheGroupSpec(KVCacheKind.MAMBA, BS, (1,)))

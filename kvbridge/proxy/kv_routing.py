@@ -1,0 +1,126 @@
+"""One request's routing plan from the fleet view: a kv cost per P and per D (the kv_aware
+policy picks the lowest), and the P/D decision of `--pd-mode` with its reason.
+
+Modes: `always` (every request through P, reason `forced`; the default), `never` (D alone,
+`forced`), `auto` (kv_cost.decide_auto: the measured cost of D prefilling what it lacks
+against P's queue, P's prefill and the KV transfer; `cached` when D holds the whole prompt;
+`no_measured_rate` until the instances report rates), and for comparison `static` (Dynamo's
+rule) and `threshold` (llm-d's). Each decision is taken against the D and the P the kv_aware
+policy would pick (the cheapest); until a D has measured its own prefill rate, P's stands in
+(one model: a D of a P/D fleet prefills little by itself). A request the view cannot predict (a prompt list, events off
+everywhere and no tokens) goes through P with reason `no_prediction` in the deciding modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+from fastapi.responses import Response
+from prometheus_client import Histogram
+
+from kvbridge.proxy.fleet_view import FleetView, Prediction
+from kvbridge.proxy.kv_cost import PdMode, Decision, Load, cheapest, cost, decide_auto, decide_static, decide_threshold
+from kvbridge.proxy.routing import UpstreamPool
+
+DEFAULT_BLOCK_SIZE = 16  # an instance without events: its cost counts blocks of this size
+IDLE = Load(waiting=0, waiting_prefill_tokens=0, running=0, kv_blocks_total=0, kv_blocks_free=0,
+            prefill_tokens_per_s=None, decode_step_s=None, kv_pull_bytes_per_s=None, kv_bytes_per_token=0)
+
+
+class FleetFacts(Protocol):
+    """What `plan` reads of the fleet view (FleetView; a table in unit tests)."""
+
+    def load(self, url: str) -> Load | None: ...
+
+    def block_size(self, url: str) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    decision: Decision
+    prediction: Prediction | None = None
+    prefill_costs: dict[str, float] | None = None
+    decode_costs: dict[str, float] | None = None
+
+    def predicted_cached(self, url: str) -> int | None:
+        """The cached prompt tokens predicted for `url`, or None without a prediction."""
+        return None if self.prediction is None else self.prediction.cached.get(url)
+
+
+FORCED_PD = RoutePlan(Decision("prefill_decode", "forced"))
+
+
+def costs(view: FleetFacts, prediction: Prediction, urls: list[str]) -> dict[str, float]:
+    """kv_cost.cost per URL, from its predicted overlap and its last reported load (an instance
+    that has not reported one counts as idle)."""
+    out = {}
+    for url in urls:
+        block_size = view.block_size(url) or DEFAULT_BLOCK_SIZE
+        out[url] = cost(prediction.prompt_tokens, prediction.cached[url] // block_size, view.load(url) or IDLE,
+                        block_size)
+    return out
+
+
+def plan(view: FleetFacts, prediction: Prediction | None, prefill: list[str], decode: list[str],
+         mode: PdMode) -> RoutePlan:
+    """The plan of one request over the healthy `prefill` and `decode` URLs (module docstring)."""
+    if mode == "always" and prediction is None:
+        return FORCED_PD
+    if prediction is None or not decode:
+        return RoutePlan(Decision("decode_only", "forced") if mode == "never"
+                         else Decision("prefill_decode", "forced" if mode == "always" else "no_prediction"))
+    d_costs, p_costs = costs(view, prediction, decode), costs(view, prediction, prefill)
+    d = decode[cheapest([d_costs[u] for u in decode])]
+    cached_d, n = prediction.cached[d], prediction.prompt_tokens
+    if mode in ("always", "never"):
+        decision = Decision("prefill_decode" if mode == "always" else "decode_only", "forced")
+    elif mode == "static":
+        decision = decide_static(n, cached_d)
+    elif mode == "threshold":
+        decision = decide_threshold(n, cached_d)
+    elif not prefill:
+        decision = Decision("decode_only", "no_prefill_healthy")
+    else:
+        p = prefill[cheapest([p_costs[u] for u in prefill])]
+        d_load, p_load = view.load(d), view.load(p)
+        if d_load is None or p_load is None:
+            decision = Decision("prefill_decode", "no_measured_rate")
+        else:  # a D of a P/D fleet rarely prefills much: P's rate (same model) stands in until it has its own
+            if d_load.prefill_tokens_per_s is None:
+                d_load = dataclasses.replace(d_load, prefill_tokens_per_s=p_load.prefill_tokens_per_s)
+            decision = decide_auto(n, cached_d, prediction.cached[p], d_load, p_load)
+    return RoutePlan(decision, prediction, p_costs, d_costs)
+
+
+async def plan_for(view: FleetView, client: httpx.AsyncClient, prefill: UpstreamPool | None, decode: UpstreamPool,
+                   route: str, body: dict[str, Any], headers: dict[str, str], timeout: httpx.Timeout,
+                   mode: PdMode) -> RoutePlan:
+    """`plan` for one request: its token ids asked of a healthy instance (a D first), predicted on
+    every healthy one."""
+    decode_urls = [u.url for u in decode.healthy()]
+    prefill_urls = [u.url for u in prefill.healthy()] if prefill is not None else []
+    asked = decode_urls or prefill_urls
+    tokens = await view.token_ids(client, asked[0], route, body, headers, timeout) if asked else None
+    prediction = None if tokens is None else view.predict(tokens, prefill_urls + decode_urls)
+    return plan(view, prediction, prefill_urls, decode_urls, mode)
+
+
+def reported_cached(answer: bytes) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of a whole answer, or None when it has none."""
+    try:
+        value = json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return value if type(value) is int else None
+
+
+def observe_cached(histogram: Histogram, plan: RoutePlan, url: str, answer: Response) -> None:
+    """The cached prompt tokens `plan` predicted for `url` minus those its whole answer reports."""
+    predicted = plan.predicted_cached(url)
+    actual = reported_cached(bytes(answer.body)) if predicted is not None else None
+    if actual is not None and predicted is not None:
+        histogram.observe(predicted - actual)

@@ -1,0 +1,125 @@
+"""One request's routing plan (kvbridge/proxy/kv_routing.py) from a table of fleet facts: the
+kv_aware costs, the P/D decision of each --pd-mode and its reason; the kv_aware policy's pick;
+what the router asks /tokenize; an instance's events contract; the reported cached tokens."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvbridge.proxy.fleet_view import EventsContract, Prediction, tokenize_question
+from kvbridge.proxy.kv_cost import Load
+from kvbridge.proxy.kv_routing import IDLE, plan, reported_cached
+from kvbridge.proxy.routing import KvAwarePolicy, Upstream
+
+P, D1, D2 = "http://p", "http://d1", "http://d2"
+
+
+def load(**changes: object) -> Load:
+    base: dict[str, object] = dict(waiting=0, waiting_prefill_tokens=0, running=0, kv_blocks_total=100,
+                                   kv_blocks_free=100, prefill_tokens_per_s=1000.0, decode_step_s=0.05,
+                                   kv_pull_bytes_per_s=1e9, kv_bytes_per_token=1000)
+    return Load(**{**base, **changes})  # type: ignore[arg-type]
+
+
+@dataclass
+class Facts:
+    loads: dict[str, Load] = field(default_factory=dict)
+    block_sizes: dict[str, int] = field(default_factory=dict)
+
+    def load(self, url: str) -> Load | None:
+        return self.loads.get(url)
+
+    def block_size(self, url: str) -> int | None:
+        return self.block_sizes.get(url)
+
+
+ALL = Facts({P: load(), D1: load(), D2: load()}, {P: 16, D1: 16, D2: 16})
+
+
+def test_without_a_prediction_the_modes_that_decide_go_through_p_and_say_why() -> None:
+    assert plan(ALL, None, [P], [D1], "always").decision.reason == "forced"
+    assert plan(ALL, None, [P], [D1], "never").decision.path == "decode_only"
+    for mode in ("auto", "static", "threshold"):
+        decided = plan(ALL, None, [P], [D1], mode).decision  # type: ignore[arg-type]
+        assert (decided.path, decided.reason) == ("prefill_decode", "no_prediction")
+
+
+def test_the_d_holding_the_prompt_is_the_cheapest_and_auto_serves_it_alone() -> None:
+    prediction = Prediction(640, {P: 0, D1: 0, D2: 624})
+    routed = plan(ALL, prediction, [P], [D1, D2], "auto")
+    assert routed.decode_costs is not None and min(routed.decode_costs, key=routed.decode_costs.__getitem__) == D2
+    assert (routed.decision.path, routed.decision.reason) == ("decode_only", "cost")
+    assert routed.predicted_cached(D2) == 624 and routed.predicted_cached("http://elsewhere") is None
+
+
+def test_a_busy_d_sends_a_long_uncached_prompt_through_p() -> None:
+    busy = Facts({P: load(), D1: load(running=30, kv_blocks_free=40)}, {P: 16, D1: 16})
+    decided = plan(busy, Prediction(2000, {P: 0, D1: 0}), [P], [D1], "auto").decision
+    assert (decided.path, decided.reason) == ("prefill_decode", "cost")
+
+
+def test_auto_waits_for_a_reported_load_and_borrows_p_s_rate_for_a_d_without_one() -> None:
+    prediction = Prediction(640, {P: 0, D1: 0})
+    assert plan(Facts({P: load()}), prediction, [P], [D1], "auto").decision.reason == "no_measured_rate"
+    unmeasured_d = Facts({P: load(), D1: load(prefill_tokens_per_s=None)})
+    assert plan(unmeasured_d, prediction, [P], [D1], "auto").decision.reason == "cost"
+    assert plan(ALL, prediction, [], [D1], "auto").decision == plan(ALL, prediction, [], [D1], "auto").decision
+    assert plan(ALL, prediction, [], [D1], "auto").decision.reason == "no_prefill_healthy"
+
+
+@pytest.mark.parametrize("mode, cached, path", [
+    ("static", 0, "prefill_decode"), ("static", 400, "decode_only"),
+    ("threshold", 0, "prefill_decode"), ("threshold", 900, "decode_only"),
+    ("always", 1000, "prefill_decode"), ("never", 0, "decode_only"),
+])
+def test_the_named_rules_and_the_forced_modes(mode: str, cached: int, path: str) -> None:
+    decided = plan(ALL, Prediction(1000, {P: 0, D1: cached}), [P], [D1], mode).decision  # type: ignore[arg-type]
+    assert decided.path == path and decided.reason == {"always": "forced", "never": "forced"}.get(mode, mode)
+
+
+def test_an_instance_without_events_or_load_is_costed_cold_and_idle() -> None:
+    routed = plan(Facts(), Prediction(160, {P: 0, D1: 0}), [P], [D1], "always")
+    assert routed.decode_costs == {D1: 10.0} and routed.prefill_costs == {P: 10.0}  # 160 / 16 blocks, no load
+    assert IDLE.kv_blocks_total == 0
+
+
+def test_kv_aware_picks_the_lowest_cost_and_the_least_busy_without_costs() -> None:
+    a, b = Upstream("http://a", 0, healthy=True, outstanding=3), Upstream("http://b", 1, healthy=True)
+    policy = KvAwarePolicy()
+    assert policy.choose([a, b], costs={"http://a": 1.0, "http://b": 2.0}) is a
+    assert policy.choose([a, b], costs={"http://a": 2.0, "http://b": 2.0}) is b  # tie: fewer in flight
+    assert policy.choose([a, b]) is b
+    assert policy.choose([a, b], costs={"http://a": 5.0}) is a  # b unknown: last
+
+
+def test_what_the_router_asks_tokenize() -> None:
+    assert tokenize_question("/v1/completions", {"model": "m", "prompt": "hi"}) == {"model": "m", "prompt": "hi"}
+    assert tokenize_question("/v1/completions", {"model": "m", "prompt": ["hi"]}) == {"model": "m", "prompt": "hi"}
+    assert tokenize_question("/v1/completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert tokenize_question("/v1/completions", {"prompt": ["a", "b"]}) is None  # a prompt list: no prediction
+    assert tokenize_question("/v1/completions", {"prompt": [[1], [2]]}) is None
+    messages = [{"role": "user", "content": "hi"}]
+    assert tokenize_question("/v1/chat/completions", {"model": "m", "messages": messages}) == {
+        "model": "m", "messages": messages}
+    assert tokenize_question("/v1/chat/completions", {"messages": "hi"}) is None
+
+
+def test_an_events_contract_is_read_or_refused_clearly() -> None:
+    good = {"enabled": True, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": None, "topic": "kv",
+            "block_size": 16, "hash_root": "00ff"}
+    assert EventsContract.from_json(good) == EventsContract("tcp://127.0.0.1:5557", None, "kv", 16, b"\x00\xff")
+    assert EventsContract.from_json({"enabled": False}) is None
+    for bad in ({"endpoint": "ipc:///x"}, {"replay_endpoint": 5}, {"block_size": 0}, {"hash_root": None},
+                {"hash_root": "zz"}, {"topic": 3}):
+        with pytest.raises(ValueError):
+            EventsContract.from_json({**good, **bad})
+
+
+def test_the_cached_tokens_an_answer_reports() -> None:
+    body = {"usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}}
+    assert reported_cached(json.dumps(body).encode()) == 32
+    assert reported_cached(b'{"usage": {"prompt_tokens": 4}}') is None
+    assert reported_cached(b"not json") is None
