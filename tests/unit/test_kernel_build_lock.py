@@ -7,26 +7,29 @@ scripts/install.sh, so this loads the real build in a fresh process."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
 from kvbridge.engine.layers import cpu_kernels
+from kvbridge.engine.setup.cache_dir import default_cache_dir
 
 
-def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start() -> None:
-    directory = cpu_kernels.build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path) -> None:
+    # A copy of the installed build in a cache of this test's own: an engine another test starts
+    # at the same time loads the shared one, and would find (and remove) a stale lock left there.
+    built = cpu_kernels.build_dir()
+    directory = tmp_path / built.relative_to(default_cache_dir())
+    shutil.copytree(built, directory, ignore=shutil.ignore_patterns("lock", "kvbridge-build.lock"))
     stale = directory / "lock"
     stale.touch()  # what torch's lock leaves when its builder is killed
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", "from kvbridge.engine.layers import cpu_kernels; cpu_kernels.load()"],
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True, text=True,
-            timeout=180)
-    finally:
-        stale.unlink(missing_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "from kvbridge.engine.layers import cpu_kernels; cpu_kernels.load()"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "KVBRIDGE_CACHE_DIR": str(tmp_path)},
+        capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "left by a kernel build that was killed" in done.stderr
+    assert not stale.exists()
 
 
 def test_other_kernel_sources_build_in_their_own_folder(tmp_path, monkeypatch) -> None:
