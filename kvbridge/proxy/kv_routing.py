@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,7 +26,7 @@ from prometheus_client import Histogram
 
 from kvbridge.proxy.fleet_view import FleetView, Prediction
 from kvbridge.proxy.kv_cost import PdMode, Decision, Load, cheapest, cost, decide_auto, decide_static, decide_threshold
-from kvbridge.proxy.routing import UpstreamPool
+from kvbridge.proxy.routing import KvCosts, UpstreamPool
 
 DEFAULT_BLOCK_SIZE = 16  # an instance without events: its cost counts blocks of this size
 IDLE = Load(waiting=0, waiting_prefill_tokens=0, running=0, kv_blocks_total=0, kv_blocks_free=0,
@@ -43,8 +45,8 @@ class FleetFacts(Protocol):
 class RoutePlan:
     decision: Decision
     prediction: Prediction | None = None
-    prefill_costs: dict[str, float] | None = None
-    decode_costs: dict[str, float] | None = None
+    prefill_costs: KvCosts | None = None
+    decode_costs: KvCosts | None = None
 
     def predicted_cached(self, url: str) -> int | None:
         """The cached prompt tokens predicted for `url`, or None without a prediction."""
@@ -54,27 +56,30 @@ class RoutePlan:
 FORCED_PD = RoutePlan(Decision("prefill_decode", "forced"))
 
 
-def costs(view: FleetFacts, prediction: Prediction, urls: list[str]) -> dict[str, float]:
+def costs(view: FleetFacts, prediction: Prediction, urls: list[str]) -> KvCosts:
     """kv_cost.cost per URL, from its predicted overlap and its last reported load (an instance
-    that has not reported one counts as idle)."""
+    that has not reported one counts as idle); each request in flight there adds this one's
+    prompt blocks (what a concurrent request holds and costs, as far as the router can tell)."""
     out = {}
+    blocks = DEFAULT_BLOCK_SIZE
     for url in urls:
-        block_size = view.block_size(url) or DEFAULT_BLOCK_SIZE
-        out[url] = cost(prediction.prompt_tokens, prediction.cached[url] // block_size, view.load(url) or IDLE,
-                        block_size)
-    return out
+        blocks = view.block_size(url) or DEFAULT_BLOCK_SIZE
+        out[url] = cost(prediction.prompt_tokens, prediction.cached[url] // blocks, view.load(url) or IDLE, blocks)
+    return KvCosts(out, float(math.ceil(prediction.prompt_tokens / blocks)))
 
 
 def plan(view: FleetFacts, prediction: Prediction | None, prefill: list[str], decode: list[str],
-         mode: PdMode) -> RoutePlan:
-    """The plan of one request over the healthy `prefill` and `decode` URLs (module docstring)."""
+         mode: PdMode, outstanding: Mapping[str, int] | None = None) -> RoutePlan:
+    """The plan of one request over the healthy `prefill` and `decode` URLs (module docstring);
+    `outstanding`: the requests this proxy has in flight on each."""
+    outstanding = outstanding or {}
     if mode == "always" and prediction is None:
         return FORCED_PD
     if prediction is None or not decode:
         return RoutePlan(Decision("decode_only", "forced") if mode == "never"
                          else Decision("prefill_decode", "forced" if mode == "always" else "no_prediction"))
     d_costs, p_costs = costs(view, prediction, decode), costs(view, prediction, prefill)
-    d = decode[cheapest([d_costs[u] for u in decode])]
+    d = decode[cheapest([d_costs.by_url[u] + d_costs.per_outstanding * outstanding.get(u, 0) for u in decode])]
     cached_d, n = prediction.cached[d], prediction.prompt_tokens
     if mode in ("always", "never"):
         decision = Decision("prefill_decode" if mode == "always" else "decode_only", "forced")
@@ -85,13 +90,15 @@ def plan(view: FleetFacts, prediction: Prediction | None, prefill: list[str], de
     elif not prefill:
         decision = Decision("decode_only", "no_prefill_healthy")
     else:
-        p = prefill[cheapest([p_costs[u] for u in prefill])]
+        p = prefill[cheapest([p_costs.by_url[u] + p_costs.per_outstanding * outstanding.get(u, 0)
+                              for u in prefill])]
         d_load, p_load = view.load(d), view.load(p)
         if d_load is None or p_load is None:
             decision = Decision("prefill_decode", "no_measured_rate")
-        else:  # a D of a P/D fleet rarely prefills much: P's rate (same model) stands in until it has its own
-            if d_load.prefill_tokens_per_s is None:
-                d_load = dataclasses.replace(d_load, prefill_tokens_per_s=p_load.prefill_tokens_per_s)
+        else:  # a D of a P/D fleet rarely prefills much: P's rate (same model) stands in until it has its own;
+            # the requests this proxy has in flight there count as running even before D reports them
+            d_load = dataclasses.replace(d_load, running=max(d_load.running, outstanding.get(d, 0)),
+                                         prefill_tokens_per_s=d_load.prefill_tokens_per_s or p_load.prefill_tokens_per_s)
             decision = decide_auto(n, cached_d, prediction.cached[p], d_load, p_load)
     return RoutePlan(decision, prediction, p_costs, d_costs)
 
@@ -106,7 +113,8 @@ async def plan_for(view: FleetView, client: httpx.AsyncClient, prefill: Upstream
     asked = decode_urls or prefill_urls
     tokens = await view.token_ids(client, asked[0], route, body, headers, timeout) if asked else None
     prediction = None if tokens is None else view.predict(tokens, prefill_urls + decode_urls)
-    return plan(view, prediction, prefill_urls, decode_urls, mode)
+    in_flight = {u.url: u.outstanding for pool in (prefill, decode) if pool is not None for u in pool.healthy()}
+    return plan(view, prediction, prefill_urls, decode_urls, mode, in_flight)
 
 
 def reported_cached(answer: bytes) -> int | None:

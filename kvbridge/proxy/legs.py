@@ -9,7 +9,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -19,7 +19,7 @@ from kvbridge.openai_wire import REQUEST_ID_HEADER
 from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, RetryPolicy, openai_error
 from kvbridge.proxy.metrics import ProxyMetrics
 from kvbridge.proxy.releases import NO_KEYS, AttemptKeys
-from kvbridge.proxy.routing import Upstream, UpstreamKind, UpstreamPool
+from kvbridge.proxy.routing import KvCosts, Upstream, UpstreamKind, UpstreamPool
 from kvbridge.proxy.tracing_spans import NO_LEG, LegSpans
 
 logger = logging.getLogger("kvbridge.proxy.proxy")  # the name these lines logged under before the split
@@ -38,7 +38,7 @@ class Legs:
     async def run(self, pool: UpstreamPool, route: str, body: dict[str, Any], headers: dict[str, str],
                   request_id: str, prompt: str, judge: Callable[[Exchange], Awaitable[T | Failed]], *,
                   first_byte_s: float | None = None, spans: LegSpans = NO_LEG,
-                  keys: AttemptKeys = NO_KEYS, costs: Mapping[str, float] | None = None) -> T | Exhausted:
+                  keys: AttemptKeys = NO_KEYS, costs: KvCosts | None = None) -> T | Exhausted:
         """POST `body` to an instance of `pool` until `judge` makes the leg's result of one's open
         answer. An attempt that failed before anything reached the client (connection, timeout, a
         broken answer, 5xx, or what `judge` calls a failure) is retried on another instance, within

@@ -110,6 +110,17 @@ class Upstream:
     missed_probes: int = 0  # /health probes in a row that timed out (health.py)
 
 
+@dataclass(frozen=True)
+class KvCosts:
+    """The fleet view's costs for one request (kv_routing.py): `by_url`, each instance's cost from
+    its cached overlap and its last reported load; `per_outstanding`, what each request this proxy
+    has in flight on an instance adds (its reports lag: without it, every request of a burst would
+    go to the instance that was cheapest at the last report)."""
+
+    by_url: Mapping[str, float]
+    per_outstanding: float = 0.0
+
+
 class SelectionPolicy(ABC):
     """Chooses the upstream for the next request of one kind (P or D)."""
 
@@ -117,7 +128,7 @@ class SelectionPolicy(ABC):
 
     @abstractmethod
     def choose(self, candidates: Sequence[Upstream], prompt: str = "",
-               costs: Mapping[str, float] | None = None) -> Upstream:
+               costs: KvCosts | None = None) -> Upstream:
         """Return one of `candidates`: non-empty, healthy, in configuration order. `prompt`:
         the request's prompt text (PrefixAffinityPolicy uses it); `costs`: the fleet view's cost
         per candidate URL when it could predict the request (KvAwarePolicy uses them; the others
@@ -136,7 +147,7 @@ class RoundRobinPolicy(SelectionPolicy):
         self._last_index = -1
 
     def choose(self, candidates: Sequence[Upstream], prompt: str = "",
-               costs: Mapping[str, float] | None = None) -> Upstream:
+               costs: KvCosts | None = None) -> Upstream:
         chosen = next((u for u in candidates if u.index > self._last_index), candidates[0])
         self._last_index = chosen.index
         return chosen
@@ -148,7 +159,7 @@ class LeastOutstandingPolicy(SelectionPolicy):
     name = "least_outstanding"
 
     def choose(self, candidates: Sequence[Upstream], prompt: str = "",
-               costs: Mapping[str, float] | None = None) -> Upstream:
+               costs: KvCosts | None = None) -> Upstream:
         return min(candidates, key=lambda u: u.outstanding)
 
 
@@ -190,7 +201,7 @@ class PrefixAffinityPolicy(SelectionPolicy):
         return keys
 
     def choose(self, candidates: Sequence[Upstream], prompt: str = "",
-               costs: Mapping[str, float] | None = None) -> Upstream:
+               costs: KvCosts | None = None) -> Upstream:
         least = min(candidates, key=lambda u: u.outstanding)
         keys = self.prefix_keys(prompt)
         by_url = {u.url: u for u in candidates}
@@ -214,15 +225,18 @@ class PrefixAffinityPolicy(SelectionPolicy):
 
 class KvAwarePolicy(SelectionPolicy):
     """The lowest cost the fleet view computed for the request (kv_cost.py: the instance's
-    cached overlap from its KV events and its reported load); ties, and a request without
-    costs (no prediction: events off, a prompt list), go to the fewest in-flight requests."""
+    cached overlap from its KV events and its reported load, plus the requests in flight there);
+    ties, and a request without costs (no prediction: events off, a prompt list), go to the
+    fewest in-flight requests."""
 
     name = "kv_aware"
 
     def choose(self, candidates: Sequence[Upstream], prompt: str = "",
-               costs: Mapping[str, float] | None = None) -> Upstream:
-        known = costs or {}
-        return min(candidates, key=lambda u: (known.get(u.url, float("inf")) if known else 0.0, u.outstanding))
+               costs: KvCosts | None = None) -> Upstream:
+        if costs is None:
+            return min(candidates, key=lambda u: u.outstanding)
+        by_url, each = costs.by_url, costs.per_outstanding
+        return min(candidates, key=lambda u: (by_url.get(u.url, float("inf")) + each * u.outstanding, u.outstanding))
 
 
 POLICIES: dict[str, type[SelectionPolicy]] = {
@@ -286,7 +300,7 @@ class UpstreamPool:
         return [u for u in self.upstreams if u.healthy]
 
     def pick(self, exclude: Sequence[Upstream] = (), prompt: str = "",
-             costs: Mapping[str, float] | None = None) -> Upstream | None:
+             costs: KvCosts | None = None) -> Upstream | None:
         """The policy's choice among healthy instances not in `exclude` whose breaker lets a
         request through (`prompt`: the request's prompt text, for the prefix policy); None if
         none is left. The chosen one's breaker counts the send."""

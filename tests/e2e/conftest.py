@@ -16,31 +16,18 @@ does not fail the next ones).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from kvbridge.launcher.cluster import LocalCluster
-from tests.e2e.processes import metric
+from tests.e2e.processes import assert_all_blocks_free, metric
 from tests.fleet import Fleets
 from tests.last_users import last_users
 
 MODEL = "SmolLM2-135M-Instruct"
 SMOLLM2_PD_ARGS = ("--num-blocks", "320", "--max-model-len", "512", "--dtype", "float32")  # fp32: the fleets beside it compare to fp32 instances
 SHARED = ("smollm2_pd", "fleets")  # the session fixtures below that stop after their last test
-
-
-def assert_all_blocks_free(urls: list[str], timeout_s: float = 15.0) -> None:
-    """Every block free on each instance (polled: releases land a moment after the answer)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = {u: (metric(u, "kvbridge_kv_cache_free_blocks"), metric(u, "kvbridge_kv_cache_total_blocks"))
-                 for u in urls}
-        if all(free == total for free, total in state.values()):
-            return
-        assert time.monotonic() < deadline, f"KV blocks still allocated (free, total): {state}"
-        time.sleep(0.1)
 
 
 class SharedCluster:

@@ -28,6 +28,18 @@ def metric_total(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
 
+def assert_all_blocks_free(urls: list[str], timeout_s: float = 15.0) -> None:
+    """Every block free on each instance (polled: releases land a moment after the answer)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = {u: (metric(u, "kvbridge_kv_cache_free_blocks"), metric(u, "kvbridge_kv_cache_total_blocks"))
+                 for u in urls}
+        if all(free == total for free, total in state.values()):
+            return
+        assert time.monotonic() < deadline, f"KV blocks still allocated (free, total): {state}"
+        time.sleep(0.1)
+
+
 def children(pid: int) -> list[int]:
     """Every descendant process of pid."""
     parents: dict[int, int] = {}

@@ -18,7 +18,7 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.setup.default_model import DEFAULT_MODEL
 from kvbridge.launcher.cluster import LocalCluster
-from tests.e2e.conftest import assert_all_blocks_free
+from tests.e2e.processes import assert_all_blocks_free
 
 BLOCK = 16
 TURN_1 = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "

@@ -12,7 +12,7 @@ import pytest
 from kvbridge.proxy.fleet_view import EventsContract, Prediction, tokenize_question
 from kvbridge.proxy.kv_cost import Load
 from kvbridge.proxy.kv_routing import IDLE, plan, reported_cached
-from kvbridge.proxy.routing import KvAwarePolicy, Upstream
+from kvbridge.proxy.routing import KvAwarePolicy, KvCosts, Upstream
 
 P, D1, D2 = "http://p", "http://d1", "http://d2"
 
@@ -50,7 +50,8 @@ def test_without_a_prediction_the_modes_that_decide_go_through_p_and_say_why() -
 def test_the_d_holding_the_prompt_is_the_cheapest_and_auto_serves_it_alone() -> None:
     prediction = Prediction(640, {P: 0, D1: 0, D2: 624})
     routed = plan(ALL, prediction, [P], [D1, D2], "auto")
-    assert routed.decode_costs is not None and min(routed.decode_costs, key=routed.decode_costs.__getitem__) == D2
+    assert routed.decode_costs is not None
+    assert min(routed.decode_costs.by_url, key=routed.decode_costs.by_url.__getitem__) == D2
     assert (routed.decision.path, routed.decision.reason) == ("decode_only", "cost")
     assert routed.predicted_cached(D2) == 624 and routed.predicted_cached("http://elsewhere") is None
 
@@ -82,17 +83,26 @@ def test_the_named_rules_and_the_forced_modes(mode: str, cached: int, path: str)
 
 def test_an_instance_without_events_or_load_is_costed_cold_and_idle() -> None:
     routed = plan(Facts(), Prediction(160, {P: 0, D1: 0}), [P], [D1], "always")
-    assert routed.decode_costs == {D1: 10.0} and routed.prefill_costs == {P: 10.0}  # 160 / 16 blocks, no load
+    assert (routed.decode_costs, routed.prefill_costs) == (KvCosts({D1: 10.0}, 10.0), KvCosts({P: 10.0}, 10.0))
     assert IDLE.kv_blocks_total == 0
 
 
 def test_kv_aware_picks_the_lowest_cost_and_the_least_busy_without_costs() -> None:
     a, b = Upstream("http://a", 0, healthy=True, outstanding=3), Upstream("http://b", 1, healthy=True)
     policy = KvAwarePolicy()
-    assert policy.choose([a, b], costs={"http://a": 1.0, "http://b": 2.0}) is a
-    assert policy.choose([a, b], costs={"http://a": 2.0, "http://b": 2.0}) is b  # tie: fewer in flight
+    assert policy.choose([a, b], costs=KvCosts({"http://a": 1.0, "http://b": 5.0})) is a
+    assert policy.choose([a, b], costs=KvCosts({"http://a": 2.0, "http://b": 2.0})) is b  # tie: fewer in flight
     assert policy.choose([a, b]) is b
-    assert policy.choose([a, b], costs={"http://a": 5.0}) is a  # b unknown: last
+    assert policy.choose([a, b], costs=KvCosts({"http://a": 5.0})) is a  # b unknown: last
+    # a's 3 requests in flight, each worth this request's 2 blocks, outweigh its lower reported cost
+    assert policy.choose([a, b], costs=KvCosts({"http://a": 1.0, "http://b": 5.0}, per_outstanding=2.0)) is b
+
+
+def test_requests_in_flight_count_before_the_instances_report_them() -> None:
+    prediction = Prediction(640, {P: 0, D1: 0, D2: 0})
+    assert plan(ALL, prediction, [P], [D1, D2], "auto").decision.path == "decode_only"  # both idle
+    busy = plan(ALL, prediction, [P], [D1, D2], "auto", outstanding={D1: 30, D2: 30})
+    assert (busy.decision.path, busy.decision.reason) == ("prefill_decode", "cost")
 
 
 def test_what_the_router_asks_tokenize() -> None:
