@@ -50,6 +50,11 @@ class FakeInstance:
         self.disconnected_while_held = asyncio.Event()  # the caller hung up during `hold`
         self.max_model_len: int | None = None  # named on /v1/models when set
         self.models_asked = 0
+        # The fleet contract a router reads (absent, 404, unless set): GET /kvbridge/kv_events and
+        # /kvbridge/load answer these bodies, POST /tokenize these token ids.
+        self.kv_events: dict | None = None
+        self.load: dict | None = None
+        self.tokens: list[int] | None = None
         self.app = self._build_app()
 
     def kv_transfer_params(self, request_id: str) -> dict:
@@ -134,6 +139,20 @@ class FakeInstance:
         async def release(request: Request) -> dict:
             self.releases.append(Received(request.url.path, await request.json(), dict(request.headers)))
             return {"released": True}
+
+        @app.get("/kvbridge/kv_events")
+        async def kv_events() -> Response:
+            return JSONResponse(self.kv_events) if self.kv_events is not None else Response(status_code=404)
+
+        @app.get("/kvbridge/load")
+        async def load() -> Response:
+            return JSONResponse(self.load) if self.load is not None else Response(status_code=404)
+
+        @app.post("/tokenize")
+        async def tokenize() -> Response:
+            if self.tokens is None:
+                return Response(status_code=404)
+            return JSONResponse({"count": len(self.tokens), "max_model_len": 512, "tokens": self.tokens})
 
         @app.get("/debug/env")
         async def env() -> dict:

@@ -1,6 +1,7 @@
 """One request's routing plan (kvbridge/proxy/kv_routing.py) from a table of fleet facts: the
 kv_aware costs, the P/D decision of each --pd-mode and its reason; the kv_aware policy's pick;
-what the router asks /tokenize; an instance's events contract; the reported cached tokens."""
+what the router asks /tokenize; an instance's events contract; the reported cached tokens; and the
+proxy in front of stand-in instances that lack the fleet contract or garble it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvbridge.proxy.fleet_view import EventsContract, Prediction, tokenize_quest
 from kvbridge.proxy.kv_cost import Load
 from kvbridge.proxy.kv_routing import IDLE, plan, reported_cached
 from kvbridge.proxy.routing import KvAwarePolicy, KvCosts, Upstream
+from tests.unit.proxy_cluster import COMPLETION, pd_cluster
 
 P, D1, D2 = "http://p", "http://d1", "http://d2"
 
@@ -133,3 +135,46 @@ def test_the_cached_tokens_an_answer_reports() -> None:
     assert reported_cached(json.dumps(body).encode()) == 32
     assert reported_cached(b'{"usage": {"prompt_tokens": 4}}') is None
     assert reported_cached(b"not json") is None
+
+
+# ---- the proxy in front of instances that do not speak the fleet contract, or speak it wrong ----
+KV_AWARE = dict(prefill_policy="kv_aware", decode_policy="kv_aware", pd_mode="auto", health_interval_s=0.05)
+IDLE_LOAD = {"waiting": 0, "waiting_prefill_tokens": 0, "running": 0, "kv_blocks_total": 64, "kv_blocks_free": 64,
+             "prefill_tokens_per_s": 1000.0, "decode_step_s": 0.02, "kv_pull_bytes_per_s": 1e9,
+             "kv_bytes_per_token": 1000}
+
+
+@pytest.mark.timeout(60)
+async def test_instances_without_events_or_tokenize_are_served_through_p_without_a_prediction() -> None:
+    """vLLM without events, or an older kvbridge: 404 on every fleet route; the router serves on."""
+    async with pd_cluster(**KV_AWARE) as pd:
+        for _ in range(3):
+            r = await pd.http.post("/v1/completions", json=COMPLETION)
+            assert r.status_code == 200
+            assert (r.headers["x-kvbridge-pd-path"], r.headers["x-kvbridge-pd-reason"]) == (
+                "prefill_decode", "no_prediction")
+        fleet = (await pd.http.get("/kvbridge/fleet")).json()
+        assert fleet == {"enabled": True, "pd_mode": "auto", "instances": {}}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("contract", [
+    {"enabled": True, "endpoint": "ipc:///tmp/nowhere", "topic": "", "block_size": 16, "hash_root": "00"},
+    {"enabled": True, "endpoint": "tcp://127.0.0.1:9", "topic": "", "block_size": "16", "hash_root": "00"},
+    {"enabled": True},
+    ["not", "a", "map"],
+])
+async def test_a_garbled_events_contract_is_routed_cold_and_the_router_serves_on(contract: object) -> None:
+    async with pd_cluster(**KV_AWARE) as pd:
+        for instance in pd.prefill + pd.decode:
+            instance.kv_events = contract  # type: ignore[assignment]
+            instance.load, instance.tokens = IDLE_LOAD, list(range(100, 164))
+        await pd.wait_health("decode", 0, True)
+        for _ in range(3):  # several health rounds: the contract is read again, refused again
+            r = await pd.http.post("/v1/completions", json=COMPLETION)
+            assert r.status_code == 200
+            # cold everywhere, rates reported: an idle D prefilling 64 tokens beats P + the transfer
+            assert (r.headers["x-kvbridge-pd-path"], r.headers["x-kvbridge-pd-reason"]) in (
+                ("decode_only", "cost"), ("prefill_decode", "no_measured_rate"))  # before the first load poll
+        assert (await pd.http.get("/kvbridge/fleet")).json()["instances"] == {}
+        assert (await pd.http.get("/health")).status_code == 200
