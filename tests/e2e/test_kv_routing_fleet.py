@@ -1,12 +1,15 @@
 """KV-aware routing through real processes: a proxy with `--decode-policy kv_aware --pd-mode
-auto` in front of 1 P and 2 D `kvbridge serve` (the default model, fp32, small KV caches,
+auto` in front of 2 P and 2 D `kvbridge serve` (the default model, fp32, small KV caches,
 loopback), each publishing KV events. The next turn of a conversation goes to the D that holds
 the previous one and, its new text short, is served by that D alone (reason `cost`) with the
 answer one engine gives; the first request, before any rate is measured, goes through P; every
-prediction of cached tokens equals what the instance reports."""
+prediction of cached tokens equals what the instance reports. Killed, the holder leaves the
+router's index, and the turn after is answered right without it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import httpx
@@ -32,7 +35,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    cluster = LocalCluster(DEFAULT_MODEL, 1, 2, port=0, kv_backend="nixl", num_threads=1,
+    cluster = LocalCluster(DEFAULT_MODEL, 2, 2, port=0, kv_backend="nixl", num_threads=1,
                            extra_serve_args=["--dtype", "float32", "--num-blocks", "64", "--max-model-len", "512"],
                            proxy_args=["--prefill-policy", "kv_aware", "--decode-policy", "kv_aware",
                                        "--pd-mode", "auto", "--health-interval", "0.5"],
@@ -117,3 +120,16 @@ def test_the_next_turn_goes_to_the_d_holding_the_last_served_alone_by_cost(fleet
     observed, exact = prediction_errors(proxy)
     assert observed >= 3 and exact == observed  # P's legs and D's answer alone, each predicted exactly
     assert_all_blocks_free([*fleet.urls.prefill, *fleet.urls.decode])
+
+    # The holder dies between turns: the router drops what it held, and the next turn is recomputed
+    # (through P, which still holds turn 1's prompt, or on the other D) with the right answer.
+    urls = (*fleet.urls.prefill, *fleet.urls.decode, fleet.urls.proxy)
+    os.kill(next(child.pid for child, url in zip(fleet.children, urls) if url == holder), signal.SIGKILL)
+    wait_fleet(proxy, lambda v: holder not in v["instances"], "the killed holder dropped from the index")
+    history = history + TURN_2 + second.json()["choices"][0]["text"]
+    fourth = complete(proxy, history + TURN_2)
+    assert fourth.json()["choices"][0]["text"] == reference(history + TURN_2)
+    # the D left has never read KV from a P, so it may have no pull rate to weigh yet
+    assert fourth.headers["x-kvbridge-pd-reason"] in ("cost", "no_measured_rate"), fourth.headers
+    alive = [u for u in (*fleet.urls.prefill, *fleet.urls.decode) if u != holder]
+    assert_all_blocks_free(alive)
