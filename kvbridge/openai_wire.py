@@ -122,9 +122,24 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """One token's entry in vLLM's `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def _unset(value: object) -> bool:
+    return value is None
 
 
 class CompletionChoice(BaseModel):
@@ -132,6 +147,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_unset)  # vLLM's, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -178,6 +194,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_unset)  # vLLM's, when asked for
 
 
 class DeltaMessage(BaseModel):
@@ -203,6 +220,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_unset)  # the first chunk's, when asked
 
 
 class CompletionChunk(BaseModel):

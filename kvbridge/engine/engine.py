@@ -262,6 +262,10 @@ class LLMEngine:
                 self.connectors.scheduler.validate_request(len(prompt_token_ids), kv_transfer_params)
             except ValueError as exc:
                 raise EngineRequestError(str(exc)) from None
+        if params.prompt_logprobs is not None and kv_transfer_params is not None \
+                and kv_transfer_params.wants_remote_prefill:
+            raise EngineRequestError("prompt_logprobs cannot be served from KV computed by another instance: send "
+                                     "the request to one that computes its prompt (the proxy serves it on P)")
         if not self.scheduler.can_admit():
             raise EngineOverloadedError("the server is overloaded: too many requests are waiting")
         if continued:

@@ -137,8 +137,8 @@ class KVCacheManager:
         the prompt has logits to sample from.
         """
         empty: tuple[list[KVBlock], ...] = tuple([] for _ in self.groups)
-        if not self.pool.enable_caching or self.has_mamba:
-            return empty, 0
+        if not self.pool.enable_caching or self.has_mamba or request.wants_prompt_logprobs:
+            return empty, 0  # prompt logprobs need the logits of every prompt position (vLLM's rule)
         hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
         whole = request.keeps_whole_context  # a decode instance will read every block: all must be there
         hit = len(hashes)

@@ -16,6 +16,7 @@ from kvbridge.engine.layers import cpu_kernels
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata
 from kvbridge.engine.models import build_model
+from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.setup.native_memory import HeapTrimmer, bound_onednn_caches
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -27,6 +28,8 @@ from kvbridge.shape.model_config import ModelArchConfig
 from kvbridge.shape.tp_split import RankShard
 
 logger = logging.getLogger(__name__)
+# Prompt logprobs are computed over at most this many rows at once (a [rows, vocab] float32 scratch).
+PROMPT_LOGPROB_ROWS = 256
 
 def configure_torch_threads(num_threads: int) -> None:
     """Process-wide settings for an engine's (or a TP rank's) torch work, before any model is built.
@@ -143,8 +146,12 @@ class ModelRunner:
         positions: list[int] = []
         query_lens, context_lens, sample_rows = [], [], []
         tables: list[list[Sequence[int]]] = [[] for _ in self.windows]  # per group, per request
+        prompt_rows: list[tuple[str, int, tuple[int, ...], int]] = []  # request, first row, targets, top k
         for s in sched.scheduled:
             n = len(s.token_ids)
+            if s.prompt_logprob_targets:
+                prompt_rows.append((s.request_id, len(input_ids) + s.prompt_logprob_row, s.prompt_logprob_targets,
+                                    s.sampling_params.prompt_logprobs or 0))
             input_ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + n))
             query_lens.append(n)
@@ -165,7 +172,11 @@ class ModelRunner:
         attn = metas[0] if len(metas) == 1 else metas
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), attn, self.kv_cache)
-        if not sample_rows or not self.samples:
+        if not self.samples:
+            return
+        for request_id, row, targets, k in prompt_rows:
+            out.prompt_logprobs[request_id] = self._prompt_logprobs(hidden, row, targets, k)
+        if not sample_rows:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         sampled = [s for s in sched.scheduled if s.sample]
@@ -174,3 +185,23 @@ class ModelRunner:
         out.sampled_token_ids = result.tokens
         out.logprobs = result.logprobs
         out.sampling_errors = result.errors
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, row: int, targets: tuple[int, ...],
+                         k: int) -> list[TokenLogprob]:
+        """The logprob and rank of each of `targets` under the logits of the rows from `row` on
+        (each row's next prompt token), with `k` top alternatives: float32 log-softmax of the
+        model's logits, as the sampler's logprobs. Slices of PROMPT_LOGPROB_ROWS rows bound the
+        [rows, vocab] scratch."""
+        out: list[TokenLogprob] = []
+        for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            chunk = targets[lo:lo + PROMPT_LOGPROB_ROWS]
+            logits = self.model.compute_logits(hidden[row + lo:row + lo + len(chunk)])
+            lp = torch.log_softmax(logits.float(), dim=-1).cpu()
+            ids = torch.tensor(chunk, dtype=torch.long).unsqueeze(1)
+            chosen = lp.gather(1, ids)
+            ranks = (lp > chosen).sum(dim=1) + 1
+            top = torch.topk(lp, k, dim=1) if k else None
+            for i, tid in enumerate(chunk):
+                pairs = tuple(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else ()
+                out.append(TokenLogprob(tid, float(chosen[i, 0]), pairs, int(ranks[i])))
+        return out

@@ -6,9 +6,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbridge.engine.outputs import RequestOutput, TokenLogprob
-from kvbridge.engine.request import Request
+from kvbridge.engine.request import FinishReason, Request
 from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvbridge.stop_strings import stop_holdback
+
+# A request ended before its prompt was computed (aborted, failed) has fewer prompt logprobs.
+_CUT_SHORT = (FinishReason.ABORT, FinishReason.ERROR)
 
 
 @dataclass
@@ -19,6 +22,7 @@ class _Stream:
     emitted_tokens: int = 0
     pushed_tokens: int = 0  # output tokens already given to the detokenizer
     stopped: str | None = None  # the stop string that ended the request
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -75,6 +79,13 @@ class OutputProcessor:
         hold = 0 if finished else stop_holdback(st.text, req.sampling_params.stop)
         new_text = st.text[st.emitted_chars:len(st.text) - hold]
         st.emitted_chars += len(new_text)
+        prompt_logprobs = None
+        if req.wants_prompt_logprobs and not st.prompt_logprobs_sent and (new_ids or finished):
+            st.prompt_logprobs_sent = True
+            if len(req.prompt_logprobs) != req.num_prompt_tokens and req.finish_reason not in _CUT_SHORT:
+                raise RuntimeError(f"{len(req.prompt_logprobs)} prompt logprobs for {req.num_prompt_tokens} "
+                                   "prompt tokens")
+            prompt_logprobs = list(req.prompt_logprobs)
         out = RequestOutput(
             request_id=req.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
             finish_reason=req.finish_reason if finished else None,
@@ -83,7 +94,7 @@ class OutputProcessor:
             logprobs=logprobs,
             kv_transfer_params=req.kv_transfer_params_out if finished else None,
             error=req.error, stop_reason=st.stopped if st.stopped is not None else req.stop_reason,
-            error_code=req.error_code, times=req.times if finished else None)
+            error_code=req.error_code, times=req.times if finished else None, prompt_logprobs=prompt_logprobs)
         if finished:
             self.discard(req.request_id)
         return out

@@ -5,17 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvbridge.engine.logprobs import TokenLogprob
 from kvbridge.engine.request import FinishReason, RequestTimes
+
+__all__ = ["DRAIN_TIMEOUT", "REQUEST_OUTPUT_FAILED", "RequestOutput", "TokenLogprob"]
 
 if TYPE_CHECKING:
     from kvbridge.kv_transfer.params import KVTransferParams
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
 
 
 # RequestOutput.error_code of a request whose own output stage (detokenising, stop strings,
@@ -38,6 +34,7 @@ class RequestOutput:
     `error` is a human-readable cause when finish_reason is ERROR; `error_code` says what
     kind of failure it was where the API answers it differently (KV_LOAD_FAILED).
     `times` (finishing output only): when the request reached each phase in the engine.
+    `prompt_logprobs`: see the field.
     `num_cached_tokens`: prompt tokens found in this instance's prefix cache; `num_loaded_tokens`:
     prompt tokens whose KV was read from another instance. This instance computed the rest of the prompt.
     """
@@ -57,3 +54,6 @@ class RequestOutput:
     stop_reason: str | int | None = None
     error_code: str | None = None
     times: RequestTimes | None = None
+    # With SamplingParams.prompt_logprobs, on the request's first output only: one entry per prompt
+    # token, None for the first (nothing precedes it), as vLLM's RequestOutput.prompt_logprobs.
+    prompt_logprobs: "list[TokenLogprob | None] | None" = None

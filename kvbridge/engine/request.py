@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kvbridge.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvbridge.engine.logprobs import TokenLogprob
     from kvbridge.kv_transfer.params import KVTransferParams
     from kvbridge.tracing import RequestTrace
 
@@ -90,10 +91,31 @@ class Request:
     kv_transfer_params_out: "KVTransferParams | None" = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained digests of full blocks (kv_events/hashing.py)
     trace: "RequestTrace | None" = None  # set when the request is traced (its spans' parent)
+    # With sampling_params.prompt_logprobs: those computed so far, in prompt order (the first None);
+    # kept across a preemption, whose recompute does not compute them again.
+    prompt_logprobs: "list[TokenLogprob | None]" = field(default_factory=list)
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(self.arrival_time)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs.append(None)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def prompt_logprob_targets(self, start: int, num_new: int) -> tuple[int, tuple[int, ...]]:
+        """For a chunk computing positions [start, start + num_new): the first row of the chunk whose
+        logits give a prompt logprob not yet computed, and the prompt tokens those rows predict
+        (position p predicts prompt token p + 1). (0, ()) when the chunk gives none."""
+        if not self.wants_prompt_logprobs:
+            return 0, ()
+        first = max(start, len(self.prompt_logprobs) - 1)
+        end = min(start + num_new, self.num_prompt_tokens - 1)
+        if first >= end:
+            return 0, ()
+        return first - start, tuple(self.prompt_token_ids[first + 1:end + 1])
 
     @property
     def all_token_ids(self) -> list[int]:

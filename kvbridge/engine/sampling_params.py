@@ -35,6 +35,10 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias, clamped to
     # +-MAX_LOGIT_BIAS); logprobs stay the model's, as vLLM returns them by default.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's prompt_logprobs: the logprob (and rank) of each prompt token after the first, given
+    # the tokens before it, with this many top alternatives; None: none. Such a request computes its
+    # whole prompt (no prefix-cache hit, no KV read from another instance), as in vLLM.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -53,6 +57,8 @@ class SamplingParams:
             raise ValueError(f"seed must fit in 64 bits ({SEED_MIN} to {SEED_MAX}), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be between 0 and max_tokens={self.max_tokens}, got {self.min_tokens}")
         if any(t < 0 or not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS) for t, b in self.logit_bias):

@@ -231,10 +231,12 @@ class Scheduler:
             if not req.trace.scheduled_ns:
                 req.trace.first_scheduled(now)
             self._traced.append(TracedChunk(req, now, num_new))
+        lp_row, lp_targets = req.prompt_logprob_targets(start, num_new)
         return ScheduledRequest(
             request_id=req.request_id, token_ids=tokens, start_pos=start, block_ids=block_ids,
             sample=sample, sampling_params=req.sampling_params, num_output_tokens=req.num_output_tokens,
-            penalty_token_ids=tuple(req.all_token_ids) if penalised else ())
+            penalty_token_ids=tuple(req.all_token_ids) if penalised else (),
+            prompt_logprob_row=lp_row, prompt_logprob_targets=lp_targets)
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the blocks, start over from the prompt + output so far."""
@@ -260,6 +262,8 @@ class Scheduler:
                 continue  # finished (aborted) during the step, or preempted
             req.num_computed_tokens += len(s.token_ids)
             self.kvm.cache_blocks(req, req.num_computed_tokens)
+            if s.prompt_logprob_targets:
+                req.prompt_logprobs.extend(out.prompt_logprobs.get(s.request_id, ()))
             if not s.sample:
                 continue
             error = out.sampling_errors.get(s.request_id)

@@ -23,6 +23,10 @@ class ScheduledRequest:
     num_output_tokens: int  # output tokens so far (seeds the per-request generator offset)
     # With `sample` and a repetition penalty: the prompt's and output's tokens, which the penalty discourages.
     penalty_token_ids: tuple[int, ...] = ()
+    # Prompt logprobs (Request.prompt_logprob_targets): rows from `prompt_logprob_row` on give
+    # the logprobs of these prompt tokens.
+    prompt_logprob_row: int = 0
+    prompt_logprob_targets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -42,5 +46,6 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     sampling_errors: dict[str, str] = field(default_factory=dict)  # request id -> why it got no token
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # this step's, per request
     kv_rank_reports: list[RankReport] = field(default_factory=list)  # of each rank with an agent
     kv_connector_output: KVConnectorOutput | None = None  # the worker connector's reading of the reports

@@ -51,6 +51,31 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def wants_prompt_logprobs(body: dict[str, Any]) -> bool:
+    """Whether the answer needs the prompt's logprobs (vLLM's `prompt_logprobs`, or a completion's
+    `echo`): only an instance that computes the prompt has them, so P serves such a request alone."""
+    return body.get("prompt_logprobs") is not None or body.get("echo") is True
+
+
+def refused_by_decode(body: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, why) when D would refuse a field P never sees as sent (prefill_body rewrites
+    max_tokens, stream and min_tokens): the proxy refuses it before P spends a prefill on it. The
+    other fields P checks as D would."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            return name, f"{name} must be a positive integer (0 only with echo), got {json.dumps(value)}"
+    stream = body.get("stream")
+    if stream is not None and type(stream) is not bool:
+        return "stream", f"stream must be a boolean, got {json.dumps(stream)}"
+    if body.get("stream_options") is not None and stream is not True:
+        return "stream_options", "stream_options is only allowed when stream is true"
+    min_tokens, max_tokens = body.get("min_tokens"), body.get("max_completion_tokens") or body.get("max_tokens")
+    if type(min_tokens) is int and type(max_tokens) is int and min_tokens > max_tokens:
+        return "min_tokens", f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}"
+    return None
+
+
 def prompt_text(body: dict[str, Any]) -> str:
     """The request's prompt as text, for prefix-affinity routing: a completion's prompt (token
     ids as their decimal list; the first of a batch), or a chat's messages as `role: content`

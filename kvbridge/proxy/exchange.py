@@ -21,9 +21,11 @@ from kvbridge.proxy.routing import Upstream, UpstreamPool
 logger = logging.getLogger("kvbridge.proxy.proxy")
 
 
-def openai_error(status: int, message: str, code: str, request_id: str | None = None) -> JSONResponse:
+def openai_error(status: int, message: str, code: str | None, request_id: str | None = None,
+                 param: str | None = None) -> JSONResponse:
     """OpenAI's error body, typed like the API server's (invalid_request_error / server_error)."""
-    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type(status), code=code)).model_dump()
+    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type(status), param=param,
+                                         code=code)).model_dump()
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     return JSONResponse(body, status_code=status, headers=headers)
 

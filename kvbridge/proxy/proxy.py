@@ -43,7 +43,7 @@ from kvbridge.kv_transfer.params import KV_LOAD_FAILED
 from kvbridge.openai_wire import MAX_BODY_BYTES, REQUEST_ID_HEADER, parse_json_object
 from kvbridge.proxy import first_token, gone, prompt_lists, tracing_spans
 from kvbridge.proxy.bodies import (error_code, forwardable, kv_transfer_params, prefill_body, prompt_text, read_body,
-                                   request_id_of)
+                                   refused_by_decode, request_id_of, wants_prompt_logprobs)
 from kvbridge.proxy.instance_info import ask_context_len
 from kvbridge.proxy.fleet_view import FleetView
 from kvbridge.proxy import kv_routing
@@ -240,8 +240,13 @@ class PDProxy:
         try:  # the watcher must stop before a StreamingResponse listens to the client itself
             if self.prefill is None:
                 return self._path(call, await self._decode_alone(call), "decode_only", "colocated")
+            on_p_alone = wants_prompt_logprobs(body)
+            if not on_p_alone and (refused := refused_by_decode(body)) is not None:  # before P prefills for D
+                return openai_error(400, f"{refused[0]}: {refused[1]}", None, request_id, param=refused[0])
             if route == COMPLETIONS_ROUTE and (bodies := prompt_lists.split(body)) is not None:
                 return await self._prompt_list(call, self.prefill, bodies)
+            if on_p_alone:
+                return await self._prefill_alone(call, self.prefill)
             call = await self._planned(call)
             if call.plan.decision.path == "decode_only":
                 return self._path(call, await self._decode_alone(call), "decode_only", call.plan.decision.reason)
@@ -304,18 +309,50 @@ class PDProxy:
         answer.headers[PD_PATH_HEADER], answer.headers[PD_REASON_HEADER] = path, reason
         return answer
 
+    async def _one_prompt(self, call: ClientRequest, prefill: UpstreamPool) -> Response:
+        """One prompt of a list: on P alone when its answer needs the prompt's logprobs, else P then D."""
+        if wants_prompt_logprobs(call.body):
+            return await self._prefill_alone(call, prefill)
+        return await self._prefill_then_decode(call, prefill)
+
+    async def _prefill_alone(self, call: ClientRequest, prefill: UpstreamPool) -> Response:
+        """P serves the whole request (path prefill_only, reason prompt_logprobs): the prompt's
+        logprobs come from the instance that computes the prompt, and a D reading P's KV never
+        computes them. P gets the client's body unchanged (no KV is kept for a D); its answer is
+        passed through, streamed or whole. When no P can serve it, the decode-only fallback does
+        (D computes the prompt itself)."""
+        stream = bool(call.body.get("stream"))
+        result = await gone.unless(call.gone, self.legs.run(
+            prefill, call.route, call.body, call.headers, call.request_id, prompt_text(call.body),
+            lambda exchange: self._whole_answer(exchange, call, stream, UpstreamKind.PREFILL),
+            first_byte_s=self.first_byte_timeout_s if stream else None, spans=call.spans.leg("prefill_only")))
+        if result is None:
+            return Response(status_code=499)
+        if isinstance(result, Exhausted):
+            return await self._without_prefill(result, call, prefill)
+        return self._path(call, result, "prefill_only", "prompt_logprobs")
+
+    async def _whole_answer(self, exchange: Exchange, call: ClientRequest, stream: bool,
+                            kind: UpstreamKind) -> Response | Failed:
+        """An instance's answer to a request it serves alone: a stream passed through, or the whole
+        answer; or why this attempt failed (reading it failed, a 5xx)."""
+        if exchange.response.status_code < 400 and stream:
+            return PassthroughStream(exchange, call.request_id)
+        answer = await self.legs.read_all(exchange, call.request_id)
+        return self.legs.server_error(kind, answer) or answer
+
     async def _prompt_list(self, call: ClientRequest, prefill: UpstreamPool, bodies: list[dict[str, Any]]) -> Response:
         """A completion's list of prompts: each its own P/D path (`<id>-<index>`), the answers merged;
         one prompt's failure is the answer, and stops the others as a client leaving would
         (prompt_lists.py)."""
         if len(bodies) == 1:
-            return await self._prefill_then_decode(ClientRequest(
+            return await self._one_prompt(ClientRequest(
                 call.route, bodies[0], call.headers, call.request_id, call.spans, call.gone), prefill)
         parts = [ClientRequest(call.route, b, {**call.headers, REQUEST_ID_HEADER: f"{call.request_id}-{i}"},
                                f"{call.request_id}-{i}", call.spans, asyncio.Event()) for i, b in enumerate(bodies)]
         events = [part.gone for part in parts]
         relay = asyncio.create_task(gone.relay(call.gone, events))
-        tasks = [asyncio.create_task(self._prefill_then_decode(part, prefill)) for part in parts]
+        tasks = [asyncio.create_task(self._one_prompt(part, prefill)) for part in parts]
         try:
             answers, failure = await gone.first_failure_stops_the_rest(tasks, events)
         finally:

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 
 from kvbridge import openai_wire as wire
-from kvbridge.engine.outputs import DRAIN_TIMEOUT, RequestOutput
+from kvbridge.engine.outputs import DRAIN_TIMEOUT, RequestOutput, TokenLogprob
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.tokenizer import Tokenizer
 from kvbridge.kv_transfer.params import KVTransferParams, wire_or_none
 from kvbridge.server import protocol
 from kvbridge.server.async_engine import AsyncEngine, RequestStream
@@ -37,6 +38,47 @@ class Job:
     continued: tuple[int, ...] = ()
     index: int = 0  # the prompt's place in a completion's list: its choice's index
 
+    @property
+    def echo(self) -> bool:
+        """A completion whose answer starts with its prompt (text, and logprobs when asked)."""
+        return isinstance(self.request, protocol.CompletionRequest) and self.request.echo
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the engine samples one token (vLLM's way), the answer drops it."""
+        return isinstance(self.request, protocol.CompletionRequest) and self.request.echo_only
+
+    def prompt_text(self, tokenizer: Tokenizer) -> str:
+        """The prompt as echoed: the text sent, or token ids' text (special tokens kept)."""
+        prompt = self.request.prompts[self.index] if isinstance(self.request, protocol.CompletionRequest) else ""
+        return prompt if isinstance(prompt, str) else tokenizer.decode(prompt, False)
+
+    def answer_parts(self, output: RequestOutput, tokenizer: Tokenizer, echoed: bool,
+                     ) -> tuple[str, list[TokenLogprob | int] | None, wire.PromptLogprobs | None]:
+        """Of one output: the text, the completion logprobs entries (None when not asked) and vLLM's
+        prompt_logprobs (None unless asked and this is the output carrying them). `echoed`: the prompt
+        was already answered (a stream's later output)."""
+        asked = self.params.logprobs is not None
+        text = "" if self.echo_only else output.new_text
+        entries: list[TokenLogprob | int] | None = (
+            [] if self.echo_only else list(output.logprobs or ())) if asked else None
+        if self.echo and not echoed:
+            text = self.prompt_text(tokenizer) + text
+            if entries is not None:
+                entries[:0] = protocol.echoed(self.prompt_ids, output.prompt_logprobs or [])
+        prompt_lps = None
+        if self.request.prompt_logprobs is not None and output.prompt_logprobs is not None:
+            prompt_lps = protocol.vllm_prompt_logprobs(output.prompt_logprobs, tokenizer.token_text)
+        return text, entries, prompt_lps
+
+    def finish_reason(self, output: RequestOutput) -> str | None:
+        if self.echo_only:
+            return "length"  # nothing generated: max_tokens 0 reached
+        return output.finish_reason.value if output.finish_reason else None
+
+    def completion_tokens(self, output: RequestOutput) -> int:
+        return 0 if self.echo_only else output.num_output_tokens
+
 class ChunkMaker:
     """Builds one request's stream chunks as JSON-able dicts. Like OpenAI, `usage` is on
     every chunk (null but on the last) only when the client asked for usage;
@@ -45,8 +87,10 @@ class ChunkMaker:
     def __init__(self, job: Job, engine: AsyncEngine) -> None:
         self.job = job
         self.model = engine.model_name
+        self.tokenizer = engine.tokenizer
         self.token_text = engine.tokenizer.token_text
         self.text_offset = 0
+        self.answered = False  # an echoed prompt went out (it goes with the first content chunk)
 
     def _chunk(self, choices: list[Any], **extra: Any) -> str:
         cls = wire.ChatCompletionChunk if self.job.chat else wire.CompletionChunk
@@ -61,19 +105,25 @@ class ChunkMaker:
         return self._chunk([wire.ChatStreamChoice(delta=delta, logprobs=None, finish_reason=reason)],
                            **extra)
 
-    def content(self, output: RequestOutput) -> str:
-        logprobs = output.logprobs if self.job.params.logprobs is not None else None
+    def content(self, output: RequestOutput) -> str | None:
+        """The chunk of an output's text and logprobs (the first also carries an echoed prompt and
+        the prompt logprobs), or None when it has nothing to send."""
+        text, entries, prompt_lps = self.job.answer_parts(output, self.tokenizer, self.answered)
+        if not (text or entries or prompt_lps):
+            return None
+        self.answered = True
         if self.job.chat:
-            chat_lp = protocol.chat_logprobs(logprobs, self.token_text) if logprobs else None
-            return self._chunk([wire.ChatStreamChoice(delta=wire.DeltaMessage(content=output.new_text),
-                                                      logprobs=chat_lp, finish_reason=None)])
-        lp = protocol.completion_logprobs(logprobs, self.token_text, self.text_offset) if logprobs else None
-        self.text_offset += len(output.new_text)
-        return self._chunk([wire.CompletionChoice(index=self.job.index, text=output.new_text, logprobs=lp,
-                                                  finish_reason=None)])
+            chat_lp = protocol.chat_logprobs(cast(list[TokenLogprob], entries), self.token_text) if entries else None
+            extra = {"prompt_logprobs": prompt_lps} if prompt_lps is not None else {}
+            return self._chunk([wire.ChatStreamChoice(delta=wire.DeltaMessage(content=text), logprobs=chat_lp,
+                                                      finish_reason=None)], **extra)
+        lp = protocol.completion_logprobs(entries, self.token_text, self.text_offset) if entries else None
+        self.text_offset += len(text)
+        return self._chunk([wire.CompletionChoice(index=self.job.index, text=text, logprobs=lp, finish_reason=None,
+                                                  prompt_logprobs=prompt_lps)])
 
     def finish(self, output: RequestOutput) -> str:
-        reason = output.finish_reason.value if output.finish_reason else None
+        reason = self.job.finish_reason(output)
         extra = {"kv_transfer_params": wire_or_none(output.kv_transfer_params)} if output.kv_transfer_params else {}
         if self.job.chat:
             return self.delta(wire.DeltaMessage(), reason, **extra)
@@ -81,14 +131,15 @@ class ChunkMaker:
                                                   finish_reason=reason)], **extra)
 
     def usage(self, output: RequestOutput) -> str:
-        return self.usage_of(usage_of([output]))
+        return self.usage_of(usage_of([output], [self.job]))
 
     def usage_of(self, usage: wire.UsageInfo) -> str:
         return self._chunk([], usage=usage)
 
-def usage_of(outputs: list[RequestOutput]) -> wire.UsageInfo:
-    """The usage of finished outputs together (a list's prompts: summed, as vLLM)."""
-    return wire.UsageInfo.of(sum(o.num_prompt_tokens for o in outputs), sum(o.num_output_tokens for o in outputs),
+def usage_of(outputs: list[RequestOutput], jobs: list[Job]) -> wire.UsageInfo:
+    """The usage of finished outputs together (a list's prompts: summed, as vLLM), each with its job."""
+    return wire.UsageInfo.of(sum(o.num_prompt_tokens for o in outputs),
+                             sum(j.completion_tokens(o) for o, j in zip(outputs, jobs)),
                              sum(o.num_cached_tokens for o in outputs))
 
 def leased_params(output: RequestOutput) -> KVTransferParams | None:

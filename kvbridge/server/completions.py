@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -193,6 +193,8 @@ class CompletionHandlers:
         if request.min_tokens > max_tokens:
             raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                            f"got {request.min_tokens}", param="min_tokens")
+        if max_tokens == 0:  # echo alone: the engine samples one token, which the answer drops (as vLLM)
+            max_tokens = 1
         try:
             params = request.to_sampling_params(max_tokens, self.defaults)
         except ValueError as exc:
@@ -292,27 +294,34 @@ class CompletionHandlers:
                        ) -> tuple[wire.CompletionResponse | wire.ChatCompletionResponse, KVTransferParams | None]:
         """The whole answer, and the params of the lease it names (P with kv_transfer_params)."""
         text: list[str] = []
-        logprobs: list[TokenLogprob] = []
+        logprobs: list[TokenLogprob | int] = []
+        prompt_lps: wire.PromptLogprobs | None = None
         last: RequestOutput | None = None
+        tokenizer = self.engine.tokenizer
         async for last in stream:
             timer.on_output(last)
-            text.append(last.new_text)
-            logprobs.extend(last.logprobs or ())
+            if last.finished:
+                raise_if_failed(last)
+            part, entries, first_prompt_lps = job.answer_parts(last, tokenizer, echoed=bool(text))
+            text.append(part)
+            logprobs.extend(entries or ())
+            prompt_lps = prompt_lps or first_prompt_lps
         assert last is not None and last.finished  # a stream always ends with its finished output
-        raise_if_failed(last)
-        usage = wire.UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-        reason = last.finish_reason.value if last.finish_reason else None
-        token_text = self.engine.tokenizer.token_text
+        usage = wire.UsageInfo.of(last.num_prompt_tokens, job.completion_tokens(last), last.num_cached_tokens)
+        reason = job.finish_reason(last)
+        token_text = tokenizer.token_text
         if job.chat:
-            chat_lp = protocol.chat_logprobs(logprobs, token_text) if job.params.logprobs is not None else None
+            chat_lp = (protocol.chat_logprobs(cast(list[TokenLogprob], logprobs), token_text)
+                       if job.params.logprobs is not None else None)
             chat_choice = wire.ChatChoice(message=wire.ChatMessageOut(content="".join(text)), logprobs=chat_lp,
                                           finish_reason=reason)
             return wire.ChatCompletionResponse(id=job.response_id, created=job.created,
                                                model=self.engine.model_name, choices=[chat_choice],
-                                               usage=usage, kv_transfer_params=wire_or_none(last.kv_transfer_params)
-                                               ), leased_params(last)
+                                               usage=usage, kv_transfer_params=wire_or_none(last.kv_transfer_params),
+                                               prompt_logprobs=prompt_lps), leased_params(last)
         lp = protocol.completion_logprobs(logprobs, token_text, 0) if job.params.logprobs is not None else None
-        choice = wire.CompletionChoice(index=job.index, text="".join(text), logprobs=lp, finish_reason=reason)
+        choice = wire.CompletionChoice(index=job.index, text="".join(text), logprobs=lp, finish_reason=reason,
+                                       prompt_logprobs=prompt_lps)
         return wire.CompletionResponse(id=job.response_id, created=job.created,
                                        model=self.engine.model_name, choices=[choice], usage=usage,
                                        kv_transfer_params=wire_or_none(last.kv_transfer_params)), leased_params(last)
@@ -385,8 +394,8 @@ class CompletionHandlers:
                 timer.on_output(output)
                 if output.finished:
                     raise_if_failed(output)
-                if output.new_text or output.logprobs:
-                    yield chunks.content(output)
+                if (chunk := chunks.content(output)) is not None:
+                    yield chunk
                 if output.finished:
                     span.answered(output.num_output_tokens,
                                   output.finish_reason.value if output.finish_reason else None)

@@ -83,19 +83,19 @@ async def _stream_list(engine: AsyncEngine, jobs: list[Job], streams: list[Reque
     """Every prompt's chunks as its engine request yields them, each choice with its index; the
     usage chunk (when asked) sums them all; one [DONE]. An error ends the whole stream."""
     makers = [ChunkMaker(job, engine) for job in jobs]
-    finished: list[RequestOutput] = []
+    finished: list[tuple[RequestOutput, Job]] = []
     try:
         async with aclosing(_merged(streams)) as outputs:
             async for index, output in outputs:
                 timers[index].on_output(output)
                 if output.finished:
                     raise_if_failed(output)
-                if output.new_text or output.logprobs:
-                    yield makers[index].content(output)
+                if (chunk := makers[index].content(output)) is not None:
+                    yield chunk
                 if output.finished:
-                    finished.append(output)
+                    finished.append((output, jobs[index]))
                     yield makers[index].finish(output)
-        usage = usage_of(finished)
+        usage = usage_of([o for o, _ in finished], [j for _, j in finished])
         span.answered(usage.completion_tokens, None)
         if jobs[0].request.include_usage_chunk:
             yield makers[0].usage_of(usage)

@@ -7,8 +7,9 @@ Requests are validated strictly (a string is not an int, a bool is not a number)
 unknown fields are ignored, because OpenAI clients send extras. Every check a client
 can fail is a pydantic validator, so the server turns all of them into one HTTP 400.
 Features that would change what the client gets back and that kvbridge does not
-implement (n > 1, best_of > 1, echo, suffix, presence and frequency penalties, tools) are refused
-rather than ignored. A sampling field left out (None) takes the model's default (--generation-config).
+implement (n > 1, best_of > 1, suffix, presence and frequency penalties, tools) are refused
+rather than ignored. `echo` and vLLM's `prompt_logprobs` are served (a completion with echo and
+`logprobs` returns the prompt's logprobs, as vLLM; `max_tokens: 0` with echo returns the prompt alone). A sampling field left out (None) takes the model's default (--generation-config).
 A completion's `prompt` takes OpenAI's four forms (a text, a list of texts, a list of token ids, a
 list of token-id lists): `CompletionRequest.prompts` lists them, one choice each. Token ids (the
 prompt's, logit_bias', stop_token_ids') are checked against the vocabulary where it is known
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvbridge.engine.setup.generation_config import SamplingDefaults
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import MAX_LOGIT_BIAS, SEED_MAX, SEED_MIN, SamplingParams
-from kvbridge.openai_wire import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from kvbridge.openai_wire import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
 MAX_LOGPROBS = 20  # SamplingParams' limit
 MAX_STOP_STRINGS = 16
@@ -82,9 +83,10 @@ class _Request(BaseModel):
     # the proxy already streamed: the answer continues from them (engine.add_request `continued`)
     continue_from_token_ids: list[TokenId] | None = None
 
-    # Structured output and prompt logprobs are not served yet: refused, never ignored.
+    # vLLM extension: each prompt token's logprob (after the first), rank and this many top alternatives
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Structured output is not served yet: refused, never ignored.
     response_format: dict[str, Any] | None = None
-    prompt_logprobs: int | None = None  # vLLM extension
     guided_json: Any = None  # vLLM extensions, the older and newer names of structured output
     guided_regex: Any = None
     guided_choice: Any = None
@@ -99,7 +101,7 @@ class _Request(BaseModel):
                              "not implemented yet)")
         return value
 
-    @field_validator("prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "structured_outputs")
     @classmethod
     def _not_yet(cls, value: Any, info: ValidationInfo) -> Any:
@@ -162,6 +164,12 @@ class _Request(BaseModel):
     def include_usage_chunk(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the answer needs (vLLM's rule: prompt_logprobs, else with echo the
+        completion's `logprobs`)."""
+        return self.prompt_logprobs
+
     def _sampling_params(self, max_tokens: int, logprobs: int | None, defaults: SamplingDefaults) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
@@ -172,7 +180,8 @@ class _Request(BaseModel):
             seed=self.seed, stop=tuple(stops),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            min_tokens=self.min_tokens, logit_bias=self.logit_bias_pairs)
+            min_tokens=self.min_tokens, logit_bias=self.logit_bias_pairs,
+            prompt_logprobs=self.wanted_prompt_logprobs)
 
 
 def _given(value: Any, default: Any, neutral: Any) -> Any:
@@ -184,9 +193,10 @@ class CompletionRequest(_Request):
     """POST /v1/completions. `prompt` in OpenAI's four forms; `prompts` lists them, one per choice."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=None, ge=1)  # None: the model's default, else COMPLETION_MAX_TOKENS
+    echo: bool = False  # the answer's text (and logprobs) start with the prompt's (before max_tokens: its check reads it)
+    # None: the model's default, else COMPLETION_MAX_TOKENS; 0 only with echo (the prompt alone, as vLLM)
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -216,7 +226,23 @@ class CompletionRequest(_Request):
             raise ValueError("only best_of=1 is supported")
         return value
 
-    _not_supported = field_validator("echo", "suffix")(classmethod(_refused_when_set))
+    _not_supported = field_validator("suffix")(classmethod(_refused_when_set))
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_tokens_only_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo", False):
+            raise ValueError("max_tokens must be at least 1 (0 is only allowed with echo)")
+        return value
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt (and its logprobs); nothing is generated."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -342,17 +368,45 @@ class DetokenizeResponse(BaseModel):
 # ---------------------------------------------------------------- logprob conversion
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str],
+def completion_logprobs(entries: Sequence[TokenLogprob | int], token_text: Callable[[int], str],
                         text_offset: int) -> CompletionLogprobs:
-    """The legacy completions layout; `text_offset` is where the first token's text starts."""
+    """The legacy completions layout; `text_offset` is where the first token's text starts. An int
+    entry is a token without a logprob (an echoed prompt's first): null in token_logprobs and
+    top_logprobs, as vLLM and OpenAI."""
     out = CompletionLogprobs()
     for entry in entries:
-        text = token_text(entry.token_id)
+        text = token_text(entry if isinstance(entry, int) else entry.token_id)
         out.tokens.append(text)
-        out.token_logprobs.append(entry.logprob)
-        out.top_logprobs.append({token_text(tid): lp for tid, lp in entry.top})
+        if isinstance(entry, int):
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            out.token_logprobs.append(entry.logprob)
+            out.top_logprobs.append({token_text(tid): lp for tid, lp in entry.top})
         out.text_offset.append(text_offset)
         text_offset += len(text)
+    return out
+
+
+def echoed(prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob | None]) -> list[TokenLogprob | int]:
+    """An echoed prompt's completion_logprobs entries: its first token bare, the others' logprobs."""
+    return [entry if entry is not None else tid for tid, entry in zip(prompt_ids, prompt_logprobs)]
+
+
+def vllm_prompt_logprobs(entries: Sequence[TokenLogprob | None],
+                         token_text: Callable[[int], str]) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs` layout: per prompt token, None for the first, else by token id the
+    token's own logprob and rank and its top alternatives' (ranks 1, 2, ...), each with its text."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {str(tid): PromptLogprob(logprob=lp, rank=i + 1, decoded_token=token_text(tid))
+                  for i, (tid, lp) in enumerate(entry.top)}
+        ranked.setdefault(str(entry.token_id), PromptLogprob(logprob=entry.logprob, rank=entry.rank,
+                                                             decoded_token=token_text(entry.token_id)))
+        out.append(ranked)
     return out
 
 

@@ -73,3 +73,35 @@ def test_logit_bias_and_min_tokens_hold_through_pd(smollm2_pd_cluster: LocalClus
     held = client(c).chat.completions.create(model=MODEL, messages=messages, max_tokens=n, temperature=0,
                                              extra_body={"min_tokens": n})
     assert held.usage.completion_tokens == n
+
+
+# ---- echo and prompt logprobs (lm-eval's loglikelihood requests) ------------------------------------------------
+def test_echo_logprobs_through_pd_equal_a_colocated_instances(smollm2_pd_cluster: LocalCluster) -> None:
+    """P serves them alone (it computes the prompt); the answer equals what an instance that serves the
+    request by itself (the D, asked directly) answers."""
+    c = smollm2_pd_cluster
+    ids = httpx.post(c.urls.proxy + "/tokenize", json={"model": MODEL, "prompt": PROMPTS[3] + " by doing"},
+                     timeout=60).json()["tokens"]
+    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    through = httpx.post(c.urls.proxy + "/v1/completions", json=body, timeout=120)
+    alone = httpx.post(c.urls.decode[0] + "/v1/completions", json=body, timeout=120)
+    assert through.status_code == alone.status_code == 200, (through.text, alone.text)
+    assert through.headers["x-kvbridge-pd-path"] == "prefill_only"
+    got, want = through.json()["choices"][0], alone.json()["choices"][0]
+    assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"][0] is None and len(got["logprobs"]["tokens"]) == len(ids) + 1
+    assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:], abs=1e-4)
+    streamed = ""
+    for chunk in client(c).completions.create(stream=True, **body):
+        streamed += "".join(ch.text for ch in chunk.choices)
+    assert streamed == got["text"]
+
+
+def test_a_batch_of_echo_prompts_without_generation_through_pd(smollm2_pd_cluster: LocalCluster) -> None:
+    c = smollm2_pd_cluster
+    batch = client(c).completions.create(model=MODEL, prompt=PROMPTS, echo=True, logprobs=0, max_tokens=0)
+    assert [ch.text for ch in sorted(batch.choices, key=lambda ch: ch.index)] == PROMPTS
+    assert all(ch.logprobs.token_logprobs[0] is None for ch in batch.choices) and batch.usage.completion_tokens == 0
+    refused = httpx.post(c.urls.proxy + "/v1/completions", json={**GREEDY, "prompt": PROMPTS[0], "max_tokens": 0},
+                         timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

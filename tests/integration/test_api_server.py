@@ -256,7 +256,10 @@ def test_models_health_and_metrics(inst: Instance) -> None:
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),  # a batch holding an empty prompt
     ("/v1/completions", {"prompt": [-1]}, "prompt"),
     ("/v1/completions", {"prompt": "Hi", "n": 2}, "n"),
-    ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "Hi", "echo": False, "max_tokens": 0}, "max_tokens"),  # 0 needs echo
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),

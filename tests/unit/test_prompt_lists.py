@@ -165,9 +165,9 @@ async def test_one_prompt_failing_fails_the_list_and_stops_the_others() -> None:
 # ---- what is still to come is refused, never ignored ------------------------------------------------------
 @pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}),
                                           ("response_format", {"type": "json_schema", "json_schema": {}}),
-                                          ("prompt_logprobs", 1), ("guided_json", {}), ("guided_regex", "a+"),
+                                          ("guided_json", {}), ("guided_regex", "a+"),
                                           ("guided_choice", ["a"]), ("guided_grammar", "g"),
-                                          ("structured_outputs", {"json": {}}), ("echo", True), ("n", 2),
+                                          ("structured_outputs", {"json": {}}), ("n", 2),
                                           ("best_of", 2)])
 def test_what_is_still_to_come_is_refused_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValidationError, match=field):

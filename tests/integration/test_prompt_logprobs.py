@@ -1,0 +1,110 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`, what `echo` with `logprobs` returns) from the engine on
+the default model equal a float64 reference: transformers' model of the same GGUF in float64, one
+forward over the prompt, log-softmax per position. Whatever splits the prompt (chunked prefill, a
+batch with another request, a prefix already cached) changes nothing: every position is computed,
+none is taken from the prefix cache, each token's logprob, rank and top alternatives are reported
+once, on the request's first output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.loader import load_model
+from kvbridge.engine.outputs import RequestOutput, TokenLogprob
+from kvbridge.engine.pacing import Pacer
+from kvbridge.engine.sampling_params import SamplingParams
+
+
+PROMPT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single "
+          "step, and every step of this sentence is scored by the model that reads it, token by token.")
+FP32_ATOL = 2e-3  # float32 engine against float64: the model's rounding, a few 1e-4 at most here
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def reference(hf_smollm2_from_gguf, loaded):
+    """Per position of PROMPT's tokens: the float64 log-softmax of the logits after it."""
+    ids = loaded.tokenizer.encode(PROMPT)
+    model = torch.nn.Module.double(hf_smollm2_from_gguf)  # (transformers refuses .float() on a GGUF model)
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids])).logits[0]
+        return ids, torch.log_softmax(logits, dim=-1)
+    finally:
+        torch.nn.Module.float(hf_smollm2_from_gguf)
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    pacer = Pacer()
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        for out in step.outputs:
+            outputs[out.request_id].append(out)
+        pacer.sleep_after(step.next_step)
+    return outputs
+
+
+def check_against(reference: tuple[list[int], torch.Tensor], got: list[TokenLogprob | None], k: int) -> None:
+    ids, ref = reference
+    assert len(got) == len(ids) and got[0] is None
+    for pos in range(1, len(ids)):
+        entry = got[pos]
+        assert entry is not None and entry.token_id == ids[pos]
+        row = ref[pos - 1]
+        assert entry.logprob == pytest.approx(float(row[ids[pos]]), abs=FP32_ATOL), pos
+        assert entry.rank is not None  # the rank-th likeliest token has the token's logprob (ties aside)
+        assert float(torch.sort(row, descending=True).values[entry.rank - 1]) == pytest.approx(
+            float(row[ids[pos]]), abs=FP32_ATOL)
+        assert len(entry.top) == k
+        want = torch.topk(row, k)
+        for (tid, lp), ref_lp in zip(entry.top, want.values.tolist()):
+            assert lp == pytest.approx(ref_lp, abs=FP32_ATOL)
+            assert float(row[tid]) == pytest.approx(lp, abs=FP32_ATOL)
+
+
+def test_chunked_batched_and_cached_prompts_give_the_float64_logprobs(loaded, reference) -> None:
+    ids = reference[0]
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(
+        max_num_batched_tokens=16)), loaded)  # the prompt is computed 16 tokens a step
+    try:
+        plain = SamplingParams(max_tokens=2, temperature=0)
+        asked = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+        first = run(engine, {"warm": (ids, plain), "other": (loaded.tokenizer.encode("Hello there"), asked)})
+        assert first["warm"][0].prompt_logprobs is None  # not asked: none computed
+        # the prompt's blocks are cached now; a request that asks for prompt logprobs computes them all
+        second = run(engine, {"scored": (ids, asked), "zero": (ids, SamplingParams(max_tokens=1, prompt_logprobs=0))})
+    finally:
+        engine.shutdown()
+    scored = second["scored"]
+    assert scored[0].prompt_logprobs is not None
+    assert all(out.prompt_logprobs is None for out in scored[1:])  # once, on the first output
+    assert scored[-1].num_cached_tokens == 0
+    check_against(reference, scored[0].prompt_logprobs, 3)
+    check_against(reference, second["zero"][0].prompt_logprobs or [], 0)
+    short = first["other"][0].prompt_logprobs
+    assert short is not None and len(short) == len(loaded.tokenizer.encode("Hello there"))
+
+
+def test_a_one_token_prompt_has_one_empty_entry(loaded) -> None:
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=16)), loaded)
+    try:
+        out = run(engine, {"one": ([1], SamplingParams(max_tokens=1, prompt_logprobs=2))})["one"]
+    finally:
+        engine.shutdown()
+    assert out[0].prompt_logprobs == [None]
+
+
+def test_prompt_logprobs_out_of_range_are_refused() -> None:
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
