@@ -119,6 +119,12 @@ def proxy_app(proxy: PDProxy, tracing: Tracing | None = None) -> FastAPI:
     app.add_api_route("/tokenize", tokenization, methods=["POST"])
     app.add_api_route("/detokenize", tokenization, methods=["POST"])
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        response = await instance_routes.tokenizer_info(proxy, request)
+        proxy.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if not proxy.authorized(request):

@@ -1,5 +1,5 @@
 """The proxy's routes that any one instance answers for all (every instance serves the same model):
-vLLM's /tokenize and /detokenize, and /v1/models."""
+vLLM's /tokenize, /detokenize and /tokenizer_info, and /v1/models."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvbridge.openai_wire import REQUEST_ID_HEADER
 from kvbridge.proxy import tracing_spans
 from kvbridge.proxy.bodies import request_id_of
 from kvbridge.proxy.exchange import openai_error
-from kvbridge.proxy.proxy import PDProxy
+from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, PDProxy
 
 logger = logging.getLogger("kvbridge.proxy.proxy")  # the name these lines logged under before the split
 
@@ -37,6 +37,23 @@ async def tokenization(proxy: PDProxy, request: Request, path: str) -> Response:
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
                         headers={REQUEST_ID_HEADER: request_id})
     return openai_error(503, f"no healthy instance answered {path}", "no_healthy_instance", request_id)
+
+
+async def tokenizer_info(proxy: PDProxy, request: Request) -> Response:
+    """vLLM's GET /tokenizer_info as the first healthy instance that answers it (decode first)."""
+    request_id = request_id_of(request)
+    if not proxy.authorized(request):
+        return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
+    for upstream in [u for pool in reversed(proxy.pools) for u in pool.healthy()]:
+        try:
+            r = await proxy.client().get(upstream.url + "/tokenizer_info", headers=proxy._auth_headers(request),
+                                         timeout=proxy.short_timeout)
+        except httpx.HTTPError as exc:
+            logger.warning("request %s: /tokenizer_info on %s failed: %r", request_id, upstream.url, exc)
+            continue
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
+                        headers={REQUEST_ID_HEADER: request_id})
+    return openai_error(503, "no healthy instance answered /tokenizer_info", "no_healthy_instance", request_id)
 
 
 async def models(proxy: PDProxy, request: Request) -> Response:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server of one kvbridge instance: the app, its routes, its lifecycle.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streaming or not, served by
-completions.py), POST /tokenize and /detokenize (vLLM's), GET /v1/models, /health (200 healthy, 503 draining, shutting down or dead),
+completions.py), POST /tokenize and /detokenize and GET /tokenizer_info (vLLM's), GET /v1/models, /health (200 healthy, 503 draining, shutting down or dead),
 /metrics, /kvbridge/load (the engine's load and measured rates, for a router or an autoscaler) and
 /kvbridge/kv_events (where its KV events are published), POST
 /kvbridge/release_kv (P: free a request's held blocks) and /kvbridge/drain. `build_app` makes
@@ -117,6 +117,10 @@ async def _tokenize(raw: Request) -> Response:
 
 async def _detokenize(raw: Request) -> Response:
     return await _instance(raw).handlers.detokenize(raw)
+
+
+async def _tokenizer_info(raw: Request) -> Response:
+    return _instance(raw).handlers.tokenizer_info()
 
 
 @_v1.get("/models")
@@ -286,6 +290,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     # vLLM's paths (no /v1); guarded by the API key when there is one (vLLM leaves them open)
     app.add_api_route("/tokenize", _tokenize, methods=["POST"], dependencies=[Depends(_check_api_key)])
     app.add_api_route("/detokenize", _detokenize, methods=["POST"], dependencies=[Depends(_check_api_key)])
+    app.add_api_route("/tokenizer_info", _tokenizer_info, methods=["GET"], dependencies=[Depends(_check_api_key)])
     app.add_api_route("/kvbridge/load", _load, methods=["GET"], include_in_schema=False)
     app.add_api_route("/kvbridge/kv_events", _kv_events, methods=["GET"], include_in_schema=False)
     app.add_api_route("/health", _health, methods=["GET"])

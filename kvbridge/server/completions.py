@@ -376,6 +376,16 @@ class CompletionHandlers:
             return as_api_error(exc, _request_id(raw)).response()
         return json_response(protocol.DetokenizeResponse(prompt=text))
 
+    def tokenizer_info(self) -> Response:
+        """vLLM's GET /tokenizer_info: the special tokens' texts, the chat template and the context
+        length, what a client needs to tokenise through /tokenize (lm-eval's `remote` backend)."""
+        tokenizer = self.engine.tokenizer
+        texts = {name: None if tid is None else tokenizer.token_text(tid)
+                 for name, tid in (("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id))}
+        return json_response(protocol.TokenizerInfoResponse(
+            tokenizer_class="kvbridge.Tokenizer", chat_template=tokenizer.chat_template,
+            model_max_length=self.engine.max_model_len, **texts))
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.engine.model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")

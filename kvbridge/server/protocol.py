@@ -13,7 +13,7 @@ rather than ignored. `echo` and vLLM's `prompt_logprobs` are served (a completio
 A completion's `prompt` takes OpenAI's four forms (a text, a list of texts, a list of token ids, a
 list of token-id lists): `CompletionRequest.prompts` lists them, one choice each. Token ids (the
 prompt's, logit_bias', stop_token_ids') are checked against the vocabulary where it is known
-(`check_token_ids`, errors.py). /tokenize and /detokenize take vLLM's bodies.
+(`check_token_ids`, errors.py). /tokenize and /detokenize take vLLM's bodies; /tokenizer_info answers as vLLM's.
 """
 
 from __future__ import annotations
@@ -363,6 +363,17 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info (vLLM's): the fields its clients read."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
 
 
 # ---------------------------------------------------------------- logprob conversion

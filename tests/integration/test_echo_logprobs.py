@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from tests.integration.api_instance import MODEL, REMOTE_PREFILL, InstrumentedEngine, Instance, inst, llm, loaded, post
+from tests.integration.api_instance import MAX_MODEL_LEN, MODEL, REMOTE_PREFILL, InstrumentedEngine, Instance, inst, llm, loaded, post
 from tests.openai_errors import assert_openai_error
 
 pytestmark = pytest.mark.timeout(180)
@@ -160,3 +160,16 @@ def test_prompt_logprobs_with_kv_from_another_instance_is_refused_and_p_told(ins
 def test_bad_echo_requests_are_400_naming_the_field(inst: Instance, body: dict[str, Any], param: str) -> None:
     r = post(inst, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **body})
     assert_openai_error(r, 400, param=param)
+
+
+def test_tokenizer_info_names_what_a_remote_tokenizer_needs(inst: Instance, loaded) -> None:
+    """vLLM's GET /tokenizer_info, which lm-eval's `remote` tokenizer reads (then /tokenize, /detokenize)."""
+    r = httpx.get(inst.url + "/tokenizer_info", timeout=30)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    tokenizer = loaded.tokenizer
+    assert info["eos_token"] == tokenizer.token_text(tokenizer.eos_token_id)
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == MAX_MODEL_LEN
+    # lm-eval finds the eos id by tokenising its text without special tokens
+    ids = post(inst, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert ids == [tokenizer.eos_token_id]
