@@ -249,11 +249,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer_params: KVTransferParams | None = None, continued: Sequence[int] = (),
-                    trace: RequestTrace | None = None) -> None:
+                    trace: RequestTrace | None = None, share_prompt_with: str | None = None) -> None:
         """Admit a request; raises EngineRequestError (and subclasses) or EngineOverloadedError.
         `continued`: D only, with a remote prefill: the tokens P sampled after the prompt, already
         sent to the client (the proxy's first token straight from prefill). They are the
-        request's first output tokens; D computes their KV after reading the prompt's."""
+        request's first output tokens; D computes their KV after reading the prompt's.
+        `share_prompt_with`: a request admitted before with the same prompt (a sibling of n > 1):
+        this one is scheduled once that one's prompt is computed (or loaded), and takes its full
+        blocks from the prefix cache; ignored where nothing can be shared (caching off, a Mamba
+        state, a prompt shorter than a block, prompt logprobs wanted)."""
         if self.scheduler.holds(request_id):
             raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -272,6 +276,8 @@ class LLMEngine:
             self._validate_continued(continued, params, kv_transfer_params)
         req = Request(request_id, list(prompt_token_ids), params, self._eos_ids, kv_transfer_params,
                       output_token_ids=list(continued), trace=trace)
+        if share_prompt_with is not None and self.kv_cache_manager.can_share_prompt(req):
+            req.prefix_leader = share_prompt_with
         self.output_processor.add(request_id, continued, params.stop)
         self.scheduler.add_request(req)
 

@@ -127,6 +127,11 @@ class KVCacheManager:
             hashes.append(block_digest(hashes[-1] if hashes else self.hash_root, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
+    def can_share_prompt(self, request: Request) -> bool:
+        """Whether a sibling's cached prompt blocks could serve `request` (get_computed_blocks would hit)."""
+        return (self.pool.enable_caching and not self.has_mamba and not request.wants_prompt_logprobs
+                and request.num_tokens > self.block_size)
+
     def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVBlock], ...], int]:
         """Longest cached prefix of the request, in whole blocks, that EVERY group can resume
         from; takes no reference. A full-attention group needs every block of the prefix; a

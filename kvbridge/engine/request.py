@@ -94,6 +94,9 @@ class Request:
     # With sampling_params.prompt_logprobs: those computed so far, in prompt order (the first None);
     # kept across a preemption, whose recompute does not compute them again.
     prompt_logprobs: "list[TokenLogprob | None]" = field(default_factory=list)
+    # A sibling with the same prompt (n > 1): this request waits until that one's prompt is computed,
+    # then takes its full blocks from the prefix cache (LLMEngine.add_request's share_prompt_with).
+    prefix_leader: str | None = None
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:

@@ -166,6 +166,9 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self._leader_computing(req):  # its prompt's blocks will be cached in a step or two
+                skipped.append(self.waiting.popleft())
+                continue
             hits: tuple[list[KVBlock], ...] = tuple([] for _ in self.kvm.groups)
             num_local = 0
             fresh = self.kvm.num_allocated_tokens(req.request_id) == 0
@@ -214,6 +217,17 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _leader_computing(self, req: Request) -> bool:
+        """Whether `req` waits for its prefix leader (a sibling with its prompt, Request.prefix_leader),
+        still live and short of its prompt's last token. A leader that finished or left lets it go."""
+        if req.prefix_leader is None:
+            return False
+        leader = self.requests.get(req.prefix_leader)
+        if leader is None or leader.status.is_finished or leader.num_computed_tokens >= leader.num_prompt_tokens - 1:
+            req.prefix_leader = None
+            return False
+        return True
 
     def _wants_remote_kv(self, req: Request) -> bool:
         if req.request_id in self._asked_connector:

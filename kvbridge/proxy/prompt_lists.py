@@ -6,8 +6,8 @@ lists, at most MAX_PROMPTS) into one request per prompt, X-Request-Id `<id>-<ind
 naming), and runs each through P then D like any request (retries, fallback, first token from
 prefill, releases). A malformed list goes to P as sent, to be refused there with the field named.
 
-The answers are merged as one instance answers a list: one choice per prompt, `index` its place,
-`usage` summed, one id; streamed, every prompt's chunks as they arrive (index rewritten), one usage
+The answers are merged as one instance answers a list: each prompt's choices (one, or its n), `index`
+prompt * n + choice, `usage` summed, one id; streamed, every prompt's chunks as they arrive (index rewritten), one usage
 chunk at the end when asked, one [DONE].
 
 One prompt failing fails the request, as it does on one vLLM server (its completions handler
@@ -56,17 +56,30 @@ def failed(answer: Response) -> bool:
     return answer.status_code >= 400
 
 
-def merge_whole(answers: list[Response], request_id: str) -> Response:
-    """The unstreamed answers of every prompt (each 200) as one: choices in index order, usage summed."""
+def choices_per_prompt(body: dict[str, Any]) -> int:
+    """The choices each prompt's answer holds (`n`; an instance refuses an n that is not a positive int)."""
+    n = body.get("n")
+    return n if type(n) is int and n > 0 else 1
+
+
+def merge_whole(answers: list[Response], request_id: str, per_prompt: int = 1) -> Response:
+    """The unstreamed answers of every prompt (each 200) as one: choices in index order (prompt i's
+    j-th at i * per_prompt + j, as one instance numbers them), usage summed."""
     parsed = [json.loads(bytes(a.body)) for a in answers]
     choices = []
-    for index, part in enumerate(parsed):
-        choice = part["choices"][0]
-        choices.append({**choice, "index": index})
+    for prompt_index, part in enumerate(parsed):
+        for choice in part["choices"]:
+            choices.append({**choice, "index": prompt_index * per_prompt + _index(choice)})
     merged = {**parsed[0], "id": f"cmpl-{request_id}", "choices": choices,
               "usage": _summed([p.get("usage") for p in parsed]).model_dump()}
     merged.pop("kv_transfer_params", None)
     return Response(json.dumps(merged), media_type="application/json", headers={REQUEST_ID_HEADER: request_id})
+
+
+def _index(choice: Any) -> int:
+    """A choice's index within its prompt's answer (0 if it names none)."""
+    index = choice.get("index") if isinstance(choice, dict) else None
+    return index if type(index) is int else 0
 
 
 def _summed(usages: list[Any]) -> UsageInfo:
@@ -86,8 +99,9 @@ class MergedStream(StreamingResponse):
     """Every prompt's stream as one (see the module docstring); however it ends (done, an error
     event, the client gone), every part is closed."""
 
-    def __init__(self, parts: list[Response], request_id: str, include_usage: bool) -> None:
+    def __init__(self, parts: list[Response], request_id: str, include_usage: bool, per_prompt: int = 1) -> None:
         self._parts = parts
+        self._per_prompt = per_prompt
         self._request_id = request_id
         self._include_usage = include_usage
         # One reader per part, started here, in the handler's task: tasks started once the response
@@ -126,7 +140,7 @@ class MergedStream(StreamingResponse):
                     last = chunk
                     continue
                 for choice in chunk["choices"]:
-                    choice["index"] = index
+                    choice["index"] = index * self._per_prompt + _index(choice)
                 chunk["id"] = f"cmpl-{self._request_id}"
                 last = chunk
                 yield f"data: {json.dumps(chunk)}\n\n".encode()

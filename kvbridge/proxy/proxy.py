@@ -367,8 +367,9 @@ class PDProxy:
         if call.body.get("stream") is True:
             options = call.body.get("stream_options")
             include_usage = isinstance(options, dict) and options.get("include_usage") is True
-            return prompt_lists.MergedStream(answers, call.request_id, include_usage)
-        return prompt_lists.merge_whole(answers, call.request_id)
+            return prompt_lists.MergedStream(answers, call.request_id, include_usage,
+                                             prompt_lists.choices_per_prompt(call.body))
+        return prompt_lists.merge_whole(answers, call.request_id, prompt_lists.choices_per_prompt(call.body))
 
     async def _gone_before_decode(self, outcome: PrefillOutcome | None, call: ClientRequest) -> Response:
         """The client left before any D was asked: P's KV, if P granted some, is released at once

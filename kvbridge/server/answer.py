@@ -36,7 +36,17 @@ class Job:
     # Tokens a prefill instance sampled, which the proxy streamed with the role chunk: the
     # answer continues from them (LLMEngine.add_request's `continued`).
     continued: tuple[int, ...] = ()
-    index: int = 0  # the prompt's place in a completion's list: its choice's index
+    index: int = 0  # its choice's index: prompt_index * samples + sample (best_of: reassigned by rank)
+    prompt_index: int = 0  # the prompt's place in a completion's list
+    sample: int = 0  # which of the prompt's n (or best_of) sequences
+    cumulative_logprob: float = 0.0  # of its generated tokens so far (best_of ranks by it)
+
+    @property
+    def logprobs_asked(self) -> bool:
+        """Whether the answer carries logprobs (the engine may compute them for best_of alone)."""
+        if isinstance(self.request, protocol.CompletionRequest):
+            return self.request.logprobs is not None
+        return self.request.logprobs
 
     @property
     def echo(self) -> bool:
@@ -58,7 +68,7 @@ class Job:
         """Of one output: the text, the completion logprobs entries (None when not asked) and vLLM's
         prompt_logprobs (None unless asked and this is the output carrying them). `echoed`: the prompt
         was already answered (a stream's later output)."""
-        asked = self.params.logprobs is not None
+        asked = self.logprobs_asked
         text = "" if self.echo_only else output.new_text
         entries: list[TokenLogprob | int] | None = (
             [] if self.echo_only else list(output.logprobs or ())) if asked else None
@@ -102,8 +112,8 @@ class ChunkMaker:
         return wire.sse_event(chunk, exclude)
 
     def delta(self, delta: wire.DeltaMessage, reason: str | None = None, **extra: Any) -> str:
-        return self._chunk([wire.ChatStreamChoice(delta=delta, logprobs=None, finish_reason=reason)],
-                           **extra)
+        return self._chunk([wire.ChatStreamChoice(index=self.job.index, delta=delta, logprobs=None,
+                                                  finish_reason=reason)], **extra)
 
     def content(self, output: RequestOutput) -> str | None:
         """The chunk of an output's text and logprobs (the first also carries an echoed prompt and
@@ -115,8 +125,8 @@ class ChunkMaker:
         if self.job.chat:
             chat_lp = protocol.chat_logprobs(cast(list[TokenLogprob], entries), self.token_text) if entries else None
             extra = {"prompt_logprobs": prompt_lps} if prompt_lps is not None else {}
-            return self._chunk([wire.ChatStreamChoice(delta=wire.DeltaMessage(content=text), logprobs=chat_lp,
-                                                      finish_reason=None)], **extra)
+            return self._chunk([wire.ChatStreamChoice(index=self.job.index, delta=wire.DeltaMessage(content=text),
+                                                      logprobs=chat_lp, finish_reason=None)], **extra)
         lp = protocol.completion_logprobs(entries, self.token_text, self.text_offset) if entries else None
         self.text_offset += len(text)
         return self._chunk([wire.CompletionChoice(index=self.job.index, text=text, logprobs=lp, finish_reason=None,
@@ -137,10 +147,12 @@ class ChunkMaker:
         return self._chunk([], usage=usage)
 
 def usage_of(outputs: list[RequestOutput], jobs: list[Job]) -> wire.UsageInfo:
-    """The usage of finished outputs together (a list's prompts: summed, as vLLM), each with its job."""
-    return wire.UsageInfo.of(sum(o.num_prompt_tokens for o in outputs),
+    """The usage of finished outputs together, each with its job: each prompt's tokens once (its first
+    sequence's), every sequence's completion tokens (as vLLM)."""
+    firsts = [o for o, j in zip(outputs, jobs) if j.sample == 0]
+    return wire.UsageInfo.of(sum(o.num_prompt_tokens for o in firsts),
                              sum(j.completion_tokens(o) for o, j in zip(outputs, jobs)),
-                             sum(o.num_cached_tokens for o in outputs))
+                             sum(o.num_cached_tokens for o in firsts))
 
 def leased_params(output: RequestOutput) -> KVTransferParams | None:
     """The params of the lease a finished output names: P's answer (do_remote_prefill for D)."""

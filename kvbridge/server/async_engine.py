@@ -94,6 +94,7 @@ class _Add:
     sink: _Sink
     future: concurrent.futures.Future[None]
     trace: RequestTrace | None = None
+    share_prompt_with: str | None = None  # LLMEngine.add_request's
 
 
 @dataclass(frozen=True)
@@ -274,8 +275,9 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                           params: SamplingParams,
                           kv_transfer_params: KVTransferParams | None = None,
-                          continued: Sequence[int] = (), trace: RequestTrace | None = None) -> RequestStream:
-        """Admit a request (`continued`: see LLMEngine.add_request). Raises what
+                          continued: Sequence[int] = (), trace: RequestTrace | None = None,
+                          share_prompt_with: str | None = None) -> RequestStream:
+        """Admit a request (`continued`, `share_prompt_with`: see LLMEngine.add_request). Raises what
         `LLMEngine.add_request` raises (EngineRequestError, EngineOverloadedError) or
         EngineUnavailableError; on return the engine owns it.
         Cancelled while waiting: the request is aborted (or never added)."""
@@ -283,7 +285,7 @@ class AsyncEngine:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         sink = _Sink(asyncio.get_running_loop(), stream)
         self._submit(_Add(request_id, list(prompt_token_ids), params, kv_transfer_params,
-                          tuple(continued), sink, future, trace))
+                          tuple(continued), sink, future, trace, share_prompt_with))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -513,7 +515,7 @@ class AsyncEngine:
             return
         try:
             self._engine.add_request(add.request_id, add.prompt_token_ids, add.params,
-                                     add.kv_transfer_params, add.continued, add.trace)
+                                     add.kv_transfer_params, add.continued, add.trace, add.share_prompt_with)
         except Exception as exc:
             add.future.set_exception(exc)
             return

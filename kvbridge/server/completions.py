@@ -38,7 +38,7 @@ from kvbridge import openai_wire as wire
 from kvbridge.engine.engine import DuplicateRequestIdError, EngineOverloadedError, EngineRequestError
 from kvbridge.engine.setup.generation_config import SamplingDefaults
 from kvbridge.engine.outputs import RequestOutput, TokenLogprob
-from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.sampling_params import SEED_MAX, SamplingParams
 from kvbridge.kv_transfer.params import KVTransferParams, wire_or_none
 from kvbridge.server import protocol
 from kvbridge.server.answer import ChunkMaker, Job, abort_on_disconnect, leased_params, raise_if_failed
@@ -90,13 +90,16 @@ class CompletionHandlers:
             # Tokenising holds a thread for up to a second or two (a prompt near the byte
             # bound): never the event loop, which must keep answering /health and streams.
             jobs = await asyncio.to_thread(self._prepare, body, chat, request_id)
-            if len(jobs) > 1 and kv_params is not None:
+            if jobs[-1].prompt_index > 0 and kv_params is not None:
                 raise ApiError(400, "a list of prompts cannot take kv_transfer_params: send one prompt per "
                                "prefill/decode request (the proxy splits lists)", param="prompt")
+            if len(jobs) > 1 and kv_params is not None and kv_params.do_remote_decode:
+                raise ApiError(400, "n > 1 (or best_of) cannot be prefilled for a remote decode: the prefill "
+                               "computes one sequence (the proxy sends n=1) and D samples the n", param="n")
             job = jobs[0]
             span.prepared(kv_params, job)
-            if len(jobs) > 1:
-                streams = await admit_all(self._admit, request_id, jobs, span)
+            if len(jobs) > 1:  # a list of prompts, or n > 1: the first sequence of a prompt takes its KV
+                streams = await admit_all(self._admit, request_id, jobs, span, kv_params)
             else:
                 stream = await self._admit(request_id, job, kv_params, span)
         except Exception as exc:  # the one guard around every pre-admission rejection
@@ -161,10 +164,23 @@ class CompletionHandlers:
         for field, ids in request.token_id_fields().items():
             check_token_ids(ids, vocab, field)
         prompts = self._prompt_ids(request)
+        samples = request.samples
+        if len(prompts) * samples > protocol.MAX_SEQUENCES:
+            param = "best_of" if samples != request.n else "n"
+            raise ApiError(400, f"{len(prompts)} prompts x {param}={samples} sequences: at most "
+                           f"{protocol.MAX_SEQUENCES} per request", param=param)
         prefix = "chatcmpl-" if chat else "cmpl-"
         created = int(time.time())
-        return [Job(chat, request, ids, self._params(request, len(ids)), prefix + request_id, created,
-                     tuple(request.continue_from_token_ids or ()), index) for index, ids in enumerate(prompts)]
+        continued = tuple(request.continue_from_token_ids or ())
+        jobs = []
+        for p_index, ids in enumerate(prompts):
+            params = self._params(request, len(ids))
+            if samples > request.n and params.logprobs is None:  # best_of ranks by the sequences' logprobs
+                params = dataclasses.replace(params, logprobs=0)
+            for j in range(samples):
+                jobs.append(Job(chat, request, ids, _sample_params(params, j), prefix + request_id, created,
+                                continued, p_index * samples + j, p_index, j))
+        return jobs
 
     def _prompt_ids(self, request: protocol.CompletionRequest | protocol.ChatCompletionRequest) -> list[list[int]]:
         """Each prompt's token ids (a chat's through its template), checked against the vocabulary."""
@@ -241,12 +257,12 @@ class CompletionHandlers:
         return max_tokens
 
     async def _admit(self, request_id: str, job: Job, kv_params: KVTransferParams | None,
-                     span: Span) -> RequestStream:
+                     span: Span, share_prompt_with: str | None = None) -> RequestStream:
         trace = span.request_trace()
         try:
             try:
                 stream = await self.engine.add_request(request_id, job.prompt_ids, job.params, kv_params,
-                                                       job.continued, trace)
+                                                       job.continued, trace, share_prompt_with)
             except DuplicateRequestIdError:
                 # A client (or a proxy passing client ids through) reused an X-Request-Id while
                 # the engine still holds state for it, e.g. blocks leased to a remote reader.
@@ -254,7 +270,7 @@ class CompletionHandlers:
                 unique = f"{request_id}-{uuid.uuid4().hex[:12]}"
                 logger.info("request id %s is in use; serving this request as %s", request_id, unique)
                 stream = await self.engine.add_request(unique, job.prompt_ids, job.params, kv_params,
-                                                       job.continued, trace)
+                                                       job.continued, trace, share_prompt_with)
         except EngineRequestError as exc:
             raise ApiError(400, str(exc)) from None
         except EngineOverloadedError as exc:
@@ -302,6 +318,7 @@ class CompletionHandlers:
             timer.on_output(last)
             if last.finished:
                 raise_if_failed(last)
+            job.cumulative_logprob += sum(e.logprob for e in last.logprobs or ())
             part, entries, first_prompt_lps = job.answer_parts(last, tokenizer, echoed=bool(text))
             text.append(part)
             logprobs.extend(entries or ())
@@ -312,14 +329,14 @@ class CompletionHandlers:
         token_text = tokenizer.token_text
         if job.chat:
             chat_lp = (protocol.chat_logprobs(cast(list[TokenLogprob], logprobs), token_text)
-                       if job.params.logprobs is not None else None)
-            chat_choice = wire.ChatChoice(message=wire.ChatMessageOut(content="".join(text)), logprobs=chat_lp,
-                                          finish_reason=reason)
+                       if job.logprobs_asked else None)
+            chat_choice = wire.ChatChoice(index=job.index, message=wire.ChatMessageOut(content="".join(text)),
+                                          logprobs=chat_lp, finish_reason=reason)
             return wire.ChatCompletionResponse(id=job.response_id, created=job.created,
                                                model=self.engine.model_name, choices=[chat_choice],
                                                usage=usage, kv_transfer_params=wire_or_none(last.kv_transfer_params),
                                                prompt_logprobs=prompt_lps), leased_params(last)
-        lp = protocol.completion_logprobs(logprobs, token_text, 0) if job.params.logprobs is not None else None
+        lp = protocol.completion_logprobs(logprobs, token_text, 0) if job.logprobs_asked else None
         choice = wire.CompletionChoice(index=job.index, text="".join(text), logprobs=lp, finish_reason=reason,
                                        prompt_logprobs=prompt_lps)
         return wire.CompletionResponse(id=job.response_id, created=job.created,
@@ -424,6 +441,15 @@ class CompletionHandlers:
             watcher.cancel()
             stream.abort()
             timer.on_abandoned()
+
+
+def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
+    """The params of a prompt's `sample`-th sequence: a seeded request's seed + sample (vLLM's), wrapped
+    into the 64-bit range."""
+    if sample == 0 or params.seed is None:
+        return params
+    seed = params.seed + sample
+    return dataclasses.replace(params, seed=seed - 2 ** 64 if seed > SEED_MAX else seed)
 
 
 def _request_id(raw: Request) -> str:

@@ -1,8 +1,10 @@
-"""A completion's list of prompts, served as vLLM does: each prompt its own engine request
-(`<request id>-<index>`), the answer one choice per prompt with its index and the usage summed,
-whole or as one stream of every prompt's chunks as they come; one prompt's failure fails the
-request and aborts the others. The handler (completions.py) validates and tokenises the list and
-hands its jobs here with how it admits and collects one prompt."""
+"""A request of several sequences, served as vLLM does: a completion's list of prompts, and n > 1 (or
+best_of) samples of each prompt. Each sequence is its own engine request (`<request id>-<index>`;
+a prompt's later samples share its first's prompt blocks); the answer is one choice per sequence
+with its index (prompt_index * n + sample; best_of: the n of highest cumulative logprob), each
+prompt's tokens counted once in the usage, whole or as one stream of every sequence's chunks as
+they come; one sequence's failure fails the request and aborts the others. The handler
+(completions.py) validates and tokenises and hands its jobs here with how it admits and collects one."""
 
 from __future__ import annotations
 
@@ -24,19 +26,28 @@ from kvbridge.server.metrics import RequestTimer
 from kvbridge.server.request_span import Span
 
 T = TypeVar("T")
-# How the handler admits one prompt (request id, job, params, span) and collects its whole answer.
-Admit = Callable[[str, Job, KVTransferParams | None, Span], Awaitable[RequestStream]]
+Answer = wire.CompletionResponse | wire.ChatCompletionResponse
+# How the handler admits one sequence (request id, job, params, span, the request whose prompt blocks it
+# shares) and collects its whole answer.
+Admit = Callable[[str, Job, KVTransferParams | None, Span, str | None], Awaitable[RequestStream]]
 Collect = Callable[[Job, RequestStream, RequestTimer],
                    Coroutine[Any, Any, tuple[wire.CompletionResponse | wire.ChatCompletionResponse, KVTransferParams | None]]]
 
 
-async def admit_all(admit: Admit, request_id: str, jobs: list[Job], span: Span) -> list[RequestStream]:
-    """Admits each prompt of a list as its own engine request, `<request id>-<index>` (vLLM's
-    naming); if one is refused, those admitted are aborted and the refusal raised."""
+async def admit_all(admit: Admit, request_id: str, jobs: list[Job], span: Span,
+                    kv_params: KVTransferParams | None = None) -> list[RequestStream]:
+    """Admits each sequence (each prompt of a list, each of a prompt's n) as its own engine request,
+    `<request id>-<index>` (vLLM's naming for lists); a prompt's first sequence takes `kv_params`
+    (one prompt only: D reading P's KV), the others share its prompt blocks once computed or loaded.
+    If one is refused, those admitted are aborted and the refusal raised."""
     streams: list[RequestStream] = []
+    leaders: dict[int, str] = {}
     try:
         for job in jobs:
-            streams.append(await admit(f"{request_id}-{job.index}", job, None, span))
+            leader = leaders.get(job.prompt_index)
+            stream = await admit(f"{request_id}-{job.index}", job, kv_params if leader is None else None, span, leader)
+            streams.append(stream)
+            leaders.setdefault(job.prompt_index, stream.request_id)
     except BaseException:
         for stream in streams:
             stream.abort()
@@ -68,11 +79,13 @@ async def serve_list(raw: Request, engine: AsyncEngine, collect: Collect, jobs: 
         for stream, timer in zip(streams, timers):
             stream.abort()
             timer.on_abandoned()
-    parts = [cast(wire.CompletionResponse, answer) for answer, _ in answers]
-    usage = _summed([a.usage for a in parts if a.usage is not None])
-    merged = parts[0].model_copy(update={"choices": [a.choices[0] for a in parts], "usage": usage,
-                                         "kv_transfer_params": None})
-    span.answered(usage.completion_tokens, parts[0].choices[0].finish_reason)
+    parts = [answer for answer, _ in answers]
+    kept = _best(jobs, parts)
+    choices = [cast(Any, part.choices[0]).model_copy(update={"index": index}) for index, (_, part) in enumerate(kept)]
+    usage = _summed([part.usage for job, part in zip(jobs, parts) if part.usage is not None and job.sample == 0],
+                    [part.usage for _, part in kept if part.usage is not None])
+    merged = parts[0].model_copy(update={"choices": choices, "usage": usage, "kv_transfer_params": None})
+    span.answered(usage.completion_tokens, choices[0].finish_reason)
     span.end(200)
     return json_response(merged, headers=headers)
 
@@ -85,6 +98,9 @@ async def _stream_list(engine: AsyncEngine, jobs: list[Job], streams: list[Reque
     makers = [ChunkMaker(job, engine) for job in jobs]
     finished: list[tuple[RequestOutput, Job]] = []
     try:
+        for maker in makers:  # a chat's choices each open with the assistant's role, as one choice does
+            if maker.job.chat:
+                yield maker.delta(wire.DeltaMessage(role="assistant", content=""))
         async with aclosing(_merged(streams)) as outputs:
             async for index, output in outputs:
                 timers[index].on_output(output)
@@ -112,10 +128,25 @@ async def _stream_list(engine: AsyncEngine, jobs: list[Job], streams: list[Reque
             timer.on_abandoned()
 
 
-def _summed(usages: list[wire.UsageInfo]) -> wire.UsageInfo:
-    return wire.UsageInfo.of(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+def _best(jobs: list[Job], parts: list[Answer]) -> list[tuple[Job, Answer]]:
+    """The answers that become choices, in choice order: each prompt's sequences, or with best_of its n
+    of highest cumulative logprob (vLLM's ranking), best first."""
+    kept: list[tuple[Job, Answer]] = []
+    for prompt_index in sorted({job.prompt_index for job in jobs}):
+        group = [(job, part) for job, part in zip(jobs, parts) if job.prompt_index == prompt_index]
+        n = group[0][0].request.n
+        if len(group) > n:
+            group = sorted(group, key=lambda jp: -jp[0].cumulative_logprob)[:n]
+        kept.extend(group)
+    return kept
+
+
+def _summed(prompts: list[wire.UsageInfo], answered: list[wire.UsageInfo]) -> wire.UsageInfo:
+    """The usage of a request: each prompt's tokens once (`prompts`: one usage per prompt), the
+    completion tokens of every answered sequence (as vLLM)."""
+    return wire.UsageInfo.of(sum(u.prompt_tokens for u in prompts), sum(u.completion_tokens for u in answered),
                              sum(u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
-                                 for u in usages))
+                                 for u in prompts))
 
 
 async def _all_or_none(work: list[Coroutine[Any, Any, T]]) -> list[T]:

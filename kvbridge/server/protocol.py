@@ -7,8 +7,8 @@ Requests are validated strictly (a string is not an int, a bool is not a number)
 unknown fields are ignored, because OpenAI clients send extras. Every check a client
 can fail is a pydantic validator, so the server turns all of them into one HTTP 400.
 Features that would change what the client gets back and that kvbridge does not
-implement (n > 1, best_of > 1, suffix, presence and frequency penalties, tools) are refused
-rather than ignored. `echo` and vLLM's `prompt_logprobs` are served (a completion with echo and
+implement (suffix, presence and frequency penalties, tools) are refused rather than ignored.
+`n` and `best_of` are vLLM's: each sequence its own engine request, seeds `seed + index`. `echo` and vLLM's `prompt_logprobs` are served (a completion with echo and
 `logprobs` returns the prompt's logprobs, as vLLM; `max_tokens: 0` with echo returns the prompt alone). A sampling field left out (None) takes the model's default (--generation-config).
 A completion's `prompt` takes OpenAI's four forms (a text, a list of texts, a list of token ids, a
 list of token-id lists): `CompletionRequest.prompts` lists them, one choice each. Token ids (the
@@ -34,6 +34,8 @@ COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when neither it nor the 
 # Prompts in one completions request at most: each is an engine request (and, through the proxy,
 # a P/D path of its own); the body cap alone would let one request queue a million.
 MAX_PROMPTS = 1024
+# Sequences one request may sample (prompts x max(n, best_of)): each is an engine request.
+MAX_SEQUENCES = 1024
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -71,7 +73,7 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False  # extension
     ignore_eos: bool = False  # extension
     min_tokens: int = Field(default=0, ge=0)  # extension: no stop token (nor stop string) before this many
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_SEQUENCES)  # choices per prompt, each sampled on its own (vLLM's)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -107,13 +109,6 @@ class _Request(BaseModel):
     def _not_yet(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
             raise ValueError(f"{info.field_name} is not supported yet")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -159,6 +154,11 @@ class _Request(BaseModel):
         if value is not None and not info.data.get("stream", False):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
+
+    @property
+    def samples(self) -> int:
+        """Sequences sampled per prompt (best_of's ranking keeps n of them)."""
+        return self.n
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -221,10 +221,20 @@ class CompletionRequest(_Request):
 
     @field_validator("best_of")
     @classmethod
-    def _no_best_of(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _best_of_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """vLLM's best_of: that many sequences sampled, the n of highest cumulative logprob answered."""
+        if value is None:
+            return value
+        n = info.data.get("n", 1)
+        if value < n or value > MAX_SEQUENCES:
+            raise ValueError(f"best_of must be between n={n} and {MAX_SEQUENCES}, got {value}")
+        if value > n and info.data.get("stream"):
+            raise ValueError("best_of greater than n cannot be streamed (the best are known only at the end)")
         return value
+
+    @property
+    def samples(self) -> int:
+        return self.best_of or self.n
 
     _not_supported = field_validator("suffix")(classmethod(_refused_when_set))
 

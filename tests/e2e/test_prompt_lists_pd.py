@@ -105,3 +105,26 @@ def test_a_batch_of_echo_prompts_without_generation_through_pd(smollm2_pd_cluste
     refused = httpx.post(c.urls.proxy + "/v1/completions", json={**GREEDY, "prompt": PROMPTS[0], "max_tokens": 0},
                          timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+# ---- n > 1 and best_of: P prefills once, D samples the n sequences sharing the prompt's blocks ---------------------
+@pytest.mark.parametrize("extra", [{"n": 3}, {"n": 2, "best_of": 3}, {"n": 2, "prompt": PROMPTS[:2]}])
+def test_n_and_best_of_through_pd_equal_a_colocated_instances(smollm2_pd_cluster: LocalCluster,
+                                                              extra: dict[str, Any]) -> None:
+    c = smollm2_pd_cluster
+    body = {"model": MODEL, "prompt": PROMPTS[0] * 3, "max_tokens": 6, "temperature": 1.0, "seed": 5, **extra}
+    through = httpx.post(c.urls.proxy + "/v1/completions", json=body, timeout=120)
+    alone = httpx.post(c.urls.decode[0] + "/v1/completions", json=body, timeout=120)
+    assert through.status_code == alone.status_code == 200, (through.text, alone.text)
+    if "prompt" not in extra:  # a list's answer is merged from its prompts' paths
+        assert through.headers["x-kvbridge-pd-path"] == "prefill_decode"
+    got, want = through.json(), alone.json()
+    assert [(ch["index"], ch["text"]) for ch in got["choices"]] == [(ch["index"], ch["text"]) for ch in want["choices"]]
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+    if "best_of" not in extra:
+        texts: dict[int, str] = {}
+        for chunk in client(c).completions.create(stream=True, **body):
+            for ch in chunk.choices:
+                texts[ch.index] = texts.get(ch.index, "") + ch.text
+        assert [texts[i] for i in sorted(texts)] == [ch["text"] for ch in want["choices"]]

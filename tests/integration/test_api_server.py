@@ -255,7 +255,10 @@ def test_models_health_and_metrics(inst: Instance) -> None:
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),  # a batch holding an empty prompt
     ("/v1/completions", {"prompt": [-1]}, "prompt"),
-    ("/v1/completions", {"prompt": "Hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1}, "best_of"),
+    ("/v1/completions", {"prompt": "Hi", "best_of": 3, "stream": True}, "best_of"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 600}, "n"),  # 1200 sequences
     ("/v1/completions", {"prompt": "Hi", "echo": False, "max_tokens": 0}, "max_tokens"),  # 0 needs echo
     ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": -1}, "prompt_logprobs"),
@@ -335,7 +338,7 @@ def test_api_key_is_required_when_set_but_health_stays_open(keyed: Instance) -> 
 @pytest.mark.parametrize("path, body, status", [
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400),
     ("/v1/completions", {"prompt": "Hi", "temperature": "hot"}, 400),
-    ("/v1/completions", {"prompt": "Hi", "n": 3}, 400),
+    ("/v1/completions", {"prompt": "Hi", "n": 0}, 400),
     ("/v1/completions", {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, 400),
     ("/v1/completions", {"prompt": [10 ** 7]}, 400),  # refused by the engine's own check
     ("/v1/completions", {"model": "other", "prompt": "Hi"}, 404),

@@ -167,8 +167,7 @@ async def test_one_prompt_failing_fails_the_list_and_stops_the_others() -> None:
                                           ("response_format", {"type": "json_schema", "json_schema": {}}),
                                           ("guided_json", {}), ("guided_regex", "a+"),
                                           ("guided_choice", ["a"]), ("guided_grammar", "g"),
-                                          ("structured_outputs", {"json": {}}), ("n", 2),
-                                          ("best_of", 2)])
+                                          ("structured_outputs", {"json": {}})])
 def test_what_is_still_to_come_is_refused_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValidationError, match=field):
         CompletionRequest.model_validate({"prompt": "x", field: value})
@@ -176,3 +175,19 @@ def test_what_is_still_to_come_is_refused_naming_the_field(field: str, value: An
 
 def test_a_text_response_format_is_the_default_and_accepted() -> None:
     CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "text"}})
+
+
+def test_merged_lists_number_each_prompts_n_choices_prompt_by_prompt() -> None:
+    from fastapi.responses import Response
+
+    def answer(texts: list[str]) -> Response:
+        body = {"id": "x", "object": "text_completion", "created": 0, "model": "m",
+                "choices": [{"index": j, "text": t, "finish_reason": "length"} for j, t in enumerate(texts)],
+                "usage": {"prompt_tokens": 4, "completion_tokens": 2 * len(texts), "total_tokens": 4 + 2 * len(texts)}}
+        return Response(json.dumps(body), media_type="application/json")
+
+    merged = json.loads(bytes(prompt_lists.merge_whole([answer(["a0", "a1"]), answer(["b0", "b1"])], "rid", 2).body))
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "a0"), (1, "a1"), (2, "b0"), (3, "b1")]
+    assert merged["usage"]["prompt_tokens"] == 8 and merged["usage"]["completion_tokens"] == 8
+    assert prompt_lists.choices_per_prompt({"n": 3}) == 3
+    assert [prompt_lists.choices_per_prompt({"n": v}) for v in (None, 0, "2", 2.0, True)] == [1] * 5
