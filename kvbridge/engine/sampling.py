@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.structured import apply_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
                sampled_before: Sequence[int] | None = None,
-               penalty_token_ids: Sequence[Sequence[int]] | None = None) -> SamplerOutput:
+               penalty_token_ids: Sequence[Sequence[int]] | None = None,
+               masks: Mapping[int, torch.Tensor] | None = None) -> SamplerOutput:
         """logits: [N, vocab] on any device, one row per request. `sampled_before`: per row,
         the request's output tokens so far (its generator's offset; all 0 if None).
         `penalty_token_ids`: per row, the tokens a repetition penalty discourages (the prompt's
@@ -73,7 +75,8 @@ class Sampler:
         raw = logits
         before = sampled_before if sampled_before is not None else [0] * len(request_ids)
         # One pass over the rows finds those whose logits change (none for most steps: no copy then).
-        adjusted = [row for row, sp in enumerate(params) if sp.penalises_repetition or sp.shapes_logits]
+        masks = masks or {}
+        adjusted = [row for row, sp in enumerate(params) if sp.penalises_repetition or sp.shapes_logits or row in masks]
         if adjusted:
             logits = logits.clone()
             for row in adjusted:
@@ -82,6 +85,8 @@ class Sampler:
                     apply_repetition_penalty(logits[row], penalty_token_ids[row], sp.repetition_penalty)
                 if sp.shapes_logits:
                     shape_logits(logits[row], sp, before[row])
+                if row in masks:  # structured output: the ids the grammar forbids next
+                    apply_bitmask(logits[row], masks[row])
         out = SamplerOutput()
         # argmax over the greedy rows only (a full-vocabulary pass per row: benchmarks/sampling_ab.py).
         greedy_rows = [row for row, sp in enumerate(params) if sp.greedy]

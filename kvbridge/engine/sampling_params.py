@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvbridge.engine.structured import StructuredSpec
+
 # Temperatures below this sample greedily (vLLM's epsilon). Colder than this, sampling is
 # argmax but for near-ties, and dividing float32 logits by a temperature such as 1e-300
 # overflows to inf, whose softmax is NaN: torch.multinomial then raises.
@@ -39,6 +41,8 @@ class SamplingParams:
     # the tokens before it, with this many top alternatives; None: none. Such a request computes its
     # whole prompt (no prefix-cache hit, no KV read from another instance), as in vLLM.
     prompt_logprobs: int | None = None
+    # Structured output (engine/structured.py): what the generated text must match; None: anything.
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput
@@ -35,6 +37,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # requests that ended since the last step; the runner drops their state
     kv_connector_metadata: ConnectorMetadata | None = None  # from the scheduler connector, for the worker half
     kv_rank_commands: list[RankCommands] | None = None  # one per TP rank, from the worker connector
+    # Structured output: per request sampling this step, its next token's allowed ids (engine/structured.py)
+    grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -208,6 +208,11 @@ class Tokenizer:
         self._template: jinja2.Template | None = None
         self._token_texts: dict[int, str] = {}
 
+    @property
+    def backend(self) -> BackendTokenizer:
+        """The `tokenizers` tokenizer underneath (its vocabulary and JSON form: engine/structured.py)."""
+        return self._backend
+
     # construction ----------------------------------------------------------------------------
 
     @classmethod

@@ -214,7 +214,7 @@ class CompletionHandlers:
         try:
             params = request.to_sampling_params(max_tokens, self.defaults)
         except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from None
         if not params.ignore_eos:  # end-of-turn tokens besides eos (e.g. <|endoftext|>)
             stops = set(params.stop_token_ids) | set(self.engine.tokenizer.stop_token_ids)
             params = dataclasses.replace(params, stop_token_ids=tuple(sorted(stops)))
@@ -272,7 +272,7 @@ class CompletionHandlers:
                 stream = await self.engine.add_request(unique, job.prompt_ids, job.params, kv_params,
                                                        job.continued, trace, share_prompt_with)
         except EngineRequestError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=exc.param) from None
         except EngineOverloadedError as exc:
             raise ApiError(503, str(exc) or "the server is overloaded; retry later",
                            code="overloaded", headers={"Retry-After": "1"}) from None

@@ -8,7 +8,8 @@ unknown fields are ignored, because OpenAI clients send extras. Every check a cl
 can fail is a pydantic validator, so the server turns all of them into one HTTP 400.
 Features that would change what the client gets back and that kvbridge does not
 implement (suffix, presence and frequency penalties, tools) are refused rather than ignored.
-`n` and `best_of` are vLLM's: each sequence its own engine request, seeds `seed + index`. `echo` and vLLM's `prompt_logprobs` are served (a completion with echo and
+`n` and `best_of` are vLLM's: each sequence its own engine request, seeds `seed + index`. Structured
+output (response_format, structured_outputs, guided_*) becomes one StructuredSpec (`structured_spec`). `echo` and vLLM's `prompt_logprobs` are served (a completion with echo and
 `logprobs` returns the prompt's logprobs, as vLLM; `max_tokens: 0` with echo returns the prompt alone). A sampling field left out (None) takes the model's default (--generation-config).
 A completion's `prompt` takes OpenAI's four forms (a text, a list of texts, a list of token ids, a
 list of token-id lists): `CompletionRequest.prompts` lists them, one choice each. Token ids (the
@@ -18,6 +19,7 @@ prompt's, logit_bias', stop_token_ids') are checked against the vocabulary where
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, cast
 
@@ -26,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvbridge.engine.setup.generation_config import SamplingDefaults
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import MAX_LOGIT_BIAS, SEED_MAX, SEED_MIN, SamplingParams
+from kvbridge.engine.structured import StructuredOutputError, StructuredSpec
 from kvbridge.openai_wire import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
 MAX_LOGPROBS = 20  # SamplingParams' limit
@@ -87,29 +90,24 @@ class _Request(BaseModel):
 
     # vLLM extension: each prompt token's logprob (after the first), rank and this many top alternatives
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # Structured output is not served yet: refused, never ignored.
+    # Structured output (engine/structured.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* names; at most one of them (structured_spec).
     response_format: dict[str, Any] | None = None
-    guided_json: Any = None  # vLLM extensions, the older and newer names of structured output
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError("only response_format {\"type\": \"text\"} is supported (structured output is "
-                             "not implemented yet)")
-        return value
-
-    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs")
-    @classmethod
-    def _not_yet(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
-            raise ValueError(f"{info.field_name} is not supported yet")
-        return value
+    def structured_spec(self) -> StructuredSpec | None:
+        """What the output must match, or None; StructuredOutputError (naming the field) when the
+        fields ask for something malformed, unsupported or for two things at once."""
+        specs = [spec for spec in (_response_format(self.response_format), _structured_outputs(self.structured_outputs),
+                                   _guided(self)) if spec is not None]
+        if len(specs) > 1:
+            raise StructuredOutputError(f"{specs[1].field}: only one of response_format, structured_outputs and "
+                                        f"guided_* may be given (also {specs[0].field})", specs[1].field)
+        return specs[0] if specs else None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -181,7 +179,78 @@ class _Request(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             min_tokens=self.min_tokens, logit_bias=self.logit_bias_pairs,
-            prompt_logprobs=self.wanted_prompt_logprobs)
+            prompt_logprobs=self.wanted_prompt_logprobs, structured=self.structured_spec())
+
+
+def _schema_text(schema: Any, field: str) -> str:
+    """A JSON schema (an object, or its JSON text) as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise StructuredOutputError(f"{field}: the schema is not valid JSON", field) from None
+    if not isinstance(schema, dict):
+        raise StructuredOutputError(f"{field}: the schema must be a JSON object", field)
+    return json.dumps(schema)
+
+
+def _response_format(value: dict[str, Any] | None) -> StructuredSpec | None:
+    """OpenAI's response_format: text (nothing), json_object, json_schema {name, schema, strict}."""
+    if value is None or value.get("type") == "text":
+        return None
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredSpec("json_object", field="response_format")
+    if kind == "json_schema":
+        body = value.get("json_schema")
+        schema = body.get("schema") if isinstance(body, dict) else None
+        if schema is None:
+            raise StructuredOutputError("response_format: json_schema needs {\"json_schema\": {\"schema\": ...}}",
+                                        "response_format")
+        return StructuredSpec("json", _schema_text(schema, "response_format"), "response_format")
+    raise StructuredOutputError(f"response_format: type must be text, json_object or json_schema, got {kind!r}",
+                                "response_format")
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs(value: dict[str, Any] | None) -> StructuredSpec | None:
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+    if value is None:
+        return None
+    field = "structured_outputs"
+    unknown = sorted(k for k, v in value.items() if k not in _STRUCTURED_KINDS and v not in (None, False))
+    if unknown:
+        raise StructuredOutputError(f"{field}: {', '.join(unknown)} not supported (json, regex, choice, grammar, "
+                                    "json_object are)", field)
+    given = [k for k in _STRUCTURED_KINDS if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise StructuredOutputError(f"{field}: exactly one of {', '.join(_STRUCTURED_KINDS)} must be given", field)
+    return _spec(given[0], value[given[0]], field)
+
+
+def _guided(request: _Request) -> StructuredSpec | None:
+    """vLLM's older guided_json / guided_regex / guided_choice / guided_grammar (one of them)."""
+    given = [(k, getattr(request, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")
+             if getattr(request, f"guided_{k}") is not None]
+    if len(given) > 1:
+        raise StructuredOutputError(f"guided_{given[1][0]}: only one guided_* field may be given", f"guided_{given[1][0]}")
+    return _spec(given[0][0], given[0][1], f"guided_{given[0][0]}") if given else None
+
+
+def _spec(kind: str, value: Any, field: str) -> StructuredSpec:
+    if kind == "json":
+        return StructuredSpec("json", _schema_text(value, field), field)
+    if kind == "json_object":
+        return StructuredSpec("json_object", field=field)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise StructuredOutputError(f"{field}: choice must be a non-empty list of non-empty strings", field)
+        return StructuredSpec("choice", json.dumps(value), field)
+    if not (isinstance(value, str) and value):
+        raise StructuredOutputError(f"{field}: {kind} must be a non-empty string", field)
+    return StructuredSpec("regex" if kind == "regex" else "grammar", value, field)
 
 
 def _given(value: Any, default: Any, neutral: Any) -> Any:

@@ -128,3 +128,28 @@ def test_n_and_best_of_through_pd_equal_a_colocated_instances(smollm2_pd_cluster
             for ch in chunk.choices:
                 texts[ch.index] = texts.get(ch.index, "") + ch.text
         assert [texts[i] for i in sorted(texts)] == [ch["text"] for ch in want["choices"]]
+
+
+# ---- structured output: P's first token obeys the grammar, D continues under it ------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_through_pd_equals_a_colocated_instances(smollm2_pd_cluster: LocalCluster, stream: bool) -> None:
+    c = smollm2_pd_cluster
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a big city and its country as JSON."}],
+            "max_tokens": 50, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}}
+    alone = httpx.post(c.urls.decode[0] + "/v1/chat/completions", json=body, timeout=120)
+    assert alone.status_code == 200, alone.text
+    want = alone.json()["choices"][0]["message"]["content"]
+    assert set(json.loads(want)) == {"city", "country"}
+    if not stream:
+        through = httpx.post(c.urls.proxy + "/v1/chat/completions", json=body, timeout=120)
+        assert through.status_code == 200 and through.headers["x-kvbridge-pd-path"] == "prefill_decode"
+        assert through.json()["choices"][0]["message"]["content"] == want
+        return
+    text = ""  # streamed: the first token is P's (first-token path), the rest D's, continuing P's grammar state
+    for chunk in client(c).chat.completions.create(stream=True, **body):
+        text += "".join(ch.delta.content or "" for ch in chunk.choices)
+    assert text == want
