@@ -91,6 +91,7 @@ class OutputProcessor:
             finish_reason=req.finish_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0), num_loaded_tokens=req.num_loaded_tokens,
+            num_reused_tokens=req.num_reused_tokens,
             logprobs=logprobs,
             kv_transfer_params=req.kv_transfer_params_out if finished else None,
             error=req.error, stop_reason=st.stopped if st.stopped is not None else req.stop_reason,

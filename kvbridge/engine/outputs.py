@@ -37,6 +37,7 @@ class RequestOutput:
     `prompt_logprobs`: see the field.
     `num_cached_tokens`: prompt tokens found in this instance's prefix cache; `num_loaded_tokens`:
     prompt tokens whose KV was read from another instance. This instance computed the rest of the prompt.
+    `num_reused_tokens`: prompt tokens computed for this request nowhere in the fleet.
     """
 
     request_id: str
@@ -48,6 +49,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_loaded_tokens: int = 0
+    num_reused_tokens: int = 0  # Request.num_reused_tokens: what the answer's usage calls cached_tokens
     logprobs: list[TokenLogprob] | None = None
     kv_transfer_params: "KVTransferParams | None" = None
     error: str | None = None

@@ -106,6 +106,17 @@ class Request:
             self.prompt_logprobs.append(None)
 
     @property
+    def num_reused_tokens(self) -> int:
+        """Prompt tokens computed for this request nowhere in the fleet (OpenAI's `cached_tokens`): its
+        local prefix hit; with KV read from a prefill instance, that instance's own prefix hit
+        (`remote_cached_tokens`, 0 when it does not say), at most what this instance did not compute."""
+        local = max(self.num_cached_tokens, 0)
+        params = self.kv_transfer_params
+        if params is None or not params.wants_remote_prefill:
+            return local
+        return min(params.remote_cached_tokens or 0, local + self.num_loaded_tokens)
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
 

@@ -17,7 +17,7 @@ router that speaks it can front kvbridge:
     tp_size            int   P's tensor-parallel size (vLLM treats a missing one as 1).
     remote_num_tokens  int   optional: how many prompt tokens P computed.
 
-kvbridge adds two fields of its own:
+kvbridge adds fields of its own:
 
     remote_block_size  int   tokens per P logical block. Hybrid Mamba models choose the
                              logical block size per TP size (shape/kv_cache_layout.py), so
@@ -30,6 +30,11 @@ kvbridge adds two fields of its own:
                              own `continue_from_token_ids` (first token straight from
                              prefill), outside these params, so params swapped between
                              requests never carry another request's token.
+
+    remote_cached_tokens  int  the prompt tokens P took from its own prefix cache for this request
+                             (it computed the rest): D answers min(this, the tokens it did not
+                             compute itself) as the request's `cached_tokens`, the prompt tokens
+                             computed for it nowhere in the fleet. Absent (a vLLM P): 0.
 
     lease_generation   int   identifies the lease P granted on these blocks. P bumps it
                              whenever a lease is created; a read or heartbeat naming a
@@ -84,6 +89,7 @@ _INT_FIELDS = {  # name -> (minimum, maximum)
     "remote_num_tokens": (0, MAX_NUM_TOKENS),
     "remote_block_size": (1, MAX_NUM_TOKENS),
     "lease_generation": (0, MAX_LEASE_GENERATION),
+    "remote_cached_tokens": (0, MAX_NUM_TOKENS),
 }
 _REQUIRED_FOR_REMOTE_PREFILL = (
     "remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
@@ -115,6 +121,7 @@ class KVTransferParams:
     remote_num_tokens: int | None = None
     remote_block_size: int | None = None
     lease_generation: int | None = None
+    remote_cached_tokens: int | None = None
     generated_token_ids: tuple[int, ...] | None = None
     # Opaque pass-through of keys this version does not know; excluded from hashing
     # because the values may be lists or objects.

@@ -7,8 +7,9 @@ against P's queue, P's prefill and the KV transfer; `cached` when D holds the wh
 `no_measured_rate` until the instances report rates), and for comparison `static` (Dynamo's
 rule) and `threshold` (llm-d's). Each decision is taken against the D and the P the kv_aware
 policy would pick (the cheapest); until a D has measured its own prefill rate, P's stands in
-(one model: a D of a P/D fleet prefills little by itself). A request the view cannot predict (a prompt list, events off
-everywhere and no tokens) goes through P with reason `no_prediction` in the deciding modes.
+(one model: a D of a P/D fleet prefills little by itself). Each prompt of a list is planned on its own
+(proxy.py). A request the view cannot predict (events off everywhere and no tokens, a malformed body)
+goes through P with reason `no_prediction` in the deciding modes.
 """
 
 from __future__ import annotations

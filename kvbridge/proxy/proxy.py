@@ -245,12 +245,7 @@ class PDProxy:
                 return openai_error(400, f"{refused[0]}: {refused[1]}", None, request_id, param=refused[0])
             if route == COMPLETIONS_ROUTE and (bodies := prompt_lists.split(body)) is not None:
                 return await self._prompt_list(call, self.prefill, bodies)
-            if on_p_alone:
-                return await self._prefill_alone(call, self.prefill)
-            call = await self._planned(call)
-            if call.plan.decision.path == "decode_only":
-                return self._path(call, await self._decode_alone(call), "decode_only", call.plan.decision.reason)
-            return await self._prefill_then_decode(call, self.prefill)
+            return await self._one_prompt(call, self.prefill)
         finally:
             watcher.cancel()
 
@@ -310,9 +305,13 @@ class PDProxy:
         return answer
 
     async def _one_prompt(self, call: ClientRequest, prefill: UpstreamPool) -> Response:
-        """One prompt of a list: on P alone when its answer needs the prompt's logprobs, else P then D."""
+        """One prompt (the request's, or one of its list's): on P alone when its answer needs the
+        prompt's logprobs; else by its routing plan, D alone (decode_only) or P then D."""
         if wants_prompt_logprobs(call.body):
             return await self._prefill_alone(call, prefill)
+        call = await self._planned(call)
+        if call.plan.decision.path == "decode_only":
+            return self._path(call, await self._decode_alone(call), "decode_only", call.plan.decision.reason)
         return await self._prefill_then_decode(call, prefill)
 
     async def _prefill_alone(self, call: ClientRequest, prefill: UpstreamPool) -> Response:

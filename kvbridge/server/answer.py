@@ -152,7 +152,7 @@ def usage_of(outputs: list[RequestOutput], jobs: list[Job]) -> wire.UsageInfo:
     firsts = [o for o, j in zip(outputs, jobs) if j.sample == 0]
     return wire.UsageInfo.of(sum(o.num_prompt_tokens for o in firsts),
                              sum(j.completion_tokens(o) for o, j in zip(outputs, jobs)),
-                             sum(o.num_cached_tokens for o in firsts))
+                             sum(o.num_reused_tokens for o in firsts))
 
 def leased_params(output: RequestOutput) -> KVTransferParams | None:
     """The params of the lease a finished output names: P's answer (do_remote_prefill for D)."""

@@ -324,7 +324,7 @@ class CompletionHandlers:
             logprobs.extend(entries or ())
             prompt_lps = prompt_lps or first_prompt_lps
         assert last is not None and last.finished  # a stream always ends with its finished output
-        usage = wire.UsageInfo.of(last.num_prompt_tokens, job.completion_tokens(last), last.num_cached_tokens)
+        usage = wire.UsageInfo.of(last.num_prompt_tokens, job.completion_tokens(last), last.num_reused_tokens)
         reason = job.finish_reason(last)
         token_text = tokenizer.token_text
         if job.chat:

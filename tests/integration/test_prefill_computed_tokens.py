@@ -92,6 +92,7 @@ def test_pd_loaded_kv_counts_as_cached_on_d_and_p_computes_the_prompt(loaded, ba
         d_outs = decode(d, p, first, _wire(p_out), greedy, request_id="d-1")
         assert len(tokens(d_outs)) == 4
         assert (d_outs[-1].num_cached_tokens, d_outs[-1].num_loaded_tokens) == (0, len(first) - 1)
+        assert d_outs[-1].num_reused_tokens == 0  # P computed the whole prompt for it: cached_tokens 0
         _record(pm, [p_out])
         _record(dm, d_outs)
         assert _value(pm, COMPUTED + "_sum") == len(first) and _value(pm, CACHED) == 0
@@ -105,6 +106,7 @@ def test_pd_loaded_kv_counts_as_cached_on_d_and_p_computes_the_prompt(loaded, ba
         assert (p_out.num_cached_tokens, p_out.num_loaded_tokens) == (hit, 0)
         d_outs = decode(d, p, second, _wire(p_out), greedy, request_id="d-2")
         assert (d_outs[-1].num_cached_tokens, d_outs[-1].num_loaded_tokens) == (hit, len(second) - 1 - hit)
+        assert (p_out.num_reused_tokens, d_outs[-1].num_reused_tokens) == (hit, hit)  # computed nowhere
         _record(pm, [p_out])
         _record(dm, d_outs)
         assert _value(pm, COMPUTED + "_sum") == len(first) + len(second) - hit
@@ -114,6 +116,14 @@ def test_pd_loaded_kv_counts_as_cached_on_d_and_p_computes_the_prompt(loaded, ba
         # The fleet computed each prompt token once per request that needed it, plus D's last token.
         fleet = _value(pm, COMPUTED + "_sum") + _value(dm, COMPUTED + "_sum")
         assert fleet == len(first) + 1 + len(second) - hit + 1
+
+        # Turn 3, P's cache emptied: D still hits turn 2's blocks locally, but P computed the whole
+        # prompt for this request, so nothing of it was reused in the fleet (usage's cached_tokens 0).
+        p.reset_prefix_cache()
+        p_out = _prefill(p, second, "p-3")
+        d_outs = decode(d, p, second, _wire(p_out), greedy, request_id="d-3")
+        assert p_out.num_cached_tokens == 0 and d_outs[-1].num_cached_tokens == len(second) - 1 - (len(second) - 1) % bs
+        assert d_outs[-1].num_reused_tokens == 0
         settle(p, d)
         for e in (p, d):
             assert e.kv_cache_manager.num_free_blocks == e.kv_cache_manager.pool.num_usable_blocks
@@ -138,6 +148,7 @@ def test_a_failed_read_counts_nothing_as_loaded_and_d_computes_past_its_own_hit(
         d_outs = decode(d, p, second, _wire(_prefill(p, second, "p-2")), greedy, request_id="d-2")
         assert len(tokens(d_outs)) == 2
         assert (d_outs[-1].num_cached_tokens, d_outs[-1].num_loaded_tokens) == (hit, 0)
+        assert d_outs[-1].num_reused_tokens == hit  # P hit it too; D computed the rest
         _record(dm, d_outs)
         assert _value(dm, COMPUTED + "_sum") == len(second) - hit and _value(dm, CACHED) == hit
         settle(p, d)

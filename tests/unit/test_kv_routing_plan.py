@@ -178,3 +178,17 @@ async def test_a_garbled_events_contract_is_routed_cold_and_the_router_serves_on
                 ("decode_only", "cost"), ("prefill_decode", "no_measured_rate"))  # before the first load poll
         assert (await pd.http.get("/kvbridge/fleet")).json()["instances"] == {}
         assert (await pd.http.get("/health")).status_code == 200
+
+
+@pytest.mark.timeout(60)
+async def test_each_prompt_of_a_list_is_planned_on_its_own() -> None:
+    """--pd-mode never: a list's every prompt goes to D alone, as one prompt would; none reaches P."""
+    async with pd_cluster(**{**KV_AWARE, "pd_mode": "never"}) as pd:
+        for instance in pd.prefill + pd.decode:
+            instance.tokens = list(range(100, 164))
+        r = await pd.http.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b", "c"]},
+                               headers={"X-Request-Id": "rid-n"})
+        assert r.status_code == 200, r.text
+        assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+        assert not pd.prefill[0].received
+        assert sorted(x.headers["x-request-id"] for x in pd.decode[0].received) == ["rid-n-0", "rid-n-1", "rid-n-2"]

@@ -23,6 +23,8 @@ class ConnectorRequest(Protocol):
     kv_transfer_params: KVTransferParams | None
     # The request's trace (None: not traced): P's lease and D's load record their spans under it.
     trace: RequestTrace | None
+    # Prompt tokens found in this instance's prefix cache at its first schedule (-1 until then).
+    num_cached_tokens: int
 
     @property
     def num_prompt_tokens(self) -> int: ...

@@ -212,7 +212,8 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             do_remote_decode=False, do_remote_prefill=True, remote_block_ids=tuple(tuple(g) for g in block_ids),
             remote_engine_id=self.engine_id, remote_request_id=rid, remote_host=host, remote_port=port,
             tp_size=self.tp_size, remote_num_tokens=request.num_prompt_tokens, remote_block_size=self.block_size,
-            lease_generation=generation, generated_token_ids=tuple(generated) if generated else None)
+            lease_generation=generation, generated_token_ids=tuple(generated) if generated else None,
+            remote_cached_tokens=max(request.num_cached_tokens, 0))
         return True, to_decode
 
     def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:

@@ -1,8 +1,11 @@
-"""Issue 48, part 1, against `kvbridge up`'s cluster (real proxy, P and D processes, NIXL, the
-default model) with the official openai client: a completion's list of prompts, as lm-eval sends a
-batch, answers each prompt as that prompt alone does (streamed and not, texts and token ids), usage
-summed; logit_bias and min_tokens hold through P/D; /tokenize and /detokenize through the proxy.
-The shared cluster's fixture checks every block back on P and D and no lease expired."""
+"""Issue 48 against `kvbridge up`'s cluster (real proxy, P and D processes, NIXL, the default model)
+with the official openai client, each feature through P/D against one instance serving alone (the
+cluster's D asked directly: colocated): a completion's list of prompts (as lm-eval batches) answers
+each prompt as that prompt alone does (streamed and not, texts and token ids), usage summed;
+logit_bias and min_tokens hold; /tokenize and /detokenize through the proxy; echo and prompt
+logprobs (served by P alone); n and best_of (P prefills once, D samples the n); a JSON schema (P's
+first token under the grammar, D continuing it). The shared cluster's fixture checks every block
+back on P and D and no lease expired."""
 
 from __future__ import annotations
 
