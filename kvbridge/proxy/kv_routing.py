@@ -4,7 +4,8 @@ policy picks the lowest), and the P/D decision of `--pd-mode` with its reason.
 Modes: `always` (every request through P, reason `forced`; the default), `never` (D alone,
 `forced`), `auto` (kv_cost.decide_auto: the measured cost of D prefilling what it lacks
 against P's queue, P's prefill and the KV transfer; `cached` when D holds the whole prompt;
-`no_measured_rate` until the instances report rates), and for comparison `static` (Dynamo's
+`no_measured_rate` until the instances report rates; a D that has not pulled yet takes the other
+Ds' median pull rate), and for comparison `static` (Dynamo's
 rule) and `threshold` (llm-d's). Each decision is taken against the D and the P the kv_aware
 policy would pick (the cheapest); until a D has measured its own prefill rate, P's stands in
 (one model: a D of a P/D fleet prefills little by itself). Each prompt of a list is planned on its own
@@ -97,11 +98,19 @@ def plan(view: FleetFacts, prediction: Prediction | None, prefill: list[str], de
         if d_load is None or p_load is None:
             decision = Decision("prefill_decode", "no_measured_rate")
         else:  # a D of a P/D fleet rarely prefills much: P's rate (same model) stands in until it has its own;
+            # a D that has not pulled yet borrows the other Ds' pull rate (the same fabric), their median;
             # the requests this proxy has in flight there count as running even before D reports them
             d_load = dataclasses.replace(d_load, running=max(d_load.running, outstanding.get(d, 0)),
-                                         prefill_tokens_per_s=d_load.prefill_tokens_per_s or p_load.prefill_tokens_per_s)
+                                         prefill_tokens_per_s=d_load.prefill_tokens_per_s or p_load.prefill_tokens_per_s,
+                                         kv_pull_bytes_per_s=d_load.kv_pull_bytes_per_s or fleet_pull_rate(view, decode))
             decision = decide_auto(n, cached_d, prediction.cached[p], d_load, p_load)
     return RoutePlan(decision, prediction, p_costs, d_costs)
+
+
+def fleet_pull_rate(view: FleetFacts, decode: list[str]) -> float | None:
+    """The median KV pull rate the decode instances `decode` measured, or None when none has."""
+    rates = sorted(r for u in decode if (load := view.load(u)) is not None and (r := load.kv_pull_bytes_per_s))
+    return rates[len(rates) // 2] if rates else None
 
 
 async def plan_for(view: FleetView, client: httpx.AsyncClient, prefill: UpstreamPool | None, decode: UpstreamPool,

@@ -73,6 +73,19 @@ def test_auto_waits_for_a_reported_load_and_borrows_p_s_rate_for_a_d_without_one
     assert plan(ALL, prediction, [], [D1], "auto").decision.reason == "no_prefill_healthy"
 
 
+def test_a_d_that_never_pulled_borrows_the_other_ds_pull_rate() -> None:
+    prediction = Prediction(640, {P: 0, D1: 0, D2: 0})
+    fresh = load(kv_pull_bytes_per_s=None, running=0)
+    alone = Facts({P: load(), D1: fresh})
+    assert plan(alone, prediction, [P], [D1], "auto").decision.reason == "no_measured_rate"  # nobody measured
+    beside = Facts({P: load(), D1: fresh, D2: load(running=40, kv_blocks_free=10)})  # D2 busy: D1 is picked
+    routed = plan(beside, prediction, [P], [D1, D2], "auto")
+    assert routed.decode_costs is not None
+    assert min(routed.decode_costs.by_url, key=routed.decode_costs.by_url.__getitem__) == D1
+    assert routed.decision.reason == "cost"  # on D2's measured rate
+    assert plan(beside, prediction, [P], [D1, D2], "auto") == routed  # a pure function of the facts
+
+
 @pytest.mark.parametrize("mode, cached, path", [
     ("static", 0, "prefill_decode"), ("static", 400, "decode_only"),
     ("threshold", 0, "prefill_decode"), ("threshold", 900, "decode_only"),
