@@ -187,22 +187,17 @@ def pytest_collection_modifyitems(config, items):
 
 # The lanes: `scripts/test.sh` runs pytest-xdist workers, and whatever the `--dist` mode, tests go to
 # the workers in units of `lane_group`: a unit runs on one worker, in collection order, and a worker
-# gets its next unit when it is nearly done with the ones it has (xdist's LoadScopeScheduling). The
-# two fleet lanes are units of their own: every test of tests/e2e (E2E_LANE: process fleets) and of
-# tests/ray (RAY_LANE: the session's Ray cluster), so no two e2e fleets or Ray clusters are up at
-# once (the shared e2e and Ray clusters stop after their last user, who must run in the same process;
-# `kvbridge up --ray` stops the shared Ray first), and each lane's timing is as it was in one process.
-# Each goes first, to its own worker (LANE_WORKERS; with one worker, both to it): the Ray lane mostly
-# waits on Serve's delays and replica starts (about 30 s of CPU in 5 minutes), so it runs beside the
-# CPU-bound e2e lane, and the other modules fill the workers after them. Only FLEET_WORKER's lane (the
-# e2e fleets, which bind ports the OS reported free a moment before, and the netns hosts) stays on the
-# host's network; every other worker has a loopback of its own (own_loopback; Ray runs there on
-# 127.0.0.1). Every other module is a unit of its own, so its module fixtures (engines on the real
-# model) are built once, on one worker, and the type check's tests use their mypy cache folder one at a
-# time. (Not xdist_group marks: xdist 3.8 sets them through a node id attribute pytest 9 no longer reads.)
-E2E_LANE, RAY_LANE = "e2e", "ray"
-FLEET_WORKER = "gw0"  # E2E_LANE's worker, on the host's network; every other worker has a loopback of its own
-LANE_WORKERS = {E2E_LANE: FLEET_WORKER, RAY_LANE: "gw1"}
+# gets its next unit when it is nearly done with the ones it has (xdist's LoadScopeScheduling; the
+# biggest units first, FLEET_LANE before all, on FLEET_WORKER, whose lane alone stays on the host's
+# network: own_loopback). Every test of tests/e2e and tests/ray is one unit, FLEET_LANE, so no two
+# fleets or Ray clusters are up at once (their memory; the shared e2e and Ray clusters stop after their
+# last user, who must run in the same process; `kvbridge up --ray` stops the shared Ray first; the netns hosts) and the fleet tests'
+# timing is as it was in one process. Every other module is a unit of its own, so its module fixtures
+# (engines on the real model) are built once, on one worker, and the type check's tests use their
+# mypy cache folder one at a time. (Not xdist_group marks: xdist 3.8 sets them through a node id
+# attribute pytest 9 no longer reads.)
+FLEET_LANE = "fleets"
+FLEET_WORKER = "gw0"  # the worker FLEET_LANE goes to; every other worker has a loopback of its own
 
 
 def own_loopback() -> bool:
@@ -230,8 +225,8 @@ def lane_group(nodeid: str) -> str:
     """The unit a test (by its node id, relative to the repository root) runs in."""
     path = Path(nodeid.split("::", 1)[0])
     parts = path.parts[1:] if path.parts[:1] == ("tests",) else path.parts
-    if len(parts) > 1 and parts[0] in (E2E_LANE, RAY_LANE):
-        return parts[0]
+    if len(parts) > 1 and parts[0] in ("e2e", "ray"):
+        return FLEET_LANE
     return str(path)
 
 
@@ -244,16 +239,11 @@ def pytest_xdist_make_scheduler(config, log):
             return lane_group(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            workers = {n.gateway.id for n in self.nodes}
-            mine = [lane for lane, worker in LANE_WORKERS.items() if lane in self.workqueue
-                    and (worker == node.gateway.id or worker not in workers)]
-            if mine:  # the longest units start first, or they would be the tail
-                self.workqueue.move_to_end(mine[0], last=False)
-            else:
-                kept = [lane for lane in LANE_WORKERS if lane in self.workqueue]  # for their own workers
-                if len(self.workqueue) > len(kept):
-                    for lane in kept:
-                        self.workqueue.move_to_end(lane)
+            if FLEET_LANE in self.workqueue:
+                if node.gateway.id == FLEET_WORKER:  # the longest unit starts first, or it would be the tail
+                    self.workqueue.move_to_end(FLEET_LANE, last=False)
+                elif len(self.workqueue) > 1:
+                    self.workqueue.move_to_end(FLEET_LANE)  # kept for FLEET_WORKER
             super()._assign_work_unit(node)
 
     return LaneScheduling(config, log)
