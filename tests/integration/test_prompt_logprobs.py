@@ -108,3 +108,20 @@ def test_prompt_logprobs_out_of_range_are_refused() -> None:
     for bad in (-1, 21):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+BF16_MEAN_ATOL, BF16_MAX_ATOL = 0.15, 0.8  # measured here: mean 0.074, max 0.39 (bf16 weights and activations)
+
+
+def test_bf16_prompt_logprobs_are_within_bf16s_tolerance_of_float64(loaded, reference) -> None:
+    """--dtype auto picks bfloat16 on a CPU with native bf16: its prompt logprobs are the bf16 model's,
+    within bf16's rounding of the float64 reference (a few hundredths a token on average)."""
+    ids, ref = reference
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", cache=CacheConfig(num_blocks=64)), loaded)
+    try:
+        got = run(engine, {"bf16": (ids, SamplingParams(max_tokens=1, prompt_logprobs=1))})["bf16"][0].prompt_logprobs
+    finally:
+        engine.shutdown()
+    assert got is not None and got[0] is None and len(got) == len(ids)
+    errors = torch.tensor([abs(got[p].logprob - float(ref[p - 1, ids[p]])) for p in range(1, len(ids))])
+    assert float(errors.mean()) < BF16_MEAN_ATOL and float(errors.max()) < BF16_MAX_ATOL, errors
