@@ -65,14 +65,16 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dtype", default="auto", help="every engine's --dtype (auto: bf16 where the CPU has it)")
     ap.add_argument("--no-first-token", action="store_true", help="the proxies without the first-token path")
+    ap.add_argument("--off-first", action="store_true", help="start the unverified cluster first (placement check)")
     ap.add_argument("--json", help="write the samples and the summary here")
     a = ap.parse_args()
+    starts = ARMS[::-1] if a.off_first else ARMS
     serve = ["--kv-cache-memory-gb", "0.5", "--dtype", a.dtype, "--max-model-len", str(max(a.tokens) + 64)]
     proxy = ["--no-first-token-from-prefill"] if a.no_first_token else []
     log_dir = Path(tempfile.mkdtemp(prefix="kv_verify_ttft-"))
     clusters = {arm: LocalCluster(a.model, 1, 1, port=0, extra_serve_args=[*serve, "--kv-verify", arm],
                                   proxy_args=proxy, ready_timeout_s=READY_TIMEOUT_S, log_dir=log_dir / arm,
-                                  num_threads=1) for arm in ARMS}
+                                  num_threads=1) for arm in starts}
     rng = random.Random(7)
     samples: list[dict] = []
     http = httpx.Client(timeout=600, trust_env=False)
