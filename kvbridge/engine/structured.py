@@ -65,6 +65,7 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
+        self._width = vocab_size  # the grammar's vocabulary: the logits' width, or the tokenizer's if wider
         self._compiler: Any = None
         self._compiled: OrderedDict[StructuredSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -74,15 +75,20 @@ class Grammars:
             xgr = _xgrammar()
             backend = self._tokenizer.backend
             vocab = backend.get_vocab(with_added_tokens=True)
-            encoded = [""] * len(vocab)
+            encoded = [""] * (max(vocab.values()) + 1)  # ids without a token (holes) stay empty: never allowed
             for text, token_id in vocab.items():
                 encoded[token_id] = text
             meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
-            info = xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"], vocab_size=self._vocab_size,
+            info = xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"],
+                                     vocab_size=self._mask_width(len(encoded)),
                                      stop_token_ids=sorted(self._tokenizer.stop_token_ids),
                                      add_prefix_space=meta["add_prefix_space"])
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
+
+    def _mask_width(self, tokenizer_ids: int) -> int:
+        self._width = max(self._vocab_size, tokenizer_ids)
+        return self._width
 
     def compile(self, spec: StructuredSpec) -> Any:
         """The compiled grammar of `spec` (cached); StructuredOutputError names what is wrong."""
@@ -115,7 +121,7 @@ class Grammars:
 
     def bitmask(self, matcher: Any) -> torch.Tensor:
         """The next token's allowed ids under `matcher` (int32 words, 32 ids each)."""
-        mask: torch.Tensor = _xgrammar().allocate_token_bitmask(1, self._vocab_size)
+        mask: torch.Tensor = _xgrammar().allocate_token_bitmask(1, self._width)
         matcher.fill_next_token_bitmask(mask, 0)
         return mask[0]
 
