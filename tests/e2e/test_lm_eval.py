@@ -1,5 +1,5 @@
 """Issue 48's real client: EleutherAI's lm-evaluation-harness (`lm_eval`, its `local-completions`
-model, the tokenizer found through the server's /tokenizer_info and /tokenize as it detects them)
+model (and `local-chat-completions` for generation), the tokenizer found through the server's /tokenizer_info and /tokenize as it detects them)
 against `kvbridge up` (proxy, P and D processes, NIXL, the default model) and against one instance
 serving by itself (the cluster's D, asked directly: colocated). Two local tasks: a multiple-choice one
 (loglikelihood: echo + logprobs, lm-eval's batches of 4 as prompt lists of token ids) and a
@@ -64,20 +64,29 @@ metric_list:
 }
 
 
-def evaluate(base_url: str, out: Path, tasks_dir: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    """lm_eval's own command line against `base_url`: its results and its logged samples per task."""
+def evaluate(base_url: str, out: Path, tasks_dir: Path, chat: bool = False,
+             ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """lm_eval's own command line against `base_url`: its results and its logged samples per task.
+    `chat`: its local-chat-completions model on the generation task (chat has no loglikelihood)."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "lm_eval", "--model", "local-completions",
-               "--model_args", f"model={MODEL},base_url={base_url}/v1/completions,num_concurrent=1,max_retries=1,"
-                               "tokenized_requests=True",
-               "--tasks", ",".join(TASKS), "--include_path", str(tasks_dir), "--batch_size", "4",
+    if chat:
+        model = ["--model", "local-chat-completions", "--apply_chat_template",
+                 "--model_args", f"model={MODEL},base_url={base_url}/v1/chat/completions,num_concurrent=1,max_retries=1"]
+        tasks = ["kvb_gen"]
+    else:
+        model = ["--model", "local-completions", "--batch_size", "4",
+                 "--model_args", f"model={MODEL},base_url={base_url}/v1/completions,num_concurrent=1,max_retries=1,"
+                                 "tokenized_requests=True"]
+        tasks = list(TASKS)
+    command = [sys.executable, "-m", "lm_eval", *model, "--tasks", ",".join(tasks), "--include_path", str(tasks_dir),
                "--output_path", str(out), "--log_samples"]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=480)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert "Using remote tokenizer" in run.stderr  # the tokenizer came from the server (/tokenizer_info)
+    if not chat:
+        assert "Using remote tokenizer" in run.stderr  # the tokenizer came from the server (/tokenizer_info)
     (results_file,) = out.rglob("results_*.json")
     samples = {task: [json.loads(line) for f in out.rglob(f"samples_{task}_*.jsonl")
-                      for line in f.read_text().splitlines()] for task in TASKS}
+                      for line in f.read_text().splitlines()] for task in tasks}
     return json.loads(results_file.read_text()), samples
 
 
@@ -106,3 +115,8 @@ def test_lm_eval_through_pd_equals_colocated(smollm2_pd_cluster: LocalCluster, t
     assert len(pd_samples["kvb_gen"]) == 8
     for sample in pd_samples["kvb_gen"]:
         assert sample["filtered_resps"] == by_doc[sample["doc_id"]]["filtered_resps"], sample["doc_id"]
+
+    chat_results, chat_samples = evaluate(c.urls.proxy, tmp_path / "chat", tasks_dir, chat=True)
+    assert "exact_match,none" in chat_results["results"]["kvb_gen"]
+    answers = [s["filtered_resps"][0] for s in chat_samples["kvb_gen"]]
+    assert len(answers) == 8 and all(isinstance(a, str) and a.strip() for a in answers)  # every prompt answered
