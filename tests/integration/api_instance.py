@@ -2,8 +2,8 @@
 real engine, wrapped by InstrumentedEngine (LLMEngine's public API only: it records pre-admission
 rejection notices, can fail a chosen request the way a KV transfer failure under policy "fail"
 does, or fail the whole step like a broken device), behind a uvicorn server on 127.0.0.1 with a
-port from the OS (`Instance`). The module-scoped fixtures `loaded`, `llm` and `inst` are defined
-here once; a test module takes them by importing them."""
+port from the OS (`Instance`). The module-scoped fixtures `loaded`, `llm` and `inst` (and the per-test `blocks_back`) are
+defined here once; a test module takes them by importing them."""
 
 from __future__ import annotations
 
@@ -157,3 +157,26 @@ def post(inst: Instance, path: str, body: Any, **kwargs: Any) -> httpx.Response:
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
     headers = {"Content-Type": "application/json", **kwargs.pop("headers", {})}
     return httpx.post(inst.url + path, content=content, headers=headers, **{"timeout": 60, **kwargs})
+
+
+def stream_events(inst: Instance, body: dict[str, Any]) -> list[Any]:
+    """A streamed /v1/completions answer's events: each chunk parsed, and the final "[DONE]"."""
+    events: list[Any] = []
+    with httpx.stream("POST", inst.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.fixture
+def blocks_back(inst: Instance, llm: InstrumentedEngine) -> Iterator[None]:
+    """After the test, every KV block is back in the pool and nothing runs or waits (a module takes
+    it for each test: `pytestmark = pytest.mark.usefixtures("blocks_back")`, importing it)."""
+    llm.notified.clear()
+    yield
+    m = inst.wait_all_blocks_free()
+    assert m.num_free_blocks == m.num_total_blocks, m
+    assert m.num_running == 0 and m.num_waiting == 0, m

@@ -11,30 +11,20 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 
-import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from tests.integration.api_instance import MAX_MODEL_LEN, MODEL, REMOTE_PREFILL, InstrumentedEngine, Instance, inst, llm, loaded, post
+from tests.integration.api_instance import MAX_MODEL_LEN, MODEL, REMOTE_PREFILL, InstrumentedEngine, Instance, inst, llm, loaded, post, stream_events, blocks_back
 from tests.openai_errors import assert_openai_error
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("blocks_back")]
 
 PROMPT = "Question: What is the capital of France?\nAnswer: Paris"
 ATOL = 2e-3  # the float32 engine against float64
 
-
-@pytest.fixture(autouse=True)
-def all_blocks_free_after_each_test(inst: Instance, llm: InstrumentedEngine) -> Iterator[None]:
-    llm.notified.clear()
-    yield
-    m = inst.wait_all_blocks_free()
-    assert m.num_free_blocks == m.num_total_blocks, m
-    assert m.num_running == 0 and m.num_waiting == 0, m
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +37,6 @@ def reference(hf_smollm2_from_gguf, loaded) -> tuple[list[int], torch.Tensor]:
             return ids, torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], dim=-1)
     finally:
         torch.nn.Module.float(hf_smollm2_from_gguf)
-
-
-def stream_events(inst: Instance, body: dict[str, Any]) -> list[Any]:
-    events = []
-    with httpx.stream("POST", inst.url + "/v1/completions", json={"model": MODEL, **body}, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: "):]
-                events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def test_lm_eval_loglikelihood_request_answers_the_prompts_logprobs(inst: Instance, reference) -> None:
@@ -127,7 +106,7 @@ def inst_token_text(inst: Instance, token_id: int) -> str:
 def test_streamed_echo_equals_the_whole_answer(inst: Instance, max_tokens: int) -> None:
     body = {"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": max_tokens, "temperature": 0}
     whole = post(inst, "/v1/completions", {"model": MODEL, **body}).json()["choices"][0]
-    events = stream_events(inst, {**body, "stream": True})
+    events = stream_events(inst, {"model": MODEL, **body, "stream": True})
     assert events[-1] == "[DONE]"
     choices = [c for e in events[:-1] for c in e["choices"]]
     assert "".join(c["text"] for c in choices) == whole["text"]

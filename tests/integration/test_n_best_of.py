@@ -12,7 +12,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,38 +19,17 @@ import pytest
 
 from kvbridge.config import CacheConfig, EngineConfig
 from kvbridge.engine.engine import LLMEngine
-from kvbridge.engine.outputs import RequestOutput
-from kvbridge.engine.pacing import Pacer
 from kvbridge.engine.sampling_params import SamplingParams
-from tests.integration.api_instance import MODEL, InstrumentedEngine, Instance, inst, llm, loaded, post
+from tests.integration.api_instance import MODEL, Instance, inst, llm, loaded, post, blocks_back
+from tests.engine_runs import run_to_end
 from tests.openai_errors import assert_openai_error
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("blocks_back")]
 
 PROMPT = ("Write one sentence about the sea, the wind and the boats that sail between the islands "
           "when the summer ends and the")  # about 25 tokens: one full block of 16 and a part
 SAMPLED: dict[str, Any] = {"max_tokens": 6, "temperature": 1.0, "seed": 11}
 
-
-@pytest.fixture(autouse=True)
-def all_blocks_free_after_each_test(inst: Instance, llm: InstrumentedEngine) -> Iterator[None]:
-    yield
-    m = inst.wait_all_blocks_free()
-    assert m.num_free_blocks == m.num_total_blocks, m
-    assert m.num_running == 0 and m.num_waiting == 0, m
-
-
-def run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams, str | None]]) -> dict[str, list[RequestOutput]]:
-    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid, *_ in requests}
-    for rid, ids, params, leader in requests:
-        engine.add_request(rid, ids, params, share_prompt_with=leader)
-    pacer = Pacer()
-    while engine.has_unfinished_requests():
-        step = engine.step()
-        for out in step.outputs:
-            outputs[out.request_id].append(out)
-        pacer.sleep_after(step.next_step)
-    return outputs
 
 
 def test_siblings_take_the_first_ones_prompt_blocks_and_sample_as_alone(loaded) -> None:
@@ -59,11 +37,11 @@ def test_siblings_take_the_first_ones_prompt_blocks_and_sample_as_alone(loaded) 
     params = [SamplingParams(max_tokens=5, temperature=1.0, seed=3 + j) for j in range(4)]
     engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64)), loaded)
     try:
-        shared = run(engine, [(f"s-{j}", ids, p, None if j == 0 else "s-0") for j, p in enumerate(params)])
+        shared = run_to_end(engine, {f"s-{j}": (ids, p, None if j == 0 else "s-0") for j, p in enumerate(params)})
         alone = {}
         for j, p in enumerate(params):
             engine.reset_prefix_cache()
-            alone[j] = run(engine, [(f"a-{j}", ids, p, None)])[f"a-{j}"]
+            alone[j] = run_to_end(engine, {f"a-{j}": (ids, p)})[f"a-{j}"]
         metrics = engine.metrics()
     finally:
         engine.shutdown()

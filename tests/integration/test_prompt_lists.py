@@ -11,44 +11,24 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from kvbridge.server.protocol import MAX_PROMPTS
-from tests.integration.api_instance import MODEL, REMOTE_PREFILL, InstrumentedEngine, Instance, inst, llm, loaded, post
+from tests.integration.api_instance import MODEL, REMOTE_PREFILL, InstrumentedEngine, Instance, inst, llm, loaded, post, stream_events, blocks_back
 from tests.openai_errors import assert_openai_error
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("blocks_back")]
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
 GREEDY: dict[str, Any] = {"max_tokens": 6, "temperature": 0}
 
 
-@pytest.fixture(autouse=True)
-def all_blocks_free_after_each_test(inst: Instance, llm: InstrumentedEngine) -> Iterator[None]:
-    llm.notified.clear()
-    yield
-    m = inst.wait_all_blocks_free()
-    assert m.num_free_blocks == m.num_total_blocks, m
-    assert m.num_running == 0 and m.num_waiting == 0, m
-
 
 def single(inst: Instance, prompt: str | list[int], **kwargs: Any) -> Any:
     return inst.client().completions.create(model=MODEL, prompt=prompt, **{**GREEDY, **kwargs})
-
-
-def stream_events(inst: Instance, body: dict[str, Any]) -> list[Any]:
-    events = []
-    with httpx.stream("POST", inst.url + "/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: "):]
-                events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 # ------------------------------------------------------------------------ the four forms

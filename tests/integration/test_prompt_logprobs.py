@@ -13,9 +13,9 @@ import torch
 from kvbridge.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
-from kvbridge.engine.outputs import RequestOutput, TokenLogprob
-from kvbridge.engine.pacing import Pacer
+from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import SamplingParams
+from tests.engine_runs import run_to_end
 
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single "
@@ -39,19 +39,6 @@ def reference(hf_smollm2_from_gguf, loaded):
         return ids, torch.log_softmax(logits, dim=-1)
     finally:
         torch.nn.Module.float(hf_smollm2_from_gguf)
-
-
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
-    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, ids, params)
-    pacer = Pacer()
-    while engine.has_unfinished_requests():
-        step = engine.step()
-        for out in step.outputs:
-            outputs[out.request_id].append(out)
-        pacer.sleep_after(step.next_step)
-    return outputs
 
 
 def check_against(reference: tuple[list[int], torch.Tensor], got: list[TokenLogprob | None], k: int) -> None:
@@ -79,10 +66,10 @@ def test_chunked_batched_and_cached_prompts_give_the_float64_logprobs(loaded, re
     try:
         plain = SamplingParams(max_tokens=2, temperature=0)
         asked = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
-        first = run(engine, {"warm": (ids, plain), "other": (loaded.tokenizer.encode("Hello there"), asked)})
+        first = run_to_end(engine, {"warm": (ids, plain), "other": (loaded.tokenizer.encode("Hello there"), asked)})
         assert first["warm"][0].prompt_logprobs is None  # not asked: none computed
         # the prompt's blocks are cached now; a request that asks for prompt logprobs computes them all
-        second = run(engine, {"scored": (ids, asked), "zero": (ids, SamplingParams(max_tokens=1, prompt_logprobs=0))})
+        second = run_to_end(engine, {"scored": (ids, asked), "zero": (ids, SamplingParams(max_tokens=1, prompt_logprobs=0))})
     finally:
         engine.shutdown()
     scored = second["scored"]
@@ -98,7 +85,7 @@ def test_chunked_batched_and_cached_prompts_give_the_float64_logprobs(loaded, re
 def test_a_one_token_prompt_has_one_empty_entry(loaded) -> None:
     engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=16)), loaded)
     try:
-        out = run(engine, {"one": ([1], SamplingParams(max_tokens=1, prompt_logprobs=2))})["one"]
+        out = run_to_end(engine, {"one": ([1], SamplingParams(max_tokens=1, prompt_logprobs=2))})["one"]
     finally:
         engine.shutdown()
     assert out[0].prompt_logprobs == [None]
@@ -119,7 +106,7 @@ def test_bf16_prompt_logprobs_are_within_bf16s_tolerance_of_float64(loaded, refe
     ids, ref = reference
     engine = LLMEngine(EngineConfig(dtype="bfloat16", cache=CacheConfig(num_blocks=64)), loaded)
     try:
-        got = run(engine, {"bf16": (ids, SamplingParams(max_tokens=1, prompt_logprobs=1))})["bf16"][0].prompt_logprobs
+        got = run_to_end(engine, {"bf16": (ids, SamplingParams(max_tokens=1, prompt_logprobs=1))})["bf16"][0].prompt_logprobs
     finally:
         engine.shutdown()
     assert got is not None and got[0] is None and len(got) == len(ids)

@@ -11,29 +11,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.api_instance import MODEL, InstrumentedEngine, Instance, inst, llm, loaded, post
+from tests.integration.api_instance import MODEL, Instance, inst, llm, loaded, post, blocks_back
 from tests.openai_errors import assert_openai_error
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("blocks_back")]
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "Describe a cat named Tom who is 3 years old, as JSON."}]
 
-
-@pytest.fixture(autouse=True)
-def all_blocks_free_after_each_test(inst: Instance, llm: InstrumentedEngine) -> Iterator[None]:
-    yield
-    m = inst.wait_all_blocks_free()
-    assert m.num_free_blocks == m.num_total_blocks, m
-    assert m.num_running == 0 and m.num_waiting == 0, m
 
 
 def check_person(text: str) -> None:
