@@ -400,8 +400,8 @@ class LLMEngine:
         """What the ranks compute this step, with the worker connector's commands for them."""
         sched = self.scheduler.schedule()
         for s in sched.scheduled:  # structured output: the next token's allowed ids, for the sampling rank
-            grammar = self.scheduler.requests[s.request_id].grammar if s.sample else None
-            if grammar is not None:
+            if s.sample and s.sampling_params.structured is not None:
+                grammar = self.scheduler.requests[s.request_id].grammar
                 sched.grammar_bitmasks[s.request_id] = self.grammars.bitmask(grammar)
         if self.connectors is not None:
             sched.kv_rank_commands = self.connectors.worker.start_load_kv(sched.kv_connector_metadata)

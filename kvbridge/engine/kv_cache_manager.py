@@ -127,10 +127,14 @@ class KVCacheManager:
             hashes.append(block_digest(hashes[-1] if hashes else self.hash_root, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
+    def _may_hit(self, request: Request) -> bool:
+        """Whether the prefix cache may serve `request` at all: caching on, no Mamba state, and no prompt
+        logprobs wanted (they need the logits of every prompt position: vLLM's rule)."""
+        return self.pool.enable_caching and not self.has_mamba and not request.wants_prompt_logprobs
+
     def can_share_prompt(self, request: Request) -> bool:
         """Whether a sibling's cached prompt blocks could serve `request` (get_computed_blocks would hit)."""
-        return (self.pool.enable_caching and not self.has_mamba and not request.wants_prompt_logprobs
-                and request.num_tokens > self.block_size)
+        return self._may_hit(request) and request.num_tokens > self.block_size
 
     def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVBlock], ...], int]:
         """Longest cached prefix of the request, in whole blocks, that EVERY group can resume
@@ -142,8 +146,8 @@ class KVCacheManager:
         the prompt has logits to sample from.
         """
         empty: tuple[list[KVBlock], ...] = tuple([] for _ in self.groups)
-        if not self.pool.enable_caching or self.has_mamba or request.wants_prompt_logprobs:
-            return empty, 0  # prompt logprobs need the logits of every prompt position (vLLM's rule)
+        if not self._may_hit(request):
+            return empty, 0
         hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
         whole = request.keeps_whole_context  # a decode instance will read every block: all must be there
         hit = len(hashes)

@@ -4,6 +4,7 @@ vLLM's /tokenize, /detokenize and /tokenizer_info, and /v1/models."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import httpx
 from fastapi import Request
@@ -19,41 +20,38 @@ logger = logging.getLogger("kvbridge.proxy.proxy")  # the name these lines logge
 
 
 async def tokenization(proxy: PDProxy, request: Request, path: str) -> Response:
-    """vLLM's /tokenize or /detokenize, forwarded to a healthy instance (decode first, then prefill;
-    the next one when one cannot be reached); its answer, status and body, goes back as is. Every
-    instance serves the same model, so any one answers for all."""
+    """vLLM's /tokenize or /detokenize, forwarded to a healthy instance (`first_answer`)."""
     request_id = request_id_of(request)
     body = await proxy._read_request(request, request_id, tracing_spans.NO_SPANS)
     if isinstance(body, Response):
         return body
+    return await first_answer(proxy, request, request_id, "POST", path, body)
+
+
+async def tokenizer_info(proxy: PDProxy, request: Request) -> Response:
+    """vLLM's GET /tokenizer_info, forwarded to a healthy instance (`first_answer`)."""
+    request_id = request_id_of(request)
+    if not proxy.authorized(request):
+        return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
+    return await first_answer(proxy, request, request_id, "GET", "/tokenizer_info", None)
+
+
+async def first_answer(proxy: PDProxy, request: Request, request_id: str, method: str, path: str,
+                       body: dict[str, Any] | None) -> Response:
+    """The answer of the first healthy instance (decode first, then prefill; the next one when one
+    cannot be reached) to `method path`, status and body as they are. Every instance serves the same
+    model, so any one answers for all."""
     headers = {REQUEST_ID_HEADER: request_id, **proxy._auth_headers(request)}
     for upstream in [u for pool in reversed(proxy.pools) for u in pool.healthy()]:
         try:
-            r = await proxy.client().post(upstream.url + path, json=body, headers=headers,
-                                          timeout=proxy.short_timeout)
+            r = await proxy.client().request(method, upstream.url + path, json=body, headers=headers,
+                                             timeout=proxy.short_timeout)
         except httpx.HTTPError as exc:
             logger.warning("request %s: %s on %s failed: %r", request_id, path, upstream.url, exc)
             continue
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
                         headers={REQUEST_ID_HEADER: request_id})
     return openai_error(503, f"no healthy instance answered {path}", "no_healthy_instance", request_id)
-
-
-async def tokenizer_info(proxy: PDProxy, request: Request) -> Response:
-    """vLLM's GET /tokenizer_info as the first healthy instance that answers it (decode first)."""
-    request_id = request_id_of(request)
-    if not proxy.authorized(request):
-        return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key", request_id)
-    for upstream in [u for pool in reversed(proxy.pools) for u in pool.healthy()]:
-        try:
-            r = await proxy.client().get(upstream.url + "/tokenizer_info", headers=proxy._auth_headers(request),
-                                         timeout=proxy.short_timeout)
-        except httpx.HTTPError as exc:
-            logger.warning("request %s: /tokenizer_info on %s failed: %r", request_id, upstream.url, exc)
-            continue
-        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
-                        headers={REQUEST_ID_HEADER: request_id})
-    return openai_error(503, "no healthy instance answered /tokenizer_info", "no_healthy_instance", request_id)
 
 
 async def models(proxy: PDProxy, request: Request) -> Response:

@@ -60,7 +60,7 @@ class Job:
 
     def prompt_text(self, tokenizer: Tokenizer) -> str:
         """The prompt as echoed: the text sent, or token ids' text (special tokens kept)."""
-        prompt = self.request.prompts[self.index] if isinstance(self.request, protocol.CompletionRequest) else ""
+        prompt = self.request.prompts[self.prompt_index] if isinstance(self.request, protocol.CompletionRequest) else ""
         return prompt if isinstance(prompt, str) else tokenizer.decode(prompt, False)
 
     def answer_parts(self, output: RequestOutput, tokenizer: Tokenizer, echoed: bool,

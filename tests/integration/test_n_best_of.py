@@ -123,3 +123,13 @@ def test_chat_n_whole_and_streamed(inst: Instance) -> None:
                                          ({"n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "n")])
 def test_bad_n_and_best_of_are_400_naming_the_field(inst: Instance, body: dict[str, Any], param: str) -> None:
     assert_openai_error(post(inst, "/v1/completions", {"model": MODEL, "prompt": PROMPT, **body}), 400, param=param)
+
+
+def test_echo_with_n_echoes_each_choices_own_prompt(inst: Instance) -> None:
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    answer = inst.client().completions.create(model=MODEL, prompt=prompts, n=2, echo=True, max_tokens=2,
+                                              temperature=0, logprobs=0)
+    by_index = {c.index: c for c in answer.choices}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for index, choice in by_index.items():
+        assert choice.text.startswith(prompts[index // 2]) and choice.logprobs.token_logprobs[0] is None
