@@ -72,6 +72,15 @@ class EngineStep:
 
 
 @dataclass(frozen=True)
+class HeldPrefix:
+    """What `LLMEngine.hold_prefix` held: the params a reader loads the prefix with (None: nothing
+    held) and how many prompt tokens' KV that is."""
+
+    kv_transfer_params: KVTransferParams | None
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class EngineMetrics:
     num_running: int
     num_waiting: int
@@ -162,6 +171,7 @@ class LLMEngine:
         eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self._eos_ids = frozenset(eos | set(self.tokenizer.stop_token_ids))
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
+        self._holds = 0  # prefixes held so far (hold_prefix): their ids
         self.role = _ROLES[config.kv_transfer.role] if config.kv_transfer is not None else "both"
         self._rates = LoadRateMeter()
         self.kv_bytes_per_token = (kv_bytes_per_block(loaded.arch, config.cache.block_size, DTYPES[config.dtype],
@@ -311,6 +321,26 @@ class LLMEngine:
         if len(generated) >= params.max_tokens:
             raise EngineRequestError(f"continue_from_token_ids holds {len(generated)} tokens: "
                                      f"max_tokens ({params.max_tokens}) leaves none to generate")
+
+    def hold_prefix(self, prompt_token_ids: Sequence[int]) -> HeldPrefix:
+        """Hold the longest prefix of `prompt_token_ids` that this engine's prefix cache has (whole
+        blocks, at least one token short of the prompt: a conversation's history, the answers it
+        generated included) for a remote reader, under a lease (Scheduler.hold_prefix). Raises
+        EngineRequestError for token ids that are not a prompt of this model; holds nothing where
+        nothing is cached or this engine serves no reads."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise EngineRequestError("the prompt is empty")
+        if any(not 0 <= t < self.arch.vocab_size for t in ids):
+            raise EngineRequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise EngineRequestError(f"the prompt holds {len(ids)} tokens, over this model's maximum context "
+                                     f"length of {self.max_model_len}")
+        self._holds += 1
+        req = Request(f"kvbridge-hold-{self._holds}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1),
+                      self._eos_ids)
+        params, tokens = self.scheduler.hold_prefix(req)
+        return HeldPrefix(params, tokens)
 
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.finish_request(request_id, FinishReason.ABORT)

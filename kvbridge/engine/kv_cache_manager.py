@@ -136,14 +136,15 @@ class KVCacheManager:
         """Whether a sibling's cached prompt blocks could serve `request` (get_computed_blocks would hit)."""
         return self._may_hit(request) and request.num_tokens > self.block_size
 
-    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVBlock], ...], int]:
+    def get_computed_blocks(self, request: Request, count: bool = True) -> tuple[tuple[list[KVBlock], ...], int]:
         """Longest cached prefix of the request, in whole blocks, that EVERY group can resume
         from; takes no reference. A full-attention group needs every block of the prefix; a
         sliding-window group only the blocks the next query still sees (the rest are null),
         except for a request whose whole KV a decode instance will read (every block).
 
         At least one prompt token is always left to compute, so the step that ends
-        the prompt has logits to sample from.
+        the prompt has logits to sample from. `count`: add the query to the prefix cache's
+        hit-rate counters (a request's first schedule does; a held prefix does not).
         """
         empty: tuple[list[KVBlock], ...] = tuple([] for _ in self.groups)
         if not self._may_hit(request):
@@ -160,8 +161,9 @@ class KVCacheManager:
         while hit > 0 and not whole and not all(self._window_cached(gi, g, hashes, hit)
                                                 for gi, g in enumerate(self.groups) if g.sliding_window is not None):
             hit -= 1
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += hit * self.block_size
+        if count:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += hit * self.block_size
         if hit == 0:
             return empty, 0
         tables = []

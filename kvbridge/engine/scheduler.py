@@ -26,7 +26,7 @@ from kvbridge.engine.kv_cache_manager import KVCacheManager
 from kvbridge.engine.request import FinishReason, Request, RequestStatus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConnector
-from kvbridge.kv_transfer.params import KV_LOAD_FAILED, BlockIds
+from kvbridge.kv_transfer.params import KV_LOAD_FAILED, BlockIds, KVTransferParams
 from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -218,6 +218,27 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
+    def hold_prefix(self, req: Request) -> tuple[KVTransferParams | None, int]:
+        """Hold the longest cached prefix of `req`'s prompt (whole blocks, at least one token short of
+        it) for a remote reader: reference its blocks under `req`'s id and have the connector lease
+        them; they are freed when the lease ends (read done, released, expired), like a finished
+        prefill's. Returns the reader's params and the tokens held, or (None, 0): nothing cached, or
+        this engine serves no reads."""
+        if self.connector is None or self.holds(req.request_id):
+            return None, 0
+        hits, n = self.kvm.get_computed_blocks(req, count=False)
+        if n == 0:
+            return None, 0
+        block_ids = self.kvm.allocate_slots(req, 0, hits)
+        if block_ids is None:
+            return None, 0
+        params = self.connector.hold_prefix(req.request_id, req.prompt_token_ids, n, block_ids)
+        if params is None:
+            self.kvm.free(req.request_id)
+            return None, 0
+        self.sending[req.request_id] = req
+        return params, n
+
     def _leader_computing(self, req: Request) -> bool:
         """Whether `req` waits for its prefix leader (a sibling with its prompt, Request.prefix_leader),
         still live and short of its prompt's last token. A leader that finished or left lets it go."""
@@ -349,8 +370,12 @@ class Scheduler:
                 continue
             # The whole prompt is loaded; recompute its last token to get logits, or, for a
             # request that continues from tokens P sampled, compute those (the prompt's KV is
-            # complete and the last known token is P's).
-            req.num_computed_tokens = req.num_prompt_tokens - (0 if req.output_token_ids else 1)
+            # complete and the last known token is P's). A held prefix: compute the rest.
+            params = req.kv_transfer_params
+            if params is not None and params.remote_prefix_tokens is not None:
+                req.num_computed_tokens = params.remote_prefix_tokens  # below the prompt (validated)
+            else:
+                req.num_computed_tokens = req.num_prompt_tokens - (0 if req.output_token_ids else 1)
             req.num_loaded_tokens = req.num_computed_tokens - max(req.num_cached_tokens, 0)
             self.kvm.cache_blocks(req, req.num_computed_tokens)
             req.status = RequestStatus.WAITING

@@ -90,6 +90,7 @@ _INT_FIELDS = {  # name -> (minimum, maximum)
     "remote_block_size": (1, MAX_NUM_TOKENS),
     "lease_generation": (0, MAX_LEASE_GENERATION),
     "remote_cached_tokens": (0, MAX_NUM_TOKENS),
+    "remote_prefix_tokens": (1, MAX_NUM_TOKENS),
 }
 _REQUIRED_FOR_REMOTE_PREFILL = (
     "remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
@@ -122,6 +123,7 @@ class KVTransferParams:
     remote_block_size: int | None = None
     lease_generation: int | None = None
     remote_cached_tokens: int | None = None
+    remote_prefix_tokens: int | None = None
     generated_token_ids: tuple[int, ...] | None = None
     # Opaque pass-through of keys this version does not know; excluded from hashing
     # because the values may be lists or objects.
@@ -140,9 +142,15 @@ class KVTransferParams:
             _check_block_ids(self.remote_block_ids)
         if self.generated_token_ids is not None:
             _check_generated(self.generated_token_ids)
-        if self.do_remote_decode and self.do_remote_prefill:
+        if self.do_remote_decode and self.do_remote_prefill and self.remote_prefix_tokens is None:
             raise KVTransferParamsError(
-                "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true")
+                "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true "
+                "(except to read a held prefix: remote_prefix_tokens)")
+        if self.remote_prefix_tokens is not None and not self.do_remote_prefill:
+            raise KVTransferParamsError("kv_transfer_params.remote_prefix_tokens needs do_remote_prefill")
+        if self.remote_prefix_tokens is not None and self.generated_token_ids is not None:
+            raise KVTransferParamsError(
+                "kv_transfer_params: a held prefix (remote_prefix_tokens) has no generated_token_ids")
         if self.do_remote_prefill:
             missing = [n for n in _REQUIRED_FOR_REMOTE_PREFILL if getattr(self, n) is None]
             if missing:
@@ -160,6 +168,11 @@ class KVTransferParams:
     def wants_remote_decode(self) -> bool:
         """P side: keep the KV after the request finishes, under a lease, for a remote reader."""
         return self.do_remote_decode
+
+    @property
+    def is_prefix_load(self) -> bool:
+        """The source holds only a prefix of the prompt (remote_prefix_tokens): the rest is computed here."""
+        return self.do_remote_prefill and self.remote_prefix_tokens is not None
 
     @property
     def num_kv_groups(self) -> int:

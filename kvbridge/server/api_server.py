@@ -4,7 +4,8 @@ Endpoints: POST /v1/completions and /v1/chat/completions (streaming or not, serv
 completions.py), POST /tokenize and /detokenize and GET /tokenizer_info (vLLM's), GET /v1/models, /health (200 healthy, 503 draining, shutting down or dead),
 /metrics, /kvbridge/load (the engine's load and measured rates, for a router or an autoscaler) and
 /kvbridge/kv_events (where its KV events are published), POST
-/kvbridge/release_kv (P: free a request's held blocks) and /kvbridge/drain. `build_app` makes
+/kvbridge/release_kv (P: free a request's held blocks), /kvbridge/kv_hold (hold a cached prefix for a
+reader: KV reuse across turns and instances) and /kvbridge/drain. `build_app` makes
 the FastAPI app of an engine; `run_server` loads the model, serves it with uvicorn until
 SIGINT/SIGTERM (or until the engine fails, or a drain ends) and shuts down.
 
@@ -45,10 +46,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvbridge import openai_wire as wire
 from kvbridge.openai_wire import bind_socket
 from kvbridge.config import EngineConfig
+from kvbridge.engine.engine import EngineRequestError
 from kvbridge.engine.setup.generation_config import NO_DEFAULTS, SamplingDefaults, sampling_defaults, startup_lines
 from kvbridge.http_protocol import AnnouncingServer, server_config
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
-from kvbridge.kv_transfer.params import parse_kv_transfer_params
+from kvbridge.kv_transfer.params import parse_kv_transfer_params, wire_or_none
 from kvbridge.server.async_engine import AsyncEngine, EngineState
 from kvbridge.server.completions import CompletionHandlers
 from kvbridge.server.errors import ApiError, as_api_error, json_response, read_json
@@ -163,6 +165,31 @@ async def _release_kv(raw: Request) -> Response:
         raise ApiError(400, "kv_transfer_params or release_key is required", param="kv_transfer_params")
     released = await instance.engine.call(lambda e: e.release_kv(params))
     return Response(json.dumps({"released": bool(released)}), media_type="application/json")
+
+
+MAX_HOLD_TOKEN_IDS = 1 << 22  # far above any model's context; the engine checks its own length
+
+
+async def _kv_hold(raw: Request) -> Response:
+    """Hold the longest cached prefix of `prompt_token_ids` for a remote reader (the proxy, before a
+    conversation's next turn: the instance serving it reads the history from here instead of
+    computing it again). Answers {"held_tokens": n, "kv_transfer_params": params or null}; the
+    blocks stay leased until the reader is done, the lease is released (POST /kvbridge/release_kv
+    with these params) or it expires. Holds nothing while draining or with nothing cached."""
+    body = await read_json(raw)
+    ids = body.get("prompt_token_ids")
+    if (not isinstance(ids, list) or not ids or len(ids) > MAX_HOLD_TOKEN_IDS
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ApiError(400, "prompt_token_ids must be a non-empty list of token ids", param="prompt_token_ids")
+    instance = _instance(raw)
+    if instance.engine.is_draining:
+        return Response(json.dumps({"held_tokens": 0, "kv_transfer_params": None}), media_type="application/json")
+    try:
+        held = await instance.engine.call(lambda e: e.hold_prefix(ids))
+    except EngineRequestError as exc:
+        raise ApiError(400, str(exc), param="prompt_token_ids") from None
+    answer = {"held_tokens": held.num_tokens, "kv_transfer_params": wire_or_none(held.kv_transfer_params)}
+    return Response(json.dumps(answer), media_type="application/json")
 
 
 async def _load(raw: Request) -> Response:
@@ -284,6 +311,8 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     metrics.registry.register(LoadCollector(engine.load, lambda: engine.is_draining))
     app.include_router(_v1)
     app.add_api_route("/kvbridge/release_kv", _release_kv, methods=["POST"],
+                      dependencies=[Depends(_check_api_key)], include_in_schema=False)
+    app.add_api_route("/kvbridge/kv_hold", _kv_hold, methods=["POST"],
                       dependencies=[Depends(_check_api_key)], include_in_schema=False)
     app.add_api_route("/kvbridge/drain", _drain, methods=["POST"],
                       dependencies=[Depends(_check_api_key)], include_in_schema=False)

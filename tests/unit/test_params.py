@@ -189,6 +189,25 @@ def test_both_directions_at_once_are_refused() -> None:
         parse_kv_transfer_params(with_(do_remote_decode=True))
 
 
+def test_a_held_prefix_may_be_read_by_a_prefill_that_keeps_its_kv_for_decode() -> None:
+    params = parse_kv_transfer_params(with_(do_remote_decode=True, remote_prefix_tokens=32))
+    assert params is not None and params.wants_remote_decode and params.is_prefix_load
+    assert parse_kv_transfer_params(to_wire(params)) == params
+    plain = parse_kv_transfer_params(P_RESPONSE)
+    assert plain is not None and not plain.is_prefix_load
+
+
+@pytest.mark.parametrize("raw, match", [
+    (with_(do_remote_prefill=False, remote_prefix_tokens=32), "needs do_remote_prefill"),
+    (with_(remote_prefix_tokens=32, generated_token_ids=[5]), "generated_token_ids"),
+    (with_(remote_prefix_tokens=0), "remote_prefix_tokens"),
+    (with_(remote_prefix_tokens="32"), "remote_prefix_tokens"),
+])
+def test_held_prefix_misuse_is_refused(raw: dict, match: str) -> None:
+    with pytest.raises(KVTransferParamsError, match=match):
+        parse_kv_transfer_params(raw)
+
+
 def test_non_string_keys_are_refused() -> None:
     with pytest.raises(KVTransferParamsError, match="keys"):
         parse_kv_transfer_params({1: True})

@@ -121,6 +121,14 @@ class SchedulerConnector(ABC):
         D reads them) ride the request's finishing output, typed until the HTTP edge.
         """
 
+    def hold_prefix(self, hold_id: str, token_ids: Sequence[int], num_tokens: int,
+                    block_ids: BlockIds) -> KVTransferParams | None:
+        """Lease cached blocks holding the KV of `token_ids[:num_tokens]` (the scheduler referenced
+        them under `hold_id` and frees them once `hold_id` appears in finished_sending) for a remote
+        reader. Returns the params it reads them with, or None where this engine serves no reads
+        (then the scheduler frees them at once)."""
+        return None
+
     def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         """The load-failure policy: True to recompute the request's invalid blocks
         locally, False to finish it with an error."""

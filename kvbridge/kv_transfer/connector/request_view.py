@@ -27,6 +27,11 @@ class ConnectorRequest(Protocol):
     num_cached_tokens: int
 
     @property
+    def num_reused_tokens(self) -> int:
+        """Prompt tokens computed for this request nowhere in the fleet (found here, or read)."""
+        ...
+
+    @property
     def num_prompt_tokens(self) -> int: ...
 
     @property

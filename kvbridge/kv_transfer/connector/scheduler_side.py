@@ -21,6 +21,13 @@ with them as output tokens: D reads the prompt's KV, computes the generated toke
 itself and samples the next token; it presents the digest of its whole sequence, so P
 refuses any other continuation. A Mamba P never samples from the whole prompt (N-1
 prefill), so it offers no tokens, and a Mamba D refuses to continue (engine.py).
+
+A held prefix (any instance, `hold_prefix`): an instance that answered a conversation keeps its KV
+in its prefix cache; asked to hold the longest cached prefix of a new prompt, it leases those blocks
+exactly as P leases a finished prompt's and answers params with `remote_prefix_tokens`. The reader
+(a P that then prefills the new tokens, or a D serving the turn itself) loads that prefix through
+the same receive path, lease check and content digest (of the prefix's tokens), and computes the
+rest. Models whose every KV cache group keeps every token only (no sliding window, no Mamba state).
 """
 
 from __future__ import annotations
@@ -78,7 +85,9 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             return
         self._check_peer(params)
         blocks = params.remote_block_ids or ()
-        tokens = self.remote_tokens(num_prompt_tokens)
+        if params.is_prefix_load:
+            self._check_prefix(num_prompt_tokens, params)
+        tokens = self.remote_tokens(num_prompt_tokens, params)
         if tokens == 0:  # nothing to read (a one-token prompt of a Mamba model): P only frees
             return
         bs = params.remote_block_size or self.block_size
@@ -98,8 +107,32 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             raise KVTransferParamsError(
                 f"kv_transfer_params.remote_block_ids must list block ids for {self.num_groups} KV cache groups")
 
-    def remote_tokens(self, num_prompt_tokens: int) -> int:
-        """The prompt tokens whose KV P computes and D reads: all, or all but the last (Mamba)."""
+    def _check_prefix(self, num_prompt_tokens: int, params: KVTransferParams) -> None:
+        assert params.remote_prefix_tokens is not None
+        if not self.holds_prefixes:
+            raise KVTransferParamsError(
+                "kv_transfer_params.remote_prefix_tokens: a held prefix is read only by models whose KV cache "
+                "groups keep every token (no sliding window, no Mamba state)")
+        if (params.remote_block_size or self.block_size) != self.block_size:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_block_size must be this engine's ({self.block_size}) to read a held prefix")
+        n = params.remote_prefix_tokens
+        if n % self.block_size or n >= num_prompt_tokens:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_prefix_tokens ({n}) must be a multiple of the block size "
+                f"({self.block_size}) below the prompt's {num_prompt_tokens} tokens")
+
+    @property
+    def holds_prefixes(self) -> bool:
+        """Whether this model's prefixes can be held and read: every group keeps every token."""
+        return all(kind in ("full_attention", "mla") for kind in self.group_kinds)
+
+    def remote_tokens(self, num_prompt_tokens: int, params: KVTransferParams | None = None) -> int:
+        """The prompt tokens whose KV the source holds and this engine reads: a held prefix's, or all
+        (P computed the prompt), or all but the last (Mamba)."""
+        if params is not None and params.is_prefix_load:
+            assert params.remote_prefix_tokens is not None
+            return params.remote_prefix_tokens
         return num_prompt_tokens - 1 if self.has_mamba else num_prompt_tokens
 
     def notify_rejected(self, request_id: str, params: KVTransferParams | None) -> None:
@@ -140,7 +173,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             # D already holds every full block it can cache: it computes the short tail itself
             # and P only hears that it may free (update_state_after_alloc sends the release).
             return 0, False
-        tokens = self.remote_tokens(request.num_prompt_tokens)
+        tokens = self.remote_tokens(request.num_prompt_tokens, params)
         if tokens <= num_local_computed:
             return 0, False
         return tokens - num_local_computed, True
@@ -161,10 +194,13 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         # block_mapping.apply_prefix_caching). A Mamba group's one state is always new.
         local = tuple(list(g if kind == "mamba" else g[first_new:]) for g, kind in zip(block_ids, self.group_kinds))
         remote = tuple(list(r) if loc else [] for loc, r in zip(local, params.remote_block_ids))
-        tokens = self.remote_tokens(request.num_prompt_tokens)
+        tokens = self.remote_tokens(request.num_prompt_tokens, params)
+        # the KV is bound to its tokens: the prompt's (+ the tokens P sampled, which D continues
+        # from), or a held prefix's alone
+        bound = request.prompt_token_ids[:tokens] + ([] if params.is_prefix_load else request.output_token_ids)
         self._meta.reqs_to_recv.append(RecvSpec(
             request.request_id, remote_of(params), params.remote_request_id or "", params.lease_generation or 0,
-            local, remote, content_digest(request.prompt_token_ids[:tokens] + request.output_token_ids), request.trace))
+            local, remote, content_digest(bound), request.trace))
 
     def build_connector_meta(self) -> ConnectorMetadata:
         meta, self._meta = self._meta, ConnectorMetadata()
@@ -213,8 +249,26 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             remote_engine_id=self.engine_id, remote_request_id=rid, remote_host=host, remote_port=port,
             tp_size=self.tp_size, remote_num_tokens=request.num_prompt_tokens, remote_block_size=self.block_size,
             lease_generation=generation, generated_token_ids=tuple(generated) if generated else None,
-            remote_cached_tokens=max(request.num_cached_tokens, 0))
+            remote_cached_tokens=request.num_reused_tokens)
         return True, to_decode
+
+    def hold_prefix(self, hold_id: str, token_ids: Sequence[int], num_tokens: int,
+                    block_ids: BlockIds) -> KVTransferParams | None:
+        """Lease blocks of this engine's prefix cache holding the KV of `token_ids[:num_tokens]` (a
+        whole number of blocks, referenced by the caller under `hold_id`) for a remote reader, as P
+        leases a finished prompt's. Returns the params a reader loads them with, or None where this
+        engine serves no reads (no side channel) or its model's prefixes cannot be held."""
+        host, port = self._side_channel_addr()
+        if not port or not self.holds_prefixes or num_tokens <= 0 or num_tokens % self.block_size:
+            return None
+        generation = self.leases.new_generation()
+        self.leases.grant(hold_id, block_ids, generation, content_digest(list(token_ids[:num_tokens])), None, None)
+        self.stats.incr("held_prefixes")
+        return KVTransferParams(
+            do_remote_prefill=True, remote_block_ids=tuple(tuple(g) for g in block_ids),
+            remote_engine_id=self.engine_id, remote_request_id=hold_id, remote_host=host, remote_port=port,
+            tp_size=self.tp_size, remote_num_tokens=num_tokens, remote_block_size=self.block_size,
+            lease_generation=generation, remote_cached_tokens=num_tokens, remote_prefix_tokens=num_tokens)
 
     def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         recompute = recompute_on_failure(self.config.load_failure_policy, self.config.recompute_max_tokens,

@@ -1,0 +1,188 @@
+"""KV reuse across turns and instances, on the real default model: a conversation's next turn reads the
+history's KV from the instance that answered it (its prefix cache, held under a lease:
+LLMEngine.hold_prefix) instead of computing it again.
+
+P and D are engines of role "both" in this process: D serves reads of what it holds, P reads a held
+prefix and prefills the new tokens for D. Turn 2's answer is the colocated engine's; P computes only
+the new tokens; D reads only the blocks it lacks from P; every lease ends and every block is free.
+Faults: the holder's read fails (P recomputes, right answer), the hold is released unread, expires,
+or names a prefix the reader already has."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvbridge.config import KVRole
+from kvbridge.engine.engine import EngineRequestError, LLMEngine
+from kvbridge.engine.outputs import RequestOutput
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
+from kvbridge.kv_transfer.params import KVTransferParams, parse_kv_transfer_params, to_wire
+from tests.integration.api_instance import loaded  # noqa: F401
+from tests.integration.pd_harness import decode, make_engine, settle, tokens
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+FIRST = list(range(500, 540))  # 2 full blocks + 8 tokens
+
+
+def _run(engine: LLMEngine, others: tuple[LLMEngine, ...], rid: str, timeout_s: float = 60.0) -> list[RequestOutput]:
+    """Step `engine` (and `others`: the holder serves the reads) until `rid` finishes."""
+    outs: list[RequestOutput] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        outs += [o for o in engine.step().outputs if o.request_id == rid]
+        for other in others:
+            other.step()
+        if outs and outs[-1].finished:
+            return outs
+    raise TimeoutError(f"{rid} did not finish")
+
+
+def _prefill(p: LLMEngine, prompt: list[int], rid: str, held: KVTransferParams | None = None,
+             holder: tuple[LLMEngine, ...] = ()) -> RequestOutput:
+    wire = {"do_remote_decode": True}
+    if held is not None:
+        wire = {**to_wire(held), "do_remote_decode": True}
+    p.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0), parse_kv_transfer_params(wire))
+    return _run(p, holder, rid)[-1]
+
+
+def _all_free(*engines: LLMEngine) -> None:
+    settle(*engines)
+    for e in engines:
+        assert e.kv_cache_manager.num_free_blocks == e.kv_cache_manager.pool.num_usable_blocks
+        assert len(e.connectors.worker.leases) == 0
+
+
+@pytest.fixture
+def colocated(loaded):  # noqa: F811
+    engine = make_engine(loaded, None)
+    yield engine
+    engine.shutdown()
+
+
+def _turn_one(p: LLMEngine, d: LLMEngine) -> list[int]:
+    """Turn 1 through P then D: D now holds the prompt's and the answer's full blocks. Returns turn 2's
+    prompt: the history (prompt + answer) and new tokens."""
+    p_out = _prefill(p, FIRST, "p-1")
+    answer = tokens(decode(d, p, FIRST, to_wire(p_out.kv_transfer_params), GREEDY, request_id="d-1"))
+    assert len(answer) == GREEDY.max_tokens
+    settle(p, d)
+    return FIRST + answer + list(range(900, 930))
+
+
+@pytest.mark.parametrize("backend", ["nixl", "fake"])
+def test_turn_two_reads_the_history_from_the_decode_instance_and_p_computes_only_new_tokens(
+        loaded, colocated, backend):  # noqa: F811
+    if backend == "nixl":
+        pytest.importorskip("nixl._api")
+        p = make_engine(loaded, KVRole.BOTH, backend_name="nixl", engine_id="P")
+        d = make_engine(loaded, KVRole.BOTH, backend_name="nixl", engine_id="D")
+    else:
+        fabric = FakeFabric(seed=3)
+        p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P")
+        d = make_engine(loaded, KVRole.BOTH, fabric.create_agent("D"), engine_id="D")
+    try:
+        bs = d.block_size
+        second = _turn_one(p, d)
+        p.reset_prefix_cache()  # P holds nothing of the history: without D it would compute all of it
+        held = d.hold_prefix(second)
+        history = (len(FIRST) + GREEDY.max_tokens) // bs * bs  # D cached the history's full blocks
+        assert held.num_tokens == history and held.kv_transfer_params is not None
+        assert held.kv_transfer_params.remote_prefix_tokens == history
+        assert len(d.connectors.worker.leases) == 1
+
+        p_out = _prefill(p, second, "p-2", held.kv_transfer_params, (d,))
+        assert p_out.error is None
+        # P read the history and computed the new tokens only; it computed none of the history
+        assert (p_out.num_cached_tokens, p_out.num_loaded_tokens) == (0, history)
+        assert p_out.num_reused_tokens == history
+        d_outs = decode(d, p, second, to_wire(p_out.kv_transfer_params), GREEDY, request_id="d-2")
+        # D hit the history in its own cache and read only the new blocks from P
+        assert (d_outs[-1].num_cached_tokens, d_outs[-1].num_loaded_tokens) == (history, len(second) - 1 - history)
+        assert d_outs[-1].num_reused_tokens == history
+        assert tokens(d_outs) == colocated.generate([second], GREEDY)[0]
+        assert d.lease_outcomes().get("read_done") == 1  # the hold ended when P had read it
+        _all_free(p, d)
+    finally:
+        settle(p, d)
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_failed_read_of_the_held_prefix_is_recomputed_with_the_right_answer(loaded, colocated):  # noqa: F811
+    fabric = FakeFabric(seed=4)
+    p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P")
+    d = make_engine(loaded, KVRole.BOTH, fabric.create_agent("D"), engine_id="D")
+    try:
+        second = _turn_one(p, d)
+        p.reset_prefix_cache()
+        held = d.hold_prefix(second)
+        assert held.kv_transfer_params is not None
+        fabric.lookup("P").set_faults(FaultConfig(error_state=True))  # P's read of D's blocks fails
+        p_out = _prefill(p, second, "p-2", held.kv_transfer_params, (d,))
+        assert p_out.error is None and p_out.num_loaded_tokens == 0  # recomputed (policy recompute)
+        fabric.lookup("P").set_faults(FaultConfig())
+        d_outs = decode(d, p, second, to_wire(p_out.kv_transfer_params), GREEDY, request_id="d-2")
+        assert tokens(d_outs) == colocated.generate([second], GREEDY)[0]
+        _all_free(p, d)
+    finally:
+        settle(p, d)
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_hold_ends_by_release_or_expiry_and_frees_nothing_the_cache_still_needs(loaded):  # noqa: F811
+    fabric = FakeFabric(seed=5)
+    p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P", lease_s=2.0)
+    d = make_engine(loaded, KVRole.BOTH, fabric.create_agent("D"), engine_id="D", lease_s=2.0)
+    try:
+        second = _turn_one(p, d)
+        held = d.hold_prefix(second)
+        assert held.kv_transfer_params is not None
+        assert d.release_kv(held.kv_transfer_params)  # the proxy found no reader: released at once
+        assert not d.release_kv(held.kv_transfer_params)  # idempotent
+        _all_free(d)
+        again = d.hold_prefix(second)  # released blocks stay cached: held again
+        assert again.num_tokens == held.num_tokens
+        settle(d, timeout_s=10.0)  # nobody reads it: the lease expires
+        assert d.lease_outcomes().get("expired") == 1
+        _all_free(p, d)
+        assert d.hold_prefix(second).num_tokens == held.num_tokens  # still cached after the expiry
+        assert d.release_kv(d.hold_prefix(list(range(2000, 2100))).kv_transfer_params) is False  # nothing cached
+        _all_free(d)
+    finally:
+        settle(p, d)
+        p.shutdown()
+        d.shutdown()
+
+
+def test_hold_refusals(loaded):  # noqa: F811
+    fabric = FakeFabric(seed=6)
+    consumer = make_engine(loaded, KVRole.CONSUMER, fabric.create_agent("C"), engine_id="C")
+    both = make_engine(loaded, KVRole.BOTH, fabric.create_agent("B"), engine_id="B")
+    try:
+        consumer.generate([FIRST], SamplingParams(max_tokens=1))
+        both.generate([FIRST], SamplingParams(max_tokens=1))
+        # a consumer serves no reads: nothing held, nothing referenced
+        assert consumer.hold_prefix(FIRST + [1]).kv_transfer_params is None
+        held = both.hold_prefix(FIRST + [1])
+        assert held.num_tokens == 32
+        assert both.hold_prefix(FIRST[:16]).num_tokens == 0  # a one-block prompt: nothing before its last token
+        for bad in ([], [-1], [10**9]):
+            with pytest.raises(EngineRequestError):
+                both.hold_prefix(bad)
+        # a reader refuses a prefix that is not whole blocks below its prompt
+        wire = to_wire(held.kv_transfer_params)
+        for n in (31, 48):
+            params = parse_kv_transfer_params({**wire, "remote_prefix_tokens": n})
+            with pytest.raises(EngineRequestError, match="remote_prefix_tokens"):
+                both.add_request(f"bad-{n}", FIRST, SamplingParams(max_tokens=1), params)
+        assert both.release_kv(held.kv_transfer_params)
+        _all_free(consumer, both)
+    finally:
+        settle(consumer, both)
+        consumer.shutdown()
+        both.shutdown()
