@@ -276,7 +276,7 @@ def cmd_proxy(a: argparse.Namespace) -> int:
                                 decode_only_fallback=not a.no_decode_only_fallback),
               breaker_failures=a.breaker_failures, breaker_cooldown_s=a.breaker_cooldown,
               first_token_from_prefill=not a.no_first_token_from_prefill, max_body_bytes=a.max_body_bytes,
-              first_byte_timeout_s=a.first_byte_timeout, pd_mode=a.pd_mode)
+              first_byte_timeout_s=a.first_byte_timeout, pd_mode=a.pd_mode, kv_reuse=a.kv_reuse == "on")
     return 0
 
 
@@ -347,7 +347,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     return run_cluster(model=model, num_prefill=a.num_prefill, num_decode=a.num_decode, port=a.port, host=a.host,
                        kv_backend=child.kv_backend, extra_serve_args=extra, num_threads=child.num_threads,
                        api_key=child.api_key, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
-                       proxy_args=up_proxy_args(a))
+                       proxy_args=up_proxy_args(a), kv_reuse=a.kv_reuse == "on")
 
 
 def up_tracing_args(a: argparse.Namespace) -> list[str]:
@@ -422,6 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--pd-mode", choices=PD_MODES, default="always",
                        help="per request, through P or D alone: always, never, auto (the measured costs of both), "
                             "static (Dynamo's rule), threshold (llm-d's) (default: %(default)s)")
+    proxy.add_argument("--kv-reuse", choices=["on", "off"], default="off",
+                       help="before a request is sent, ask the instance holding the longest cached prefix of its "
+                            "prompt (by its KV events) to hold it, and send the prefix's params along: P (or D "
+                            "alone) reads it instead of computing it again. Needs instances that serve reads "
+                            "(--kv-role both; `kvbridge up` starts them so) (default: %(default)s)")
     proxy.add_argument("--health-interval", type=float, default=2.0,
                        help="seconds between health checks of every instance (default: %(default)s)")
     proxy.add_argument("--api-key", default=os.environ.get("KVBRIDGE_API_KEY"),
@@ -481,6 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=None,
                          help="the proxy's --prefill-policy and --decode-policy (default: the proxy's)")
     cluster.add_argument("--pd-mode", choices=PD_MODES, default="always", help="the proxy's --pd-mode (default: %(default)s)")
+    cluster.add_argument("--kv-reuse", choices=["on", "off"], default="on",
+                         help="KV reuse across turns and instances: every instance of role both, the proxy's "
+                              "--kv-reuse on (a conversation's next turn reads its history from the instance that "
+                              "answered the last) (default: %(default)s)")
     ray_cli.add_up_ray_args(up)
     _add_engine_args(up)
     _add_tracing_args(up, service_name=False)

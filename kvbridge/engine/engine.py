@@ -78,6 +78,8 @@ class HeldPrefix:
 
     kv_transfer_params: KVTransferParams | None
     num_tokens: int
+    can_hold: bool = True  # False: this engine never holds prefixes (it serves no reads, or its model's
+    # prefixes cannot be read elsewhere: a sliding window, a Mamba state)
 
 
 @dataclass(frozen=True)
@@ -336,6 +338,8 @@ class LLMEngine:
         if len(ids) > self.max_model_len:
             raise EngineRequestError(f"the prompt holds {len(ids)} tokens, over this model's maximum context "
                                      f"length of {self.max_model_len}")
+        if self.connectors is None or not self.connectors.scheduler.can_hold_prefixes():
+            return HeldPrefix(None, 0, can_hold=False)
         self._holds += 1
         req = Request(f"kvbridge-hold-{self._holds}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1),
                       self._eos_ids)

@@ -64,6 +64,11 @@ class InstanceSpec:
     side_channel_port: int
     engine_id: str
     tensor_parallel_size: int = 1
+    pool: str = ""  # "prefill" or "decode": the proxy's pool (its role alone does not say with KV reuse on)
+
+    @property
+    def in_prefill_pool(self) -> bool:
+        return self.pool == "prefill" if self.pool else self.role is KVRole.PRODUCER
 
 
 @dataclass(frozen=True)
@@ -91,14 +96,17 @@ def http_url(host: str, port: int) -> str:
 
 
 def plan_instances(num_prefill: int, num_decode: int, host: str = "127.0.0.1", prefill_tp: int = 1,
-                   decode_tp: int = 1) -> list[InstanceSpec]:
-    """Prefill instances first, then decode ones, each with two fresh ports and a unique engine id."""
+                   decode_tp: int = 1, kv_reuse: bool = False) -> list[InstanceSpec]:
+    """Prefill instances first, then decode ones, each with two fresh ports and a unique engine id.
+    `kv_reuse`: every instance both reads and serves KV (role both): a D serves the history it holds
+    to the P prefilling the next turn, a P reads it (proxy/kv_reuse.py)."""
     ports = free_ports(2 * (num_prefill + num_decode), host)
     run_tag = secrets.token_hex(3)  # engine ids differ between runs, so a restarted P is a new peer
-    roles = [("prefill", KVRole.PRODUCER, i, prefill_tp) for i in range(num_prefill)]
-    roles += [("decode", KVRole.CONSUMER, i, decode_tp) for i in range(num_decode)]
+    producer, consumer = (KVRole.BOTH, KVRole.BOTH) if kv_reuse else (KVRole.PRODUCER, KVRole.CONSUMER)
+    roles = [("prefill", producer, i, prefill_tp) for i in range(num_prefill)]
+    roles += [("decode", consumer, i, decode_tp) for i in range(num_decode)]
     return [InstanceSpec(name=f"{kind}-{i}", role=role, port=ports[2 * k], side_channel_port=ports[2 * k + 1],
-                         engine_id=f"{kind}-{i}-{run_tag}", tensor_parallel_size=tp)
+                         engine_id=f"{kind}-{i}-{run_tag}", tensor_parallel_size=tp, pool=kind)
             for k, (kind, role, i, tp) in enumerate(roles)]
 
 
@@ -237,7 +245,8 @@ class LocalCluster:
                  ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI,
                  log_dir: str | Path | None = None, num_threads: int | None = None,
                  stop_grace_s: float = 10.0, api_key: str | None = None, prefill_tp: int = 1,
-                 decode_tp: int = 1, proxy_args: Sequence[str] = ()) -> None:
+                 decode_tp: int = 1, proxy_args: Sequence[str] = (), kv_reuse: bool = False) -> None:
+        """`kv_reuse`: instances of role both and the proxy's --kv-reuse on (plan_instances)."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode instance")
         if ready_timeout_s <= 0 or stop_grace_s < 0:
@@ -250,6 +259,9 @@ class LocalCluster:
             raise ValueError("tensor parallel sizes must be at least 1")
         self.prefill_tp, self.decode_tp = prefill_tp, decode_tp
         self.proxy_args = tuple(proxy_args)  # extra `kvbridge proxy` options
+        self.kv_reuse = kv_reuse
+        if kv_reuse and not any(a.startswith("--kv-reuse") for a in self.proxy_args):
+            self.proxy_args += ("--kv-reuse", "on")
         self.num_threads = num_threads or threads_per_engine(num_prefill + num_decode)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.children: list[ChildProcess] = []  # in start order: instances, then the proxy
@@ -283,15 +295,16 @@ class LocalCluster:
             apply_ucx_net_devices(env, self.host)
             env.setdefault("UCX_MODULES", "^ib")
         try:
-            specs = plan_instances(self.num_prefill, self.num_decode, self.host, self.prefill_tp, self.decode_tp)
+            specs = plan_instances(self.num_prefill, self.num_decode, self.host, self.prefill_tp, self.decode_tp,
+                                   self.kv_reuse)
             for spec in specs:
                 argv = serve_command(self.cli, self.model, spec, host=self.host, kv_backend=self.kv_backend,
                                      num_threads=self.num_threads,
                                      extra_args=[*self._instance_args(spec), *self._kv_events_args()])
                 self._spawn(spec.name, argv, env, http_url(self.host, spec.port))
             self.wait_healthy(deadline - time.monotonic())
-            prefill = tuple(self._health_urls[s.name] for s in specs if s.role is KVRole.PRODUCER)
-            decode = tuple(self._health_urls[s.name] for s in specs if s.role is KVRole.CONSUMER)
+            prefill = tuple(self._health_urls[s.name] for s in specs if s.in_prefill_pool)
+            decode = tuple(self._health_urls[s.name] for s in specs if not s.in_prefill_pool)
             proxy_port = self.port or free_ports(1, self.host)[0]
             argv = proxy_command(self.cli, prefill, decode, host=self.host, port=proxy_port,
                                  extra_args=self.proxy_args)
@@ -308,7 +321,7 @@ class LocalCluster:
         prefill instances' address as its only trusted host (unless the args name trusted hosts):
         a decode instance trusts only this host's own addresses by default."""
         args = list(self.extra_serve_args)
-        if (spec.role is KVRole.CONSUMER and self.host not in LOOPBACK_HOSTS
+        if (spec.role is not KVRole.PRODUCER and self.host not in LOOPBACK_HOSTS
                 and not any(a.startswith("--kv-trusted-hosts") for a in args)):
             args += ["--kv-trusted-hosts", self.host]
         return args
@@ -378,7 +391,7 @@ def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int
                 kv_backend: str = "nixl", host: str = "127.0.0.1", extra_serve_args: Sequence[str] = (),
                 ready_timeout_s: float = 300.0, *, cli: Sequence[str] = DEFAULT_CLI,
                 num_threads: int | None = None, api_key: str | None = None, prefill_tp: int = 1,
-                decode_tp: int = 1, proxy_args: Sequence[str] = ()) -> int:
+                decode_tp: int = 1, proxy_args: Sequence[str] = (), kv_reuse: bool = False) -> int:
     """`kvbridge up`: run a LocalCluster until Ctrl-C or SIGTERM (exit 0) or a child dies (exit 1).
 
     Call it from the main thread so it can turn SIGTERM into an orderly stop.
@@ -386,7 +399,7 @@ def run_cluster(model: str, num_prefill: int = 1, num_decode: int = 1, port: int
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster = LocalCluster(model, num_prefill, num_decode, port, kv_backend, host, extra_serve_args,
                            ready_timeout_s, cli=cli, num_threads=num_threads, api_key=api_key,
-                           prefill_tp=prefill_tp, decode_tp=decode_tp, proxy_args=proxy_args)
+                           prefill_tp=prefill_tp, decode_tp=decode_tp, proxy_args=proxy_args, kv_reuse=kv_reuse)
     previous = handle_stop_signals()  # SIGINT and SIGTERM stop it, even if started with SIGINT ignored
     try:
         urls = cluster.start()

@@ -13,8 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbridge.http_protocol import AnnouncingServer, server_config
-from kvbridge.openai_wire import MAX_BODY_BYTES, bind_socket
+from kvbridge.openai_wire import MAX_BODY_BYTES, bind_socket, parse_json_object
 from kvbridge.proxy import instance_routes
+from kvbridge.proxy.bodies import read_body
 from kvbridge.proxy.exchange import RetryPolicy, openai_error
 from kvbridge.proxy.kv_cost import PdMode
 from kvbridge.proxy.proxy import BAD_KEY_MESSAGE, FIRST_BYTE_TIMEOUT_S, PDProxy
@@ -33,7 +34,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     breaker_cooldown_s: float = 10.0, first_token_from_prefill: bool = True,
                     max_body_bytes: int = MAX_BODY_BYTES,
                     first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, tracing: Tracing | None = None,
-                    pd_mode: PdMode = "always") -> FastAPI:
+                    pd_mode: PdMode = "always", kv_reuse: bool = False) -> FastAPI:
     """The proxy as a FastAPI app; the health loop and HTTP client live in its lifespan.
 
     `api_key` guards the proxy's /v1 routes (Bearer); upstreams get `upstream_api_key` if
@@ -45,7 +46,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
     `first_token_from_prefill`: stream P's token at once and let D continue from it
     (first_token.py); `max_body_bytes`: longer request bodies get HTTP 413, read no further
     than that. `tracing`: the proxy's tracer (None: no spans), owned by the caller. `pd_mode`: P/D
-    per request (kv_routing.py). ValueError for an empty decode list or bad names.
+    per request (kv_routing.py); `kv_reuse`: read a prefix another instance holds (kv_reuse.py). ValueError for an empty decode list or bad names.
     """
     if health_interval_s <= 0 or health_timeout_s <= 0 or timeout_s <= 0 or connect_timeout_s <= 0:
         raise ValueError("intervals and timeouts must be positive")
@@ -60,7 +61,7 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], prefill_pol
                     timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
                     api_key=api_key, upstream_api_key=upstream_api_key, retry=retry,
                     first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
-                    first_byte_timeout_s=first_byte_timeout_s, pd_mode=pd_mode)
+                    first_byte_timeout_s=first_byte_timeout_s, pd_mode=pd_mode, kv_reuse=kv_reuse)
     return proxy_app(proxy, tracing)
 
 
@@ -135,8 +136,36 @@ def proxy_app(proxy: PDProxy, tracing: Tracing | None = None) -> FastAPI:
     async def fleet() -> Response:
         """The router's fleet view (fleet_view.py): what it knows each instance holds, and its load."""
         view = proxy.fleet
-        return JSONResponse({"enabled": view is not None, "pd_mode": proxy.pd_mode,
+        return JSONResponse({"enabled": view is not None, "pd_mode": proxy.pd_mode, "kv_reuse": proxy.kv_reuse,
                              "instances": view.report() if view is not None else {}})
+
+    @app.post("/kvbridge/fleet/predict")
+    async def predict(request: Request) -> Response:
+        """What the router predicts each healthy instance holds of a request's prompt: the body of a
+        completions request (or of a chat one: `messages`), answered {"prompt_tokens": n, "cached":
+        {url: tokens}} (the operator's "why did it go there"). API key as /v1; 404 without a fleet view."""
+        if not proxy.authorized(request):
+            return openai_error(401, BAD_KEY_MESSAGE, "invalid_api_key")
+        view = proxy.fleet
+        if view is None:
+            return openai_error(404, "the fleet view is off (--pd-mode always, no kv_aware policy, --kv-reuse off)",
+                                "not_found")
+        raw = await read_body(request, proxy.max_body_bytes)
+        if raw is None:
+            return openai_error(413, f"the request body is larger than {proxy.max_body_bytes} bytes",
+                                "request_too_large")
+        try:
+            body = parse_json_object(raw)
+        except ValueError as exc:
+            return openai_error(400, str(exc), "invalid_json")
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        urls = [u.url for pool in proxy.pools for u in pool.healthy()]
+        tokens = (await view.token_ids(proxy.client(), urls[0], route, body, proxy.upstream_headers(request),
+                                       proxy.short_timeout) if urls else None)
+        if tokens is None:
+            return openai_error(400, "the request's prompt could not be tokenized by a healthy instance", "invalid_prompt")
+        prediction = view.predict(tokens, urls)
+        return JSONResponse({"prompt_tokens": prediction.prompt_tokens, "cached": prediction.cached})
 
     @app.get("/health")
     async def health() -> Response:
@@ -158,7 +187,7 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
               breaker_failures: int = 5, breaker_cooldown_s: float = 10.0,
               first_token_from_prefill: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
               first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S, tracing: TracingConfig | None = None,
-              pd_mode: PdMode = "always") -> int:
+              pd_mode: PdMode = "always", kv_reuse: bool = False) -> int:
     """Serve the proxy until SIGINT/SIGTERM; prints its URL once bound (port 0: the OS picks)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with program_tracing(tracing) as tracer:  # shut down (spans flushed) once the server stopped
@@ -166,7 +195,8 @@ def run_proxy(prefill_urls: list[str], decode_urls: list[str], host: str = "127.
                               api_key, timeout_s, upstream_api_key=upstream_api_key, retry=retry,
                               breaker_failures=breaker_failures, breaker_cooldown_s=breaker_cooldown_s,
                               first_token_from_prefill=first_token_from_prefill, max_body_bytes=max_body_bytes,
-                              first_byte_timeout_s=first_byte_timeout_s, tracing=tracer, pd_mode=pd_mode)
+                              first_byte_timeout_s=first_byte_timeout_s, tracing=tracer, pd_mode=pd_mode,
+                              kv_reuse=kv_reuse)
         sock = bind_socket(host, port)  # connections made right after the URL is printed wait in the backlog
         bound_port = sock.getsockname()[1]
         url_host = f"[{host}]" if sock.family == socket.AF_INET6 else host

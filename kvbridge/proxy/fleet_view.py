@@ -102,6 +102,7 @@ class Prediction:
 
     prompt_tokens: int
     cached: dict[str, int]
+    token_ids: tuple[int, ...] = ()  # the prompt's, as the instances compute it (a hold names them)
 
 
 class FleetView:
@@ -215,7 +216,7 @@ class FleetView:
             if key not in hashes:
                 hashes[key] = index.hashes(token_ids[:max(len(token_ids) - 1, 0)])  # the last token is computed
             cached[url] = index.overlap_blocks(url, hashes[key]) * feed.contract.block_size
-        return Prediction(len(token_ids), cached)
+        return Prediction(len(token_ids), cached, tuple(token_ids))
 
     async def token_ids(self, client: httpx.AsyncClient, url: str, route: str, body: dict[str, Any],
                         headers: dict[str, str], timeout: httpx.Timeout) -> list[int] | None:

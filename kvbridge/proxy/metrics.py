@@ -37,6 +37,11 @@ class ProxyMetrics:
             "kvbridge_proxy_cached_tokens_prediction_error", "Prompt tokens the router predicted an instance "
             "held minus the cached_tokens its answer reported", registry=r,
             buckets=(-1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, float("inf")))
+        self.kv_holds = Counter("kvbridge_proxy_kv_holds", "Held prefixes asked of the instance holding the most "
+                                "of a prompt (KV reuse), by outcome: held, none (nothing held this time), "
+                                "cannot_hold (the instance never holds)", ["outcome"], registry=r)
+        for outcome in ("held", "none", "cannot_hold"):
+            self.kv_holds.labels(outcome)
         self.circuit = Gauge("kvbridge_proxy_circuit_state", "Circuit breaker per upstream: 0 closed, 1 half-open, "
                              "2 open", ["kind", "url"], registry=r)
         # Gauges are set from the pools at scrape time (PDProxy.refresh_gauges).

@@ -46,7 +46,7 @@ from kvbridge.proxy.bodies import (error_code, forwardable, kv_transfer_params, 
                                    refused_by_decode, request_id_of, wants_prompt_logprobs)
 from kvbridge.proxy.instance_info import ask_context_len
 from kvbridge.proxy.fleet_view import FleetView
-from kvbridge.proxy import kv_routing
+from kvbridge.proxy import kv_reuse, kv_routing
 from kvbridge.proxy.kv_cost import PdMode
 from kvbridge.proxy.kv_routing import FORCED_PD, RoutePlan
 from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy, openai_error
@@ -71,6 +71,7 @@ FIRST_BYTE_TIMEOUT_S = 30.0
 COMPLETIONS_ROUTE = "/v1/completions"
 UPSTREAM_KEEPALIVE_S = 2.0
 PD_PATH_HEADER, PD_REASON_HEADER = "x-kvbridge-pd-path", "x-kvbridge-pd-reason"
+HELD_HEADER = "x-kvbridge-kv-reused-tokens"  # a held prefix's tokens the serving instance was sent (kv_reuse.py)
 BAD_KEY_MESSAGE = "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
 
 
@@ -100,6 +101,7 @@ class ClientRequest:
     spans: Spans  # tracing_spans.NO_SPANS when tracing is off
     gone: asyncio.Event  # set when the client disconnects
     plan: RoutePlan = FORCED_PD  # the fleet view's costs and P/D decision (kv_routing.py)
+    held: kv_reuse.Held | None = None  # a prefix another instance holds for this request (kv_reuse.py)
 
 
 class PDProxy:
@@ -112,10 +114,10 @@ class PDProxy:
                  seed: int | None = None, first_token_from_prefill: bool = True,
                  max_body_bytes: int = MAX_BODY_BYTES, first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S,
                  wrap_transport: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
-                 pd_mode: PdMode = "always") -> None:
+                 pd_mode: PdMode = "always", kv_reuse: bool = False) -> None:
         """`wrap_transport`: wraps the upstream connections' transport (tests inject faults there).
-        `pd_mode`: kv_routing.py's; a fleet view (KV events, loads) runs when it or a kv_aware
-        policy needs one.
+        `pd_mode`: kv_routing.py's; a fleet view (KV events, loads) runs when it, `kv_reuse` (a
+        request reads the prefix another instance holds: kv_reuse.py) or a kv_aware policy needs one.
         Tracing is the app's (app.py): a request's spans come in its ASGI scope (`request_spans`)."""
         if max_body_bytes < 1 or first_byte_timeout_s <= 0:
             raise ValueError("max_body_bytes and first_byte_timeout_s must be positive")
@@ -136,7 +138,9 @@ class PDProxy:
         self.legs = Legs(self.client, self.metrics, retry, self._rng)
         self.releases = Releases(self.client, self.metrics, self.short_timeout)
         self.pd_mode = pd_mode
-        wanted = pd_mode != "always" or any(isinstance(p.policy, KvAwarePolicy) for p in self.pools)
+        self.kv_reuse = kv_reuse
+        self._cannot_hold: set[str] = set()  # instances that answered they never hold a prefix
+        wanted = kv_reuse or pd_mode != "always" or any(isinstance(p.policy, KvAwarePolicy) for p in self.pools)
         self.fleet: FleetView | None = FleetView() if wanted else None
         self.health = HealthChecks(self.pools, self.client, self._auth_headers(None), health_interval_s,
                                    health_timeout_s, self.fleet)
@@ -213,6 +217,10 @@ class PDProxy:
             return {"Authorization": f"Bearer {self.upstream_api_key}"}
         given = None if client_request is None else forwardable(client_request.headers.get("authorization"))
         return {"Authorization": given} if given else {}
+
+    def upstream_headers(self, client_request: Request | None) -> dict[str, str]:
+        """The authorization an upstream call made for `client_request` carries."""
+        return self._auth_headers(client_request)
 
     def authorized(self, request: Request) -> bool:
         """Whether the client's Authorization (without the whitespace around it) names the proxy's key."""
@@ -302,6 +310,8 @@ class PDProxy:
         self.metrics.pd_path.labels(path, reason).inc()
         call.spans.pd_path(path, reason)
         answer.headers[PD_PATH_HEADER], answer.headers[PD_REASON_HEADER] = path, reason
+        if call.held is not None:
+            answer.headers[HELD_HEADER] = str(call.held.tokens)
         return answer
 
     async def _one_prompt(self, call: ClientRequest, prefill: UpstreamPool) -> Response:
@@ -309,7 +319,7 @@ class PDProxy:
         prompt's logprobs; else by its routing plan, D alone (decode_only) or P then D."""
         if wants_prompt_logprobs(call.body):
             return await self._prefill_alone(call, prefill)
-        call = await self._planned(call)
+        call = await self._with_held_prefix(await self._planned(call))
         if call.plan.decision.path == "decode_only":
             return self._path(call, await self._decode_alone(call), "decode_only", call.plan.decision.reason)
         return await self._prefill_then_decode(call, prefill)
@@ -382,6 +392,7 @@ class PDProxy:
         """No P could prefill: D serves the request alone (the decode-only fallback), unless the
         fallback is off or the request itself could not be sent."""
         if not self.retry.decode_only_fallback or exhausted.request_at_fault:
+            await self._release_held(call)
             return self._path(call, exhausted.response, "prefill_decode", call.plan.decision.reason)
         self.metrics.decode_only_fallback.inc()
         logger.warning("request %s: no prefill instance could serve it; decode-only fallback", call.request_id)
@@ -429,8 +440,10 @@ class PDProxy:
         started = time.monotonic()
         keys = UnreadAnswers()
         try:
+            body = prefill_body(call.body)
+            body["kv_transfer_params"] = kv_reuse.with_held(body["kv_transfer_params"], call.held)
             outcome: PrefillOutcome = await self.legs.run(
-                pool, call.route, prefill_body(call.body), call.headers, call.request_id, prompt_text(call.body),
+                pool, call.route, body, call.headers, call.request_id, prompt_text(call.body),
                 lambda exchange: self._prefill_answer(exchange, call, keys),
                 spans=call.spans.leg("prefill"), keys=keys, costs=call.plan.prefill_costs)
         finally:  # cancelled (the client left), or attempts that broke mid-answer: P may hold their KV
@@ -492,6 +505,8 @@ class PDProxy:
         `first`: bytes a successful stream sends before D's (the first-token path's events)."""
         if prefilled is None:
             forwarded = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            if call.held is not None:  # D alone reads the prefix another instance holds
+                forwarded["kv_transfer_params"] = kv_reuse.with_held({}, call.held)
         else:
             forwarded = {**body, "kv_transfer_params": prefilled.params}
         stream = bool(body.get("stream"))
@@ -507,6 +522,8 @@ class PDProxy:
             return result
         if prefilled is not None and not result.received:
             await self._release(prefilled, call)
+        if prefilled is None and not result.received:
+            await self._release_held(call)
         return result.response
 
     async def _decode_answer(self, exchange: Exchange, call: ClientRequest, stream: bool,
@@ -524,6 +541,35 @@ class PDProxy:
             # another D could not load it either: the client gets D's answer, D's breaker a success.
             return answer
         return self.legs.server_error(UpstreamKind.DECODE, answer) or answer
+
+    async def _with_held_prefix(self, call: ClientRequest) -> ClientRequest:
+        """`call` with the prefix held for it by the instance that has the most of its prompt cached,
+        when that is a block more than wherever it may go (kv_reuse.py); unchanged otherwise."""
+        prediction = call.plan.prediction
+        if not self.kv_reuse or self.fleet is None or prediction is None:
+            return call
+        pool = self.decode if call.plan.decision.path == "decode_only" or self.prefill is None else self.prefill
+        targets = [u.url for u in pool.healthy()]
+        block = max((self.fleet.block_size(u) or kv_routing.DEFAULT_BLOCK_SIZE for u in targets),
+                    default=kv_routing.DEFAULT_BLOCK_SIZE)
+        url = kv_reuse.better_holder(prediction, targets, block, self._cannot_hold)
+        if url is None:
+            return call
+        held = await kv_reuse.hold(self.client(), url, prediction.token_ids, call.headers, self.short_timeout)
+        if held is False:
+            self._cannot_hold.add(url)
+            self.metrics.kv_holds.labels("cannot_hold").inc()
+            return call
+        self.metrics.kv_holds.labels("held" if held is not None else "none").inc()
+        return dataclasses.replace(call, held=held) if held is not None else call
+
+    async def _release_held(self, call: ClientRequest) -> None:
+        """No instance received the request: its held prefix is released at once (else its lease expires)."""
+        if call.held is None:
+            return
+        upstream = next((u for pool in self.pools for u in pool.upstreams if u.url == call.held.url), None)
+        if upstream is not None:
+            await self.releases.by_params(upstream, call.held.params, call.headers, call.request_id, call.spans)
 
     async def _planned(self, call: ClientRequest) -> ClientRequest:
         """`call` with its routing plan (kv_routing.py), when a fleet view runs."""

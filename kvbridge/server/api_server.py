@@ -175,7 +175,8 @@ async def _kv_hold(raw: Request) -> Response:
     conversation's next turn: the instance serving it reads the history from here instead of
     computing it again). Answers {"held_tokens": n, "kv_transfer_params": params or null}; the
     blocks stay leased until the reader is done, the lease is released (POST /kvbridge/release_kv
-    with these params) or it expires. Holds nothing while draining or with nothing cached."""
+    with these params) or it expires. Holds nothing while draining or with nothing cached;
+    `can_hold` false: this instance never holds (it serves no reads: --kv-role consumer)."""
     body = await read_json(raw)
     ids = body.get("prompt_token_ids")
     if (not isinstance(ids, list) or not ids or len(ids) > MAX_HOLD_TOKEN_IDS
@@ -183,12 +184,14 @@ async def _kv_hold(raw: Request) -> Response:
         raise ApiError(400, "prompt_token_ids must be a non-empty list of token ids", param="prompt_token_ids")
     instance = _instance(raw)
     if instance.engine.is_draining:
-        return Response(json.dumps({"held_tokens": 0, "kv_transfer_params": None}), media_type="application/json")
+        return Response(json.dumps({"held_tokens": 0, "kv_transfer_params": None, "can_hold": True}),
+                        media_type="application/json")
     try:
         held = await instance.engine.call(lambda e: e.hold_prefix(ids))
     except EngineRequestError as exc:
         raise ApiError(400, str(exc), param="prompt_token_ids") from None
-    answer = {"held_tokens": held.num_tokens, "kv_transfer_params": wire_or_none(held.kv_transfer_params)}
+    answer = {"held_tokens": held.num_tokens, "kv_transfer_params": wire_or_none(held.kv_transfer_params),
+              "can_hold": held.can_hold}
     return Response(json.dumps(answer), media_type="application/json")
 
 

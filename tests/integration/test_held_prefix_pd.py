@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvbridge.config import KVRole
+from kvbridge.config import KVRole, LoadFailurePolicy
 from kvbridge.engine.engine import EngineRequestError, LLMEngine
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
@@ -114,7 +114,8 @@ def test_turn_two_reads_the_history_from_the_decode_instance_and_p_computes_only
 
 def test_a_failed_read_of_the_held_prefix_is_recomputed_with_the_right_answer(loaded, colocated):  # noqa: F811
     fabric = FakeFabric(seed=4)
-    p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P")
+    # policy fail is for KV only P computed; a held prefix's failed read is recomputed whatever it says
+    p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P", policy=LoadFailurePolicy.FAIL)
     d = make_engine(loaded, KVRole.BOTH, fabric.create_agent("D"), engine_id="D")
     try:
         second = _turn_one(p, d)

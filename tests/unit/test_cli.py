@@ -59,6 +59,19 @@ def test_up_hands_its_proxy_the_routing_policy_and_the_pd_mode(started: list[dic
     assert plain["proxy_args"] == ["--pd-mode", "always"]  # the proxy's own policies
 
 
+def test_up_reuses_kv_across_turns_unless_told_not_to(started: list[dict]) -> None:
+    assert run_cli(["up"]) == 0
+    assert run_cli(["up", "--kv-reuse", "off"]) == 0
+    on, off = started
+    assert (on["kv_reuse"], off["kv_reuse"]) == (True, False)
+    specs = cluster.plan_instances(1, 2, kv_reuse=True)  # every instance reads and serves KV; pools stay apart
+    assert [(s.role.value, s.in_prefill_pool) for s in specs] == [("both", True), ("both", False), ("both", False)]
+    assert [s.in_prefill_pool for s in cluster.plan_instances(1, 1)] == [True, False]
+    assert cluster.LocalCluster("m", kv_reuse=True).proxy_args == ("--kv-reuse", "on")
+    args = cli.build_parser().parse_args(["proxy", "--decode", "http://d"])
+    assert args.kv_reuse == "off"  # a bare proxy may front instances that cannot hold
+
+
 def test_a_pd_mode_or_policy_the_proxy_does_not_know_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["proxy", "--decode", "http://d", "--pd-mode", "sometimes"],
                  ["proxy", "--decode", "http://d", "--decode-policy", "random"], ["up", "--pd-mode", "x"]):

@@ -167,7 +167,7 @@ async def test_instances_without_events_or_tokenize_are_served_through_p_without
             assert (r.headers["x-kvbridge-pd-path"], r.headers["x-kvbridge-pd-reason"]) == (
                 "prefill_decode", "no_prediction")
         fleet = (await pd.http.get("/kvbridge/fleet")).json()
-        assert fleet == {"enabled": True, "pd_mode": "auto", "instances": {}}
+        assert fleet == {"enabled": True, "pd_mode": "auto", "kv_reuse": False, "instances": {}}
 
 
 @pytest.mark.timeout(60)

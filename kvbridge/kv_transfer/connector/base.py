@@ -121,6 +121,11 @@ class SchedulerConnector(ABC):
         D reads them) ride the request's finishing output, typed until the HTTP edge.
         """
 
+    def can_hold_prefixes(self) -> bool:
+        """Whether `hold_prefix` can ever hold anything here (this engine serves reads, and its
+        model's prefixes can be read by another instance)."""
+        return False
+
     def hold_prefix(self, hold_id: str, token_ids: Sequence[int], num_tokens: int,
                     block_ids: BlockIds) -> KVTransferParams | None:
         """Lease cached blocks holding the KV of `token_ids[:num_tokens]` (the scheduler referenced

@@ -252,6 +252,9 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             remote_cached_tokens=request.num_reused_tokens)
         return True, to_decode
 
+    def can_hold_prefixes(self) -> bool:
+        return bool(self._side_channel_addr()[1]) and self.holds_prefixes
+
     def hold_prefix(self, hold_id: str, token_ids: Sequence[int], num_tokens: int,
                     block_ids: BlockIds) -> KVTransferParams | None:
         """Lease blocks of this engine's prefix cache holding the KV of `token_ids[:num_tokens]` (a
@@ -259,7 +262,7 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         leases a finished prompt's. Returns the params a reader loads them with, or None where this
         engine serves no reads (no side channel) or its model's prefixes cannot be held."""
         host, port = self._side_channel_addr()
-        if not port or not self.holds_prefixes or num_tokens <= 0 or num_tokens % self.block_size:
+        if not self.can_hold_prefixes() or num_tokens <= 0 or num_tokens % self.block_size:
             return None
         generation = self.leases.new_generation()
         self.leases.grant(hold_id, block_ids, generation, content_digest(list(token_ids[:num_tokens])), None, None)
@@ -271,6 +274,10 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             lease_generation=generation, remote_cached_tokens=num_tokens, remote_prefix_tokens=num_tokens)
 
     def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
+        params = request.kv_transfer_params
+        if params is not None and params.is_prefix_load:  # a held prefix only saves work: compute it
+            self.stats.incr("recomputed_requests")
+            return True
         recompute = recompute_on_failure(self.config.load_failure_policy, self.config.recompute_max_tokens,
                                          request.num_prompt_tokens)
         if recompute:

@@ -1,0 +1,174 @@
+"""KV reuse across turns through `kvbridge up`'s cluster (LocalCluster with kv_reuse: every instance of
+role both, the proxy's --kv-reuse on), 2 P + 2 D on the default model, fp32, loopback, and a second
+proxy in front of one P and one D of it (1P1D). Every turn goes through P (--pd-mode always): from
+turn 2 on, P reads the conversation's history from the D that answered the last turn and computes
+only the new tokens (its vllm:request_prefill_kv_computed_tokens say so), D reads from P only the
+blocks it lacks, and every answer is a colocated engine's. Then the holder is killed between turns:
+the next turn is recomputed, with the right answer, and every block is free on the instances left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from kvbridge.config import CacheConfig, EngineConfig
+from kvbridge.engine.engine import LLMEngine
+from kvbridge.engine.loader import load_model
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.tokenizer import Tokenizer
+from kvbridge.engine.setup.default_model import DEFAULT_MODEL
+from kvbridge.launcher.cluster import LocalCluster, free_ports, http_url, proxy_command
+from tests.e2e.processes import assert_all_blocks_free, metric_total
+
+pytestmark = [pytest.mark.cluster, pytest.mark.model]
+
+BLOCK = 16
+MAX_TOKENS = 20  # over a block: the D that answered holds at least a block more than the P that computed
+# the last prompt
+OPENING = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
+           "Constantinople. Summarise its three most important turning points:")
+FOLLOW_UPS = [" Tell me more about the first.", " And the second one?", " Which emperor mattered most?",
+              " Why did the west fall?", " Say it in one sentence."]
+COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"
+HELD = "x-kvbridge-kv-reused-tokens"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(DEFAULT_MODEL, 2, 2, port=0, kv_backend="nixl", num_threads=1, kv_reuse=True,
+                     extra_serve_args=["--dtype", "float32", "--num-blocks", "96", "--max-model-len", "1024"],
+                     proxy_args=["--prefill-policy", "kv_aware", "--decode-policy", "kv_aware",
+                                 "--health-interval", "0.5"],
+                     log_dir=tmp_path_factory.mktemp("kv-reuse"))
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@dataclass
+class Reference:
+    """A colocated fp32 engine: each turn's answer as token ids, which the next turn's prompt carries
+    (a client replaying text instead retokenises the answer, which may differ from the tokens D
+    generated, and then nothing after the first difference is reusable anywhere: the same in vLLM)."""
+
+    engine: LLMEngine
+    tokenizer: Tokenizer
+
+    def answer(self, prompt: list[int]) -> list[int]:
+        return self.engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0]
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    loaded = load_model(DEFAULT_MODEL)
+    return Reference(LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=96), num_threads=1, dtype="float32"), loaded),
+                     loaded.tokenizer)
+
+
+def complete(proxy: str, prompt: list[int]) -> httpx.Response:
+    r = httpx.post(proxy + "/v1/completions", json={"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                    "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def predicted(proxy: str, prompt: list[int]) -> dict[str, int]:
+    r = httpx.post(proxy + "/kvbridge/fleet/predict", json={"model": DEFAULT_MODEL, "prompt": prompt}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["cached"]
+
+
+def holder_of(proxy: str, prompt: list[int], tokens: int, among: tuple[str, ...],
+              timeout_s: float = 30.0) -> tuple[str, int]:
+    """The instance of `among` the proxy's fleet view predicts holds the most of `prompt`, and how much,
+    once that is `tokens` or more (an instance's KV events reach the proxy a moment after its answer)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cached = predicted(proxy, prompt)
+        best = max(among, key=lambda u: cached.get(u, 0))
+        if cached.get(best, 0) >= tokens:
+            return best, cached[best]
+        assert time.monotonic() < deadline, (cached, tokens)
+        time.sleep(0.05)
+
+
+def computed_on(urls: tuple[str, ...]) -> float:
+    return sum(metric_total(u, COMPUTED) for u in urls)
+
+
+def converse(proxy: str, prefill: tuple[str, ...], decode: tuple[str, ...], reference: Reference,
+             turns: list[str]) -> list[int]:
+    """A conversation through `proxy`: each turn's prompt (token ids) is the last one, its answer and the
+    next text. Returns the last history."""
+    history: list[int] = []
+    for i, text in enumerate(turns):
+        prompt = history + reference.ids(text)
+        # the D that answered holds every full block of the history it computed (prompt and answer but
+        # its last token, sampled and never fed back) before the turn is routed: its KV events reach the
+        # proxy a moment after its answer
+        whole = (len(history) - 1) // BLOCK * BLOCK if history else 0
+        expect = holder_of(proxy, prompt, whole, decode)[1] if i else 0
+        before = computed_on(prefill)
+        r = complete(proxy, prompt)
+        body = r.json()
+        assert r.headers["x-kvbridge-pd-path"] == "prefill_decode"
+        answer = reference.answer(prompt)
+        assert body["choices"][0]["text"] == reference.tokenizer.decode(answer), (i, prompt)
+        n = body["usage"]["prompt_tokens"]
+        assert n == len(prompt)
+        on_p = computed_on(prefill) - before
+        if i == 0:
+            assert HELD not in r.headers and on_p == n  # nothing held anywhere: P computes the prompt
+        else:
+            # every full block of the history, read from the D that answered it: P computed the rest alone
+            held = int(r.headers[HELD])
+            assert held == expect == whole, (i, held, expect, len(history))
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == held  # computed nowhere for it
+            assert on_p == n - held, (i, on_p, n, held)
+        history = prompt + answer
+    return history
+
+
+def test_six_turns_2p2d_then_1p1d_read_the_history_from_its_holder(cluster, reference):
+    urls = cluster.urls
+    converse(urls.proxy, urls.prefill, urls.decode, reference, [OPENING, *FOLLOW_UPS])
+    assert_all_blocks_free([*urls.prefill, *urls.decode])
+
+    # the same through a proxy in front of one P and one D of the cluster (1P1D), a new conversation
+    port = free_ports(1)[0]
+    cluster._spawn("proxy-1p1d", proxy_command(cluster.cli, urls.prefill[:1], urls.decode[:1], host="127.0.0.1",
+                                               port=port, extra_args=["--kv-reuse", "on", "--health-interval", "0.5"]),
+                   dict(os.environ, UCX_NET_DEVICES="lo"), http_url("127.0.0.1", port))
+    cluster.wait_healthy(60)
+    small = http_url("127.0.0.1", port)
+    converse(small, urls.prefill[:1], urls.decode[:1], reference,
+             ["A different story: the rivers of Europe, from the Danube to the Rhine, and the cities on them.",
+              *FOLLOW_UPS[:2]])
+    assert_all_blocks_free([*urls.prefill, *urls.decode])
+
+
+def test_the_holder_killed_between_turns_is_recomputed_with_the_right_answer(cluster, reference):
+    urls = cluster.urls
+    history = converse(urls.proxy, urls.prefill, urls.decode, reference,
+                       ["Tell me about the mountains of Asia, the highest ones first, and who climbed them:"])
+    holder = holder_of(urls.proxy, history + reference.ids(FOLLOW_UPS[0]), (len(history) - 1) // BLOCK * BLOCK,
+                       urls.decode)[0]
+    os.kill(next(c.pid for c in cluster.children if cluster._health_urls[c.name] == holder), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while holder in httpx.get(urls.proxy + "/kvbridge/fleet", timeout=10).json()["instances"]:
+        assert time.monotonic() < deadline, "the killed holder is still in the fleet view"
+        time.sleep(0.1)
+    prompt = history + reference.ids(FOLLOW_UPS[0])
+    r = complete(urls.proxy, prompt)
+    assert r.json()["choices"][0]["text"] == reference.tokenizer.decode(reference.answer(prompt))
+    assert_all_blocks_free([u for u in (*urls.prefill, *urls.decode) if u != holder])
