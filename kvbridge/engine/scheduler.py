@@ -31,6 +31,10 @@ from kvbridge.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
+# The most of the block pool that held prefixes (hold_prefix: blocks pinned for another instance's
+# read, until its lease ends) may pin together; a hold beyond it holds nothing.
+MAX_HELD_FRACTION = 0.25
+
 
 @dataclass(frozen=True)
 class TracedChunk:
@@ -64,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote_waiting: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
         self.sending: dict[str, Request] = {}  # finished, blocks held for a remote reader
+        self.held_prefixes: dict[str, int] = {}  # hold id -> blocks it pins (hold_prefix), until its lease ends
         self._asked_connector: set[str] = set()
         self._finished_since_step: set[str] = set()
         self.num_preemptions = 0
@@ -222,12 +227,14 @@ class Scheduler:
         """Hold the longest cached prefix of `req`'s prompt (whole blocks, at least one token short of
         it) for a remote reader: reference its blocks under `req`'s id and have the connector lease
         them; they are freed when the lease ends (read done, released, expired), like a finished
-        prefill's. Returns the reader's params and the tokens held, or (None, 0): nothing cached, or
-        this engine serves no reads."""
+        prefill's. Returns the reader's params and the tokens held, or (None, 0): nothing cached,
+        this engine serves no reads, or the holds would pin more than MAX_HELD_FRACTION of the pool
+        (a client asking for holds must not keep the pool from evicting)."""
         if self.connector is None or self.holds(req.request_id):
             return None, 0
         hits, n = self.kvm.get_computed_blocks(req, count=False)
-        if n == 0:
+        pinned = sum(len(g) for g in hits)
+        if n == 0 or sum(self.held_prefixes.values()) + pinned > MAX_HELD_FRACTION * self.kvm.pool.num_usable_blocks:
             return None, 0
         block_ids = self.kvm.allocate_slots(req, 0, hits)
         if block_ids is None:
@@ -237,6 +244,7 @@ class Scheduler:
             self.kvm.free(req.request_id)
             return None, 0
         self.sending[req.request_id] = req
+        self.held_prefixes[req.request_id] = pinned
         return params, n
 
     def _leader_computing(self, req: Request) -> bool:
@@ -384,6 +392,7 @@ class Scheduler:
                 req.trace.kv_loaded = True
         for rid in out.finished_sending:
             req = self.sending.pop(rid, None)
+            self.held_prefixes.pop(rid, None)
             if req is not None:
                 self.kvm.free(rid)
         return finished

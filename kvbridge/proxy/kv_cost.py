@@ -107,16 +107,19 @@ class Decision:
 
 
 def decide_auto(prompt_tokens: int, cached_d: int, cached_p: int, d: Load, p: Load,
-                interference: float = INTERFERENCE) -> Decision:
-    """`auto`: the cheaper of D prefilling alone and P then D (module docstring)."""
+                interference: float = INTERFERENCE, held: int = 0) -> Decision:
+    """`auto`: the cheaper of D prefilling alone and P then D (module docstring). `held`: the longest
+    prefix another instance holds, which either path reads instead of computing (KV reuse: D alone
+    pulls what it lacks of it at its pull rate, P computes only what follows it); 0 without reuse."""
     uncached_d = max(prompt_tokens - cached_d, 0)
-    uncached_p = max(prompt_tokens - cached_p, 0)
+    uncached_p = max(prompt_tokens - max(cached_p, held), 0)
     if uncached_d == 0:
         return Decision("decode_only", "cached")
     rate_d, rate_p, pull = d.prefill_tokens_per_s, p.prefill_tokens_per_s, d.kv_pull_bytes_per_s
     if not rate_d or not rate_p or not pull:
         return Decision("prefill_decode", "no_measured_rate")
-    local = uncached_d / rate_d * (1 + interference * d.running)
+    local = (max(prompt_tokens - max(cached_d, held), 0) / rate_d * (1 + interference * d.running)
+             + max(held - cached_d, 0) * d.kv_bytes_per_token / pull)
     remote = (p.waiting_prefill_tokens + uncached_p) / rate_p + uncached_d * d.kv_bytes_per_token / pull
     return Decision("decode_only" if local <= remote else "prefill_decode", "cost")
 

@@ -71,9 +71,10 @@ def costs(view: FleetFacts, prediction: Prediction, urls: list[str]) -> KvCosts:
 
 
 def plan(view: FleetFacts, prediction: Prediction | None, prefill: list[str], decode: list[str],
-         mode: PdMode, outstanding: Mapping[str, int] | None = None) -> RoutePlan:
+         mode: PdMode, outstanding: Mapping[str, int] | None = None, reuse: bool = False) -> RoutePlan:
     """The plan of one request over the healthy `prefill` and `decode` URLs (module docstring);
-    `outstanding`: the requests this proxy has in flight on each."""
+    `outstanding`: the requests this proxy has in flight on each; `reuse`: the longest prefix any
+    instance holds is read, not computed, on either path (proxy/kv_reuse.py)."""
     outstanding = outstanding or {}
     if mode == "always" and prediction is None:
         return FORCED_PD
@@ -103,7 +104,8 @@ def plan(view: FleetFacts, prediction: Prediction | None, prefill: list[str], de
             d_load = dataclasses.replace(d_load, running=max(d_load.running, outstanding.get(d, 0)),
                                          prefill_tokens_per_s=d_load.prefill_tokens_per_s or p_load.prefill_tokens_per_s,
                                          kv_pull_bytes_per_s=d_load.kv_pull_bytes_per_s or fleet_pull_rate(view, decode))
-            decision = decide_auto(n, cached_d, prediction.cached[p], d_load, p_load)
+            held = max(prediction.cached.values(), default=0) if reuse else 0
+            decision = decide_auto(n, cached_d, prediction.cached[p], d_load, p_load, held=held)
     return RoutePlan(decision, prediction, p_costs, d_costs)
 
 
@@ -115,7 +117,7 @@ def fleet_pull_rate(view: FleetFacts, decode: list[str]) -> float | None:
 
 async def plan_for(view: FleetView, client: httpx.AsyncClient, prefill: UpstreamPool | None, decode: UpstreamPool,
                    route: str, body: dict[str, Any], headers: dict[str, str], timeout: httpx.Timeout,
-                   mode: PdMode) -> RoutePlan:
+                   mode: PdMode, reuse: bool = False) -> RoutePlan:
     """`plan` for one request: its token ids asked of a healthy instance (a D first), predicted on
     every healthy one."""
     decode_urls = [u.url for u in decode.healthy()]
@@ -124,7 +126,7 @@ async def plan_for(view: FleetView, client: httpx.AsyncClient, prefill: Upstream
     tokens = await view.token_ids(client, asked[0], route, body, headers, timeout) if asked else None
     prediction = None if tokens is None else view.predict(tokens, prefill_urls + decode_urls)
     in_flight = {u.url: u.outstanding for pool in (prefill, decode) if pool is not None for u in pool.healthy()}
-    return plan(view, prediction, prefill_urls, decode_urls, mode, in_flight)
+    return plan(view, prediction, prefill_urls, decode_urls, mode, in_flight, reuse)
 
 
 def reported_cached(answer: bytes) -> int | None:

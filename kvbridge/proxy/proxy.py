@@ -576,5 +576,5 @@ class PDProxy:
         if self.fleet is None:
             return call
         plan = await kv_routing.plan_for(self.fleet, self.client(), self.prefill, self.decode, call.route, call.body,
-                                         call.headers, self.short_timeout, self.pd_mode)
+                                         call.headers, self.short_timeout, self.pd_mode, self.kv_reuse)
         return dataclasses.replace(call, plan=plan)

@@ -11,6 +11,8 @@ or names a prefix the reader already has."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -18,6 +20,7 @@ from kvbridge.config import KVRole, LoadFailurePolicy
 from kvbridge.engine.engine import EngineRequestError, LLMEngine
 from kvbridge.engine.outputs import RequestOutput
 from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.engine.scheduler import MAX_HELD_FRACTION
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.params import KVTransferParams, parse_kv_transfer_params, to_wire
 from tests.integration.api_instance import loaded  # noqa: F401
@@ -73,18 +76,31 @@ def _turn_one(p: LLMEngine, d: LLMEngine) -> list[int]:
     return FIRST + answer + list(range(900, 930))
 
 
+@contextmanager
+def _pair(loaded, backend: str = "fake", p_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE,
+          lease_s: float = 30.0) -> Iterator[tuple[FakeFabric | None, LLMEngine, LLMEngine]]:
+    """P and D of role both, over NIXL or the fake backend (its fabric, for faults); settled and shut down after."""
+    fabric = None
+    if backend == "nixl":
+        pytest.importorskip("nixl._api")
+        p = make_engine(loaded, KVRole.BOTH, backend_name="nixl", engine_id="P", policy=p_policy, lease_s=lease_s)
+        d = make_engine(loaded, KVRole.BOTH, backend_name="nixl", engine_id="D", lease_s=lease_s)
+    else:
+        fabric = FakeFabric(seed=3)
+        p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P", policy=p_policy, lease_s=lease_s)
+        d = make_engine(loaded, KVRole.BOTH, fabric.create_agent("D"), engine_id="D", lease_s=lease_s)
+    try:
+        yield fabric, p, d
+    finally:
+        settle(p, d)
+        p.shutdown()
+        d.shutdown()
+
+
 @pytest.mark.parametrize("backend", ["nixl", "fake"])
 def test_turn_two_reads_the_history_from_the_decode_instance_and_p_computes_only_new_tokens(
         loaded, colocated, backend):  # noqa: F811
-    if backend == "nixl":
-        pytest.importorskip("nixl._api")
-        p = make_engine(loaded, KVRole.BOTH, backend_name="nixl", engine_id="P")
-        d = make_engine(loaded, KVRole.BOTH, backend_name="nixl", engine_id="D")
-    else:
-        fabric = FakeFabric(seed=3)
-        p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P")
-        d = make_engine(loaded, KVRole.BOTH, fabric.create_agent("D"), engine_id="D")
-    try:
+    with _pair(loaded, backend) as (_, p, d):
         bs = d.block_size
         second = _turn_one(p, d)
         p.reset_prefix_cache()  # P holds nothing of the history: without D it would compute all of it
@@ -106,40 +122,27 @@ def test_turn_two_reads_the_history_from_the_decode_instance_and_p_computes_only
         assert tokens(d_outs) == colocated.generate([second], GREEDY)[0]
         assert d.lease_outcomes().get("read_done") == 1  # the hold ended when P had read it
         _all_free(p, d)
-    finally:
-        settle(p, d)
-        p.shutdown()
-        d.shutdown()
 
 
 def test_a_failed_read_of_the_held_prefix_is_recomputed_with_the_right_answer(loaded, colocated):  # noqa: F811
-    fabric = FakeFabric(seed=4)
-    # policy fail is for KV only P computed; a held prefix's failed read is recomputed whatever it says
-    p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P", policy=LoadFailurePolicy.FAIL)
-    d = make_engine(loaded, KVRole.BOTH, fabric.create_agent("D"), engine_id="D")
-    try:
+    # policy fail is for KV only another instance computed; a held prefix's failed read is recomputed
+    with _pair(loaded, p_policy=LoadFailurePolicy.FAIL) as (fabric, p, d):
+        assert fabric is not None
         second = _turn_one(p, d)
         p.reset_prefix_cache()
         held = d.hold_prefix(second)
         assert held.kv_transfer_params is not None
         fabric.lookup("P").set_faults(FaultConfig(error_state=True))  # P's read of D's blocks fails
         p_out = _prefill(p, second, "p-2", held.kv_transfer_params, (d,))
-        assert p_out.error is None and p_out.num_loaded_tokens == 0  # recomputed (policy recompute)
+        assert p_out.error is None and p_out.num_loaded_tokens == 0  # recomputed, whatever the policy
         fabric.lookup("P").set_faults(FaultConfig())
         d_outs = decode(d, p, second, to_wire(p_out.kv_transfer_params), GREEDY, request_id="d-2")
         assert tokens(d_outs) == colocated.generate([second], GREEDY)[0]
         _all_free(p, d)
-    finally:
-        settle(p, d)
-        p.shutdown()
-        d.shutdown()
 
 
 def test_a_hold_ends_by_release_or_expiry_and_frees_nothing_the_cache_still_needs(loaded):  # noqa: F811
-    fabric = FakeFabric(seed=5)
-    p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P", lease_s=2.0)
-    d = make_engine(loaded, KVRole.BOTH, fabric.create_agent("D"), engine_id="D", lease_s=2.0)
-    try:
+    with _pair(loaded, lease_s=2.0) as (_, p, d):
         second = _turn_one(p, d)
         held = d.hold_prefix(second)
         assert held.kv_transfer_params is not None
@@ -151,13 +154,10 @@ def test_a_hold_ends_by_release_or_expiry_and_frees_nothing_the_cache_still_need
         settle(d, timeout_s=10.0)  # nobody reads it: the lease expires
         assert d.lease_outcomes().get("expired") == 1
         _all_free(p, d)
-        assert d.hold_prefix(second).num_tokens == held.num_tokens  # still cached after the expiry
+        last = d.hold_prefix(second)  # still cached after the expiry
+        assert last.num_tokens == held.num_tokens and d.release_kv(last.kv_transfer_params)
         assert d.release_kv(d.hold_prefix(list(range(2000, 2100))).kv_transfer_params) is False  # nothing cached
-        _all_free(d)
-    finally:
-        settle(p, d)
-        p.shutdown()
-        d.shutdown()
+        _all_free(p, d)
 
 
 def test_hold_refusals(loaded):  # noqa: F811
@@ -182,6 +182,20 @@ def test_hold_refusals(loaded):  # noqa: F811
             with pytest.raises(EngineRequestError, match="remote_prefix_tokens"):
                 both.add_request(f"bad-{n}", FIRST, SamplingParams(max_tokens=1), params)
         assert both.release_kv(held.kv_transfer_params)
+        settle(both)  # a released hold's blocks go back at the next step
+        # holds pin at most a quarter of the pool together (counted per hold): a client asking for
+        # more keeps nothing from being evicted
+        holds = []
+        while (more := both.hold_prefix(FIRST + [1])).kv_transfer_params is not None:
+            holds.append(more.kv_transfer_params)
+        usable = both.kv_cache_manager.pool.num_usable_blocks
+        assert len(holds) == int(MAX_HELD_FRACTION * usable) // 2  # two blocks each
+        assert both.release_kv(holds.pop())
+        both.step()  # the released hold's blocks go back (the others stay held)
+        again = both.hold_prefix(FIRST + [1])  # room for one again
+        assert again.num_tokens == 32 and again.kv_transfer_params is not None
+        for params in [*holds, again.kv_transfer_params]:
+            assert both.release_kv(params)
         _all_free(consumer, both)
     finally:
         settle(consumer, both)

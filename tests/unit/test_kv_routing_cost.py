@@ -65,6 +65,17 @@ def test_auto_picks_the_cheaper_path(prompt: int, cached_d: int, cached_p: int, 
     assert decide_auto(prompt, cached_d, cached_p, d, p) == expected
 
 
+@pytest.mark.parametrize("held, expected", [
+    # D busy (x3), P's queue 500 tokens: D alone 3 s against P's 1.5 s
+    (0, Decision("prefill_decode", "cost")),
+    # another instance holds 900 tokens: D alone computes 100 (0.3 s) after pulling 900 (~1 ms),
+    # P 0.6 s (its queue, then the 100 after the held prefix)
+    (900, Decision("decode_only", "cost")),
+])
+def test_auto_weighs_a_prefix_held_elsewhere_on_both_paths(held: int, expected: Decision) -> None:
+    assert decide_auto(1000, 0, 0, load(running=20), load(waiting_prefill_tokens=500), held=held) == expected
+
+
 @pytest.mark.parametrize("prompt, cached_d, path", [
     (1000, 0, "prefill_decode"),  # nothing cached: 1000 is not under 0.7 of 1000
     (1000, 400, "decode_only"),  # 600 < 2048 and < 700
