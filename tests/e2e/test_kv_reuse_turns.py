@@ -4,7 +4,8 @@ proxy in front of one P and one D of it (1P1D). Every turn goes through P (--pd-
 turn 2 on, P reads the conversation's history from the D that answered the last turn and computes
 only the new tokens (its vllm:request_prefill_kv_computed_tokens say so), D reads from P only the
 blocks it lacks, and every answer is a colocated engine's. Then the holder is killed between turns:
-the next turn is recomputed, with the right answer, and every block is free on the instances left."""
+the next turn is recomputed, with the right answer, and every block is free on the instances left;
+restarted at the same address, it is followed again, its entries rebuilt from nothing."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from kvbridge.config import CacheConfig, EngineConfig
+from kvbridge.config import CacheConfig, EngineConfig, KVRole
 from kvbridge.engine.engine import LLMEngine
 from kvbridge.engine.loader import load_model
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.tokenizer import Tokenizer
 from kvbridge.engine.setup.default_model import DEFAULT_MODEL
-from kvbridge.launcher.cluster import LocalCluster, free_ports, http_url, proxy_command
+from kvbridge.launcher.cluster import (InstanceSpec, LocalCluster, child_env, free_ports, http_url, proxy_command,
+                                      serve_command)
 from tests.e2e.processes import assert_all_blocks_free, metric_total
 
 pytestmark = [pytest.mark.cluster, pytest.mark.model]
@@ -157,13 +159,14 @@ def test_six_turns_2p2d_then_1p1d_read_the_history_from_its_holder(cluster, refe
     assert_all_blocks_free([*urls.prefill, *urls.decode])
 
 
-def test_the_holder_killed_between_turns_is_recomputed_with_the_right_answer(cluster, reference):
+def test_the_holder_killed_between_turns_is_recomputed_then_restarted_and_followed_again(cluster, reference):
     urls = cluster.urls
     history = converse(urls.proxy, urls.prefill, urls.decode, reference,
                        ["Tell me about the mountains of Asia, the highest ones first, and who climbed them:"])
     holder = holder_of(urls.proxy, history + reference.ids(FOLLOW_UPS[0]), (len(history) - 1) // BLOCK * BLOCK,
                        urls.decode)[0]
-    os.kill(next(c.pid for c in cluster.children if cluster._health_urls[c.name] == holder), signal.SIGKILL)
+    killed = next(c for c in cluster.children if cluster._health_urls[c.name] == holder)
+    os.kill(killed.pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while holder in httpx.get(urls.proxy + "/kvbridge/fleet", timeout=10).json()["instances"]:
         assert time.monotonic() < deadline, "the killed holder is still in the fleet view"
@@ -172,3 +175,26 @@ def test_the_holder_killed_between_turns_is_recomputed_with_the_right_answer(clu
     r = complete(urls.proxy, prompt)
     assert r.json()["choices"][0]["text"] == reference.tokenizer.decode(reference.answer(prompt))
     assert_all_blocks_free([u for u in (*urls.prefill, *urls.decode) if u != holder])
+
+    # Restarted at the same address (a new engine: new id, empty cache), it is followed again from
+    # nothing: its index entries are rebuilt from its own events, none carried over from before.
+    killed.popen.wait()
+    cluster.children.remove(killed)
+    port = int(holder.rsplit(":", 1)[1])
+    spec = InstanceSpec(killed.name, KVRole.BOTH, port, free_ports(1)[0], f"{killed.name}-again", pool="decode")
+    argv = serve_command(cluster.cli, DEFAULT_MODEL, spec, host="127.0.0.1", kv_backend="nixl", num_threads=1,
+                         extra_args=[*cluster.extra_serve_args, *cluster._kv_events_args()])
+    cluster._spawn(killed.name, argv, child_env(os.environ, loopback_only=True, num_threads=1), holder)
+    cluster.wait_healthy(120)
+    fresh = reference.ids("A fresh story about lighthouses on rocky coasts, their keepers and the ships they saved.")
+    deadline = time.monotonic() + 30
+    while holder not in (view := httpx.get(urls.proxy + "/kvbridge/fleet", timeout=10).json())["instances"]:
+        assert time.monotonic() < deadline, f"the restarted instance is not followed: {view}"
+        time.sleep(0.1)
+    assert predicted(urls.proxy, prompt)[holder] == 0  # none of what it held before the kill
+    served = httpx.post(holder + "/v1/completions", json={"model": DEFAULT_MODEL, "prompt": fresh, "max_tokens": 2},
+                        timeout=120)  # straight to it: its own cache, its own events
+    assert served.status_code == 200, served.text
+    assert len(fresh) > BLOCK
+    holder_of(urls.proxy, fresh + [1], len(fresh) // BLOCK * BLOCK, (holder,))
+    assert_all_blocks_free([*urls.prefill, *urls.decode])
