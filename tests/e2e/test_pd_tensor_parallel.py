@@ -4,7 +4,8 @@ openai client, on loopback.
 
 - A random-weight Llama with 4 KV heads (TP 1, 2 and 4 split it): P TP 2 -> D TP 1,
   P TP 1 -> D TP 2 and P TP 2 -> D TP 2, over NIXL and over tcp.
-- SmolLM2-135M (3 KV heads): P TP 3 -> D TP 1 and P TP 1 -> D TP 3, over NIXL.
+- SmolLM2-135M (3 KV heads): P TP 3 -> D TP 1 and P TP 1 -> D TP 3, over NIXL; and KV reuse between
+  TP sizes: a TP 1 P reads the conversation's history a TP 3 D holds, then D reads the rest from P.
 Greedy text equals one colocated TP 1 engine's; afterwards every block is free on every
 instance, no lease expired, and every request's KV was read (no recompute, no failure).
 - A P rank process killed with SIGKILL after its prefill: D recomputes (the default policy)
@@ -15,12 +16,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import httpx
 import pytest
 
 from kvbridge.config import KVRole
 from kvbridge.engine.loader import load_model
+from kvbridge.engine.sampling_params import SamplingParams
+from kvbridge.launcher.cluster import kv_events_json
 from kvbridge.engine.loader.synthetic import TINY_4_KV_HEADS, write_synthetic_folder
 from tests.e2e.processes import gone, metric, rank_pids
 from tests.fleet import MAX_TOKENS, PROMPTS, SMOLLM2, Fleet, FleetSpec, Member, Reference, assert_settled, complete
@@ -69,7 +73,10 @@ def test_tiny_model_pairings_answer_like_one_tp1_engine(tiny_fleet, tiny_want, p
 
 # ---- SmolLM2 at its natural split, TP 3 ----------------------------------------------------
 
-SMOL_TP3 = {"p3": Member(KVRole.PRODUCER, 3), "d3": Member(KVRole.CONSUMER, 3)}  # p1, d1: the shared cluster's
+# p1, d1: the shared cluster's. Role both and KV events where KV reuse is tested: a TP 1 P ("p1r") reads the
+# history a TP 3 D ("d3") holds, D reads the rest from P (proxy --kv-reuse on); the other pairings as before.
+EVENTS = ("--kv-events-config", kv_events_json())
+SMOL_TP3 = {"p3": Member(KVRole.PRODUCER, 3), "d3": Member(KVRole.BOTH, 3, EVENTS), "p1r": Member(KVRole.BOTH, 1, EVENTS)}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +103,36 @@ def test_smollm2_tp3_pairings_answer_like_one_tp1_engine(smol_fleet, smol_want, 
     check_pairing(smol_fleet, smol_want, prefill, decode)
     assert_settled(smol_fleet, ["p1", "p3", "d1", "d3"])
     assert metric(smol_fleet.urls[decode], "kvbridge_kv_recomputed_requests_total") == recomputed
+
+
+def test_a_tp1_prefill_reads_the_history_a_tp3_decode_holds(smol_fleet, smol_want):
+    """KV reuse between TP sizes: turn 2's history is held by the TP 3 D that answered turn 1 and read
+    by the TP 1 P (the hetero-TP read plan, the other way round), which prefills only the new tokens."""
+    smol_fleet.note_expired_leases()
+    url = smol_fleet.proxy("p1r", "d3", "--kv-reuse", "on", "--health-interval", "0.5")
+    tok, d3 = smol_want.loaded.tokenizer, smol_fleet.urls["d3"]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def turn(prompt: list[int]) -> httpx.Response:
+        r = httpx.post(url + "/v1/completions", json={"model": smol_fleet.served, "prompt": prompt, "max_tokens": 24,
+                                                     "temperature": 0, "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tok.decode(smol_want.engine.generate([prompt], greedy)[0])
+        return r
+
+    first = tok.encode("[reuse between TP sizes] " + PROMPTS[1])
+    turn(first)
+    second = first + smol_want.engine.generate([first], greedy)[0] + tok.encode(" Tell me more about the first.")
+    whole = (len(second) - len(tok.encode(" Tell me more about the first.")) - 1) // 16 * 16
+    deadline = time.monotonic() + 30
+    while (cached := httpx.post(url + "/kvbridge/fleet/predict", json={"prompt": second}, timeout=10).json()
+           ["cached"]).get(d3, 0) < whole:  # d3's KV events reach the proxy a moment after its answer
+        assert time.monotonic() < deadline, cached
+        time.sleep(0.1)
+    r = turn(second)
+    assert int(r.headers["x-kvbridge-kv-reused-tokens"]) == whole
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == whole
+    assert_settled(smol_fleet, ["p1r", "d3"])
 
 
 # ---- a P rank killed between its prefill and D's read (last: it takes p2 down) ---------------
