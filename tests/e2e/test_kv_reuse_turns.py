@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
 
 from kvbridge.config import CacheConfig, EngineConfig, KVRole
@@ -198,3 +199,33 @@ def test_the_holder_killed_between_turns_is_recomputed_then_restarted_and_follow
     assert len(fresh) > BLOCK
     holder_of(urls.proxy, fresh + [1], len(fresh) // BLOCK * BLOCK, (holder,))
     assert_all_blocks_free([*urls.prefill, *urls.decode])
+
+
+def test_a_streamed_chat_turn_reports_the_reused_history_in_its_usage(cluster):
+    """The chat API, streamed, through the official client: turn 2's usage (stream_options) counts the
+    history's held tokens as cached, as the proxy's header names them."""
+    client = openai.OpenAI(base_url=cluster.urls.proxy + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Name the planets of the solar system in order, with one fact each."}]
+    first = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Which one is the largest?"}]
+    deadline = time.monotonic() + 30  # until the answering D's events say it holds a block more than any P
+    while (max((cached := predicted_chat(cluster.urls.proxy, messages))[u] for u in cluster.urls.decode)
+           < max(cached[u] for u in cluster.urls.prefill) + BLOCK):
+        assert time.monotonic() < deadline, f"turn 1's answer never reached the fleet view: {cached}"
+        time.sleep(0.05)
+    raw = client.chat.completions.with_raw_response.create(
+        model=DEFAULT_MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    held = int(raw.headers[HELD])
+    usage = [chunk.usage for chunk in raw.parse() if chunk.usage is not None]
+    assert held >= BLOCK and len(usage) == 1
+    assert usage[0].prompt_tokens_details is not None and usage[0].prompt_tokens_details.cached_tokens == held
+    assert_all_blocks_free([*cluster.urls.prefill, *cluster.urls.decode])
+
+
+def predicted_chat(proxy: str, messages: list[dict]) -> dict[str, int]:
+    r = httpx.post(proxy + "/kvbridge/fleet/predict", json={"model": DEFAULT_MODEL, "messages": messages}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["cached"]
