@@ -32,6 +32,9 @@ from kvbridge.proxy.fleet_view import Prediction
 logger = logging.getLogger(__name__)
 
 HOLD_PATH = "/kvbridge/kv_hold"
+# How long a hold may take: it waits for the holder's current step and saves at most a prefill, so a
+# holder slower than this is passed over for the request (the hold, if it lands later, expires).
+HOLD_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)

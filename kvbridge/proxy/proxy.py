@@ -555,7 +555,8 @@ class PDProxy:
         url = kv_reuse.better_holder(prediction, targets, block, self._cannot_hold)
         if url is None:
             return call
-        held = await kv_reuse.hold(self.client(), url, prediction.token_ids, call.headers, self.short_timeout)
+        held = await kv_reuse.hold(self.client(), url, prediction.token_ids, call.headers,
+                                   httpx.Timeout(kv_reuse.HOLD_TIMEOUT_S))
         if held is False:
             self._cannot_hold.add(url)
             self.metrics.kv_holds.labels("cannot_hold").inc()
