@@ -48,6 +48,9 @@ import httpx  # noqa: E402
 
 from kvbridge.launcher import cluster  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fleet_proxies, also under `kvbridge bench`
+from fleet_proxies import cpu_name, start_proxy  # noqa: E402
+
 POLICIES = {
     "always": ["--prefill-policy", "round_robin", "--decode-policy", "round_robin", "--pd-mode", "always"],
     "never": ["--prefill-policy", "round_robin", "--decode-policy", "round_robin", "--pd-mode", "never"],
@@ -146,25 +149,11 @@ def main() -> int:
     samples: list[Sample] = []
     try:
         urls = fleet.start()
-        env = cluster.child_env(os.environ, loopback_only=True, num_threads=1)
         proxy_urls = {}
         for policy in args.policies:
-            port = cluster.free_ports(1)[0]
-            argv = cluster.proxy_command(cluster.DEFAULT_CLI, urls.prefill, urls.decode, host="127.0.0.1", port=port,
-                                         extra_args=[*POLICIES[policy], "--health-interval", "0.5"])
-            proxies.append(cluster.spawn_child(f"proxy-{policy}", argv, env, log_dir))
-            proxy_urls[policy] = f"http://127.0.0.1:{port}"
-        for policy, url in proxy_urls.items():
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if http.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the {policy} proxy did not start: {log_dir}")
-                time.sleep(0.2)
+            child, proxy_urls[policy] = start_proxy(f"proxy-{policy}", urls,
+                                                    [*POLICIES[policy], "--health-interval", "0.5"], log_dir, http)
+            proxies.append(child)
         traffic = {p: Traffic(p, args.seed, args.conversations, args.turns) for p in args.policies}
         for p in args.policies:  # warm-up: one untimed chat per policy (rates get measured)
             stream(http, proxy_urls[p], args.model, [{"role": "user", "content": words(traffic[p].rng, 30)}], 4)
@@ -186,8 +175,7 @@ def main() -> int:
         http.close()
         cluster.stop_children(proxies, 10.0)
         fleet.stop()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
+    cpu = cpu_name()
     print(f"\n{cpu}, {args.prefill}P{args.decode}D, {args.rounds} rounds; goodput: TTFT <= {args.ttft_slo} s "
           f"and ITL p90 <= {args.itl_slo} s")
     print(f"{'policy':<8} {'n':>4} {'goodput':>8} {'TTFT p50':>9} {'p90':>7} {'turnN p50':>10} {'ITL p90':>8}  paths")

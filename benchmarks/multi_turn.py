@@ -47,6 +47,9 @@ import httpx  # noqa: E402
 
 from kvbridge.launcher import cluster  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fleet_proxies, also under `kvbridge bench`
+from fleet_proxies import cpu_name, start_proxy  # noqa: E402
+
 PROXIES = {
     "reuse": ["--kv-reuse", "on"],
     "no_reuse": ["--kv-reuse", "off"],
@@ -134,23 +137,10 @@ def main() -> int:
     samples: list[Sample] = []
     try:
         urls = fleet.start()
-        env = cluster.child_env(os.environ, loopback_only=True, num_threads=1)
-        proxy_urls = {"reuse": urls.proxy}
-        port = cluster.free_ports(1)[0]
-        argv = cluster.proxy_command(cluster.DEFAULT_CLI, urls.prefill, urls.decode, host="127.0.0.1", port=port,
-                                     extra_args=[*ROUTING, *PROXIES["no_reuse"]])
-        proxies.append(cluster.spawn_child("proxy-no_reuse", argv, env, log_dir))
-        proxy_urls["no_reuse"] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if http.get(proxy_urls["no_reuse"] + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the no_reuse proxy did not start: {log_dir}")
-            time.sleep(0.2)
+        proxy_urls = {"reuse": urls.proxy}  # up's own proxy, --kv-reuse on
+        child, proxy_urls["no_reuse"] = start_proxy("proxy-no_reuse", urls, [*ROUTING, *PROXIES["no_reuse"]], log_dir,
+                                                    http)
+        proxies.append(child)
         rng = {arm: random.Random(f"{arm}-{args.seed}") for arm in ("reuse", "no_reuse")}
         histories = {arm: [[] for _ in range(args.conversations)] for arm in ("reuse", "no_reuse")}
         last_total = {arm: [0] * args.conversations for arm in ("reuse", "no_reuse")}
@@ -185,8 +175,7 @@ def main() -> int:
         http.close()
         cluster.stop_children(proxies, 10.0)
         fleet.stop()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
+    cpu = cpu_name()
     print(f"\n{cpu}, {args.prefill}P{args.decode}D, {args.conversations} conversations x {args.turns} turns, "
           f"user ~{args.user_tokens} tokens, answers {args.max_tokens} tokens; medians over conversations")
     print(f"{'turn':>4} {'prompt':>7} | {'TTFT reuse':>10} {'no_reuse':>9} {'cold':>7} | "
