@@ -118,6 +118,8 @@ class EngineLoad:
         return max(0.0, now - self.oldest_arrival) if self.oldest_arrival is not None else 0.0
 
 
+HOLD_PARAMS = SamplingParams(max_tokens=1)  # what a held prefix's prompt is checked against (the turn it serves)
+
 _ROLES = {KVRole.PRODUCER: "prefill", KVRole.CONSUMER: "decode", KVRole.BOTH: "both"}
 
 
@@ -328,21 +330,14 @@ class LLMEngine:
         """Hold the longest prefix of `prompt_token_ids` that this engine's prefix cache has (whole
         blocks, at least one token short of the prompt: a conversation's history, the answers it
         generated included) for a remote reader, under a lease (Scheduler.hold_prefix). Raises
-        EngineRequestError for token ids that are not a prompt of this model; holds nothing where
-        nothing is cached or this engine serves no reads."""
+        EngineRequestError for token ids that are not a prompt this engine could serve (`validate`,
+        for one token to generate); holds nothing where nothing is cached or this engine serves no reads."""
         ids = list(prompt_token_ids)
-        if not ids:
-            raise EngineRequestError("the prompt is empty")
-        if any(not 0 <= t < self.arch.vocab_size for t in ids):
-            raise EngineRequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
-        if len(ids) > self.max_model_len:
-            raise EngineRequestError(f"the prompt holds {len(ids)} tokens, over this model's maximum context "
-                                     f"length of {self.max_model_len}")
+        self.validate(ids, HOLD_PARAMS)
         if self.connectors is None or not self.connectors.scheduler.can_hold_prefixes():
             return HeldPrefix(None, 0, can_hold=False)
         self._holds += 1
-        req = Request(f"kvbridge-hold-{self._holds}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1),
-                      self._eos_ids)
+        req = Request(f"kvbridge-hold-{self._holds}-{time.monotonic_ns()}", ids, HOLD_PARAMS, self._eos_ids)
         params, tokens = self.scheduler.hold_prefix(req)
         return HeldPrefix(params, tokens)
 
