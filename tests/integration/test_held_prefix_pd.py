@@ -141,6 +141,38 @@ def test_a_failed_read_of_the_held_prefix_is_recomputed_with_the_right_answer(lo
         _all_free(p, d)
 
 
+@pytest.mark.parametrize("when, ended", [("reading", "read_done"), ("queued", "release")])
+def test_the_client_leaving_while_p_reads_the_held_prefix_ends_the_hold_and_frees_both(
+        loaded, when, ended):  # noqa: F811
+    """P's request aborted while its read of D's held blocks is in flight, or before it was scheduled:
+    no lease is left to expire on D, every block is back on both, and both serve the next turn."""
+    with _pair(loaded) as (fabric, p, d):
+        assert fabric is not None
+        second = _turn_one(p, d)
+        p.reset_prefix_cache()
+        held = d.hold_prefix(second)
+        assert held.kv_transfer_params is not None
+        fabric.lookup("P").set_faults(FaultConfig(hold_reads=True))
+        p.add_request("p-2", second, SamplingParams(max_tokens=1, temperature=0),
+                      parse_kv_transfer_params({**to_wire(held.kv_transfer_params), "do_remote_decode": True}))
+        if when == "reading":
+            deadline = time.monotonic() + 30
+            while not p.worker_status().transfers_in_flight:  # P's read of D's blocks started, held in flight
+                assert time.monotonic() < deadline, "P never started reading the held prefix"
+                p.step()
+                d.step()
+        p.abort_request("p-2")
+        fabric.lookup("P").set_faults(FaultConfig())
+        settle(p, d)
+        # never left to expire: a read in flight settles (its blocks are freed only then), a queued one releases
+        assert d.lease_outcomes() == {ended: 1}
+        _all_free(p, d)
+        p_out = _prefill(p, second, "p-3", d.hold_prefix(second).kv_transfer_params, (d,))  # both serve on
+        assert p_out.error is None and p_out.num_loaded_tokens > 0
+        assert p.release_kv(p_out.kv_transfer_params)  # no D for it: P's own lease released
+        _all_free(p, d)
+
+
 def test_a_hold_ends_by_release_or_expiry_and_frees_nothing_the_cache_still_needs(loaded):  # noqa: F811
     with _pair(loaded, lease_s=2.0) as (_, p, d):
         second = _turn_one(p, d)
