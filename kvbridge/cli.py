@@ -79,6 +79,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
                    help="memory for the KV cache when --num-blocks is not given (default: %(default)s)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV of shared prefixes")
+    e.add_argument("--kv-offloading-size", type=_non_negative_float, default=0.0, metavar="GIB",
+                   help="GiB of local disk (all tensor-parallel ranks together, as vLLM's option) for a second KV "
+                        "tier below the pool: cached blocks the pool evicts are kept there and a later prompt with "
+                        "their prefix loads them back (verified) instead of recomputing, when that is measured "
+                        "faster; CPU engines, models with one full-attention or MLA KV group (default: 0, off; "
+                        "benchmarks/README.md, kv_tier)")
+    e.add_argument("--kv-tier-dir", default=None, metavar="DIR",
+                   help="where the KV tier's files go; each is unlinked once open, so nothing outlives the "
+                        "process (default: the system's temporary directory)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default: %(default)s)")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one engine step (default: %(default)s)")
@@ -209,7 +218,8 @@ def engine_config_from_args(a: argparse.Namespace):
         max_model_len=a.max_model_len, seed=a.seed, num_threads=a.num_threads or default_num_threads(),
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks,
                           kv_cache_memory_bytes=int(a.kv_cache_memory_gb * (1 << 30)),
-                          enable_prefix_caching=not a.no_prefix_caching),
+                          enable_prefix_caching=not a.no_prefix_caching,
+                          kv_offloading_bytes=int(a.kv_offloading_size * (1 << 30)), kv_tier_dir=a.kv_tier_dir),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_waiting=a.max_waiting),
         kv_transfer=kv, tensor_parallel_size=getattr(a, "tensor_parallel_size", 1), cpu_bind=a.cpu_bind,

@@ -33,8 +33,14 @@ class CacheConfig:
     num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    # The second tier below the pool (engine/kv_tier.py): bytes of local disk for evicted blocks, all
+    # TP ranks together (vLLM's --kv-offloading-size, in bytes here); 0: no tier.
+    kv_offloading_bytes: int = 0
+    kv_tier_dir: str | None = None  # where the tier's files go (None: the system's temporary directory)
 
     def __post_init__(self) -> None:
+        if self.kv_offloading_bytes < 0:
+            raise ValueError(f"kv_offloading_bytes must be >= 0, got {self.kv_offloading_bytes}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -29,7 +29,9 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False,
                  on_removed: Callable[[Hashable], None] | None = None) -> None:
         """`on_removed(key)` is called for each key that leaves the prefix cache by eviction or
-        invalidation (not by reset_prefix_cache): the KV events' BlockRemoved."""
+        invalidation (not by reset_prefix_cache): the KV events' BlockRemoved. `on_evicted(block_id,
+        key)` (set later, by a lower tier: engine/kv_tier.py) is called when `allocate` hands out a
+        block that still held `key`, before anything can overwrite it (never for an invalidated one)."""
         if num_blocks < 1 + reserve_null:
             raise ValueError(f"num_blocks must be >= {1 + reserve_null}, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -41,6 +43,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks if b is not self.null_block)
         self._cached: dict[Hashable, KVBlock] = {}
         self.on_removed: Callable[[Hashable], None] | None = on_removed
+        self.on_evicted: Callable[[int, Hashable], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -69,6 +72,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None and self.on_evicted is not None:
+                self.on_evicted(block.block_id, block.block_hash)
             self._uncache(block)
             block.ref_cnt = 1
             out.append(block)

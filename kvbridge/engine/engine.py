@@ -21,7 +21,9 @@ from kvbridge.engine.kv_event_queue import KVEventQueue
 from kvbridge.engine.load_rates import LoadRateMeter
 from kvbridge.engine.kv_connector_factory import build_connectors
 from kvbridge.engine.loader import LoadedModel, load_model
-from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads, kv_bytes_per_block
+from kvbridge.engine.kv_tier import KVTierIndex, TierCollector
+from kvbridge.engine.model_runner import (ModelRunner, configure_torch_threads, kv_bytes_per_block, resolve_device,
+                                          tier_slots)
 from kvbridge.engine.models import check_arch_tp_split
 from kvbridge.engine.output_processor import OutputProcessor
 from kvbridge.engine.outputs import REQUEST_OUTPUT_FAILED, RequestOutput
@@ -166,8 +168,11 @@ class LLMEngine:
         events_config = config.kv_events
         self._events = KVEventQueue() if events_config is not None and events_config.publishes else None
         self.kv_cache_manager = self._make_kv_cache_manager()
+        self._rates = LoadRateMeter()
+        self.kv_tier = self._make_kv_tier()
+        self._tier_bytes_per_s: float | None = None  # one rank's measured tier read rate (EWMA)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   kv.scheduler if kv is not None else None)
+                                   kv.scheduler if kv is not None else None, self.kv_tier, self._tier_load_faster)
         self.runner = self._start_runner(loaded, kv.worker if kv is not None else None)
         self.connectors = kv
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -177,7 +182,6 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
         self._holds = 0  # prefixes held so far (hold_prefix): their ids
         self.role = _ROLES[config.kv_transfer.role] if config.kv_transfer is not None else "both"
-        self._rates = LoadRateMeter()
         self.kv_bytes_per_token = (kv_bytes_per_block(loaded.arch, config.cache.block_size, DTYPES[config.dtype],
                                                       config.tensor_parallel_size)
                                    * config.tensor_parallel_size // config.cache.block_size)
@@ -218,6 +222,38 @@ class LLMEngine:
         pool = BlockPool(self.num_blocks, self.config.cache.enable_prefix_caching, reserve_null=sliding)
         return KVCacheManager(pool, groups, self.hash_root, self._events)
 
+    def _make_kv_tier(self) -> KVTierIndex | None:
+        """The KV tier's index (engine/kv_tier.py), when configured: for a CPU engine with prefix
+        caching whose model has one KV cache group of full attention or MLA. Raises ValueError."""
+        slots = tier_slots(self.config, self.arch)
+        if not self.config.cache.kv_offloading_bytes:
+            return None
+        groups = self.kv_cache_manager.groups
+        if resolve_device(self.config.device).type != "cpu":
+            raise ValueError("--kv-offloading-size: the KV tier is built for CPU engines only (a GPU's host-memory "
+                             "tier is not)")
+        if not self.config.cache.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size needs prefix caching (a tier keeps evicted cached prefixes)")
+        if len(groups) != 1 or groups[0].kind not in (KVCacheKind.FULL_ATTENTION, KVCacheKind.MLA):
+            raise ValueError(f"--kv-offloading-size: {self.model_name}'s KV cache groups "
+                             f"({', '.join(g.kind.value for g in groups)}) are not one full-attention or MLA group; "
+                             "the KV tier keeps only such prefixes")
+        if slots < 1:
+            raise ValueError("--kv-offloading-size is smaller than one KV block")
+        tier = KVTierIndex(slots, self.block_size, self._events)
+        self.kv_cache_manager.pool.on_evicted = tier.evicted
+        return tier
+
+    def _tier_load_faster(self, tokens: int) -> bool:
+        """Whether loading `tokens` tokens' KV from the tier (a step's wait included) is predicted
+        faster than computing them, from the measured rates; True until both are measured."""
+        prefill = self._rates.rates.prefill_tokens_per_s
+        if prefill is None or self._tier_bytes_per_s is None:
+            return True
+        per_rank = self.kv_bytes_per_token / self.config.tensor_parallel_size
+        load_s = tokens * per_rank / self._tier_bytes_per_s + (self._rates.rates.decode_step_s or 0.0)
+        return load_s < tokens / prefill
+
     def _start_runner(self, loaded: LoadedModel, worker: WorkerConnector | None) -> ModelRunner | TPExecutor:
         """The model runner (TP 1), or the TP ranks, which load the weights and create their
         transfer agents themselves; the worker connector learns every rank's agent and layout."""
@@ -230,7 +266,8 @@ class LLMEngine:
         else:
             agent = setup.local_agent if setup is not None else None
             runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, config.cache.block_size,
-                                 self.num_blocks, config.seed, agent)
+                                 self.num_blocks, config.seed, agent, tier_slots=tier_slots(config, loaded.arch),
+                                 tier_dir=config.cache.kv_tier_dir)
             registrations = [agent.registration] if agent is not None else []
         if worker is not None:
             worker.register_ranks(registrations)
@@ -362,8 +399,9 @@ class LLMEngine:
         return self.connectors.worker.release(kv_transfer_params)
 
     def prometheus_collectors(self) -> list[Collector]:
-        """Collectors a server registers on its /metrics registry (the KV connector's)."""
-        return list(self.connectors.worker.collectors()) if self.connectors is not None else []
+        """Collectors a server registers on its /metrics registry (the KV connector's, the KV tier's)."""
+        out = list(self.connectors.worker.collectors()) if self.connectors is not None else []
+        return out + ([TierCollector(self.kv_tier)] if self.kv_tier is not None else [])
 
     def worker_status(self) -> WorkerStatus:
         """The connector's worker half's status now (an empty one without a connector)."""
@@ -410,6 +448,11 @@ class LLMEngine:
                                    - chunk.start_pos)
             total = sum(len(chunk.token_ids) for chunk in sched.scheduled)
             self._rates.record_step(seconds, prefill, total - prefill)
+        tier = result.kv_tier_report
+        if tier is not None and tier.load_bytes and tier.load_s > 0:
+            rate = tier.load_bytes / tier.load_s
+            old = self._tier_bytes_per_s
+            self._tier_bytes_per_s = rate if old is None else 0.8 * old + 0.2 * rate
         out = result.kv_connector_output
         if self.connectors is None or out is None:
             return
@@ -521,7 +564,7 @@ class LLMEngine:
     def _ranks_have_work(self, sched: SchedulerOutput) -> bool:
         """Tokens to compute, finished requests to forget, transfer commands, or transfers to poll:
         otherwise the step is the engine's alone (scheduling, leases, connector messages)."""
-        return bool(sched.scheduled or sched.finished_req_ids or sched.kv_rank_commands
+        return bool(sched.scheduled or sched.finished_req_ids or sched.kv_rank_commands or sched.kv_tier is not None
                     or (self.connectors is not None and self.connectors.worker.needs_rank_poll()))
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
@@ -578,6 +621,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (subscribers get AllBlocksCleared with the next step's events)."""
         self.kv_cache_manager.reset_prefix_cache()
+        if self.kv_tier is not None:
+            self.kv_tier.clear()
 
     def shutdown(self) -> None:
         self.publisher.shutdown()

@@ -175,6 +175,15 @@ class KVCacheManager:
             tables.append([b for b in table if b is not None])
         return tuple(tables), hit * self.block_size
 
+    def tier_keys(self, request: Request, num_local: int) -> list[tuple[int, bytes]]:
+        """The cache keys of the prompt's full blocks after a pool hit of `num_local` tokens, up to the
+        last one a hit may cover (one prompt token is always computed): what a lower tier may hold for
+        it (engine/kv_tier.py; one token-indexed group, checked when the tier is made)."""
+        if not self._may_hit(request):
+            return []
+        hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
+        return [(0, h) for h in hashes[num_local // self.block_size:]]
+
     def _window_cached(self, gi: int, group: KVCacheGroupSpec, hashes: list[bytes], hit: int) -> bool:
         first = group.first_needed_block(hit * self.block_size)
         return all(self.pool.get_cached_block((gi, h)) is not None for h in hashes[first:hit])

@@ -5,7 +5,8 @@ The KV cache manager records a `BlockStored` when a request's full blocks enter 
 invalidation a `BlockRemoved` per block, a reset an `AllBlocksCleared`; `LLMEngine.step` drains
 them into one `EventBatch` for the publisher (kv_events/publisher.py). Events are vLLM's
 (kv_events/events.py), block hashes the int form of kv_events/hashing.py's chained digests,
-medium "GPU" as vLLM writes for its primary cache.
+medium "GPU" as vLLM writes for its primary cache; a lower tier's blocks (engine/kv_tier.py) under
+the tier's medium.
 
 Bounded: past `max_events` undrained events the queue keeps only an `AllBlocksCleared` (and what
 follows it): a subscriber then forgets this instance's blocks and routes to it as if cold, never
@@ -46,6 +47,15 @@ class KVEventQueue:
 
     def removed(self, block_hash: int, group_idx: int) -> None:
         self._put(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_GPU, group_idx=group_idx))
+
+    def offloaded(self, block_hashes: list[ExternalBlockHash], block_size: int, group_idx: int, medium: str) -> None:
+        """Blocks a lower tier (engine/kv_tier.py) now holds: as vLLM's offloading connector publishes
+        them, hashes without tokens or parent, under the tier's medium."""
+        self._put(BlockStored(block_hashes=block_hashes, parent_block_hash=None, token_ids=[], block_size=block_size,
+                              lora_id=None, medium=medium, lora_name=None, group_idx=group_idx))
+
+    def offload_removed(self, block_hash: int, group_idx: int, medium: str) -> None:
+        self._put(BlockRemoved(block_hashes=[block_hash], medium=medium, group_idx=group_idx))
 
     def cleared(self) -> None:
         self._put(AllBlocksCleared())

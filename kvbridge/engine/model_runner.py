@@ -12,12 +12,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvbridge.config import EngineConfig
 from kvbridge.engine.layers import cpu_kernels
 from kvbridge.engine.layers.attention import AttentionMetadata
 from kvbridge.engine.layers.mamba2 import Mamba2Metadata
 from kvbridge.engine.models import build_model
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.setup.native_memory import HeapTrimmer, bound_onednn_caches
+from kvbridge.engine.tier_file import TierFile
 from kvbridge.engine.sampling import Sampler
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvbridge.kv_transfer.connector.rank_agent import RankAgent, reads_start_together
@@ -80,6 +82,16 @@ def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtyp
     return rank_kv_cache_layout(arch, block_size, 1, tp_size).page_elems * elem
 
 
+def tier_slots(config: EngineConfig, arch: ModelArchConfig) -> int:
+    """Blocks the KV tier holds (engine/kv_tier.py; each rank its shard of every one): the configured
+    bytes, all ranks together as vLLM's --kv-offloading-size, over one block's bytes on all ranks.
+    0: no tier."""
+    cache, tp = config.cache, config.tensor_parallel_size
+    if not cache.kv_offloading_bytes:
+        return 0
+    return cache.kv_offloading_bytes // (kv_bytes_per_block(arch, cache.block_size, DTYPES[config.dtype], tp) * tp)
+
+
 class ModelRunner:
     """One rank's model and KV cache. With tensor parallelism (`shard`, `all_reduce`) each rank
     process has one; only the rank that `samples` (rank 0) computes logits and samples.
@@ -91,8 +103,10 @@ class ModelRunner:
                  block_size: int, num_blocks: int, seed: int = 0,
                  agent: RankAgent | None = None, shard: RankShard | None = None,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, samples: bool = True,
-                 sync_ranks: Callable[[], None] | None = None) -> None:
-        """`sync_ranks` (TP ranks): returns once every rank has called it (a barrier)."""
+                 sync_ranks: Callable[[], None] | None = None, tier_slots: int = 0,
+                 tier_dir: str | None = None) -> None:
+        """`sync_ranks` (TP ranks): returns once every rank has called it (a barrier). `tier_slots`:
+        blocks this rank's KV tier file holds (engine/tier_file.py; 0: no tier), in `tier_dir`."""
         self.arch = arch
         self.sync_ranks = sync_ranks
         self.device = resolve_device(device)
@@ -113,6 +127,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             advise_huge_pages(self.kv_cache)
         self.kv_cache.zero_()
+        self.tier = TierFile(self.layout.pages(self.kv_cache), tier_slots, tier_dir) if tier_slots else None
         bind_layout = getattr(self.model, "bind_kv_cache_layout", None)  # a model with Mamba layers
         if bind_layout is not None:
             bind_layout(self.layout)
@@ -130,6 +145,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(sched.finished_req_ids)
         out = ModelRunnerOutput()
+        if self.tier is not None and sched.kv_tier is not None:  # first: stores read blocks this step rewrites
+            out.kv_tier_report = self.tier.run(sched.kv_tier)
         if self.agent is not None and sched.kv_rank_commands:
             if self.sync_ranks is not None and reads_start_together(sched.kv_rank_commands):
                 self.sync_ranks()

@@ -18,11 +18,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from kvbridge.config import SchedulerConfig
 from kvbridge.engine.block_pool import KVBlock
 from kvbridge.engine.kv_cache_manager import KVCacheManager
+from kvbridge.engine.kv_tier import KVTierIndex, TierReport
 from kvbridge.engine.request import FinishReason, Request, RequestStatus
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConnector
@@ -34,6 +37,15 @@ logger = logging.getLogger(__name__)
 # The most of the block pool that held prefixes (hold_prefix: blocks pinned for another instance's
 # read, until its lease ends) may pin together; a hold beyond it holds nothing.
 MAX_HELD_FRACTION = 0.25
+
+
+class TierHit(Enum):
+    """What a waiting request's prefix in the KV tier (engine/kv_tier.py) means for it this step."""
+
+    NONE = "none"  # no tier blocks past the pool's hit (or recomputing them is faster): compute
+    WAIT = "wait"  # another request's load reads its blocks this step: they will be in the pool
+    PARKED = "parked"  # its load runs this step; it computes the rest from the next one
+    NO_ROOM = "no_room"  # no free blocks to load into
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,10 @@ class FirstStep:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 connector: SchedulerConnector | None = None) -> None:
+                 connector: SchedulerConnector | None = None, tier: KVTierIndex | None = None,
+                 prefer_tier_load: Callable[[int], bool] | None = None) -> None:
+        """`tier`: the KV tier below the pool (None: none); `prefer_tier_load(tokens)`: whether loading
+        that many tokens' KV from it is predicted faster than computing them (None: always)."""
         self.config = config
         self.kvm = kv_cache_manager
         self.max_model_len = max_model_len
@@ -69,6 +84,9 @@ class Scheduler:
         self.remote_waiting: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
         self.sending: dict[str, Request] = {}  # finished, blocks held for a remote reader
         self.held_prefixes: dict[str, int] = {}  # hold id -> blocks it pins (hold_prefix), until its lease ends
+        self.tier = tier
+        self.prefer_tier_load = prefer_tier_load
+        self.tier_loading: dict[str, Request] = {}  # loading from the tier this step (within one step only)
         self._asked_connector: set[str] = set()
         self._finished_since_step: set[str] = set()
         self.num_preemptions = 0
@@ -165,7 +183,8 @@ class Scheduler:
 
         meta = self.connector.build_connector_meta() if self.connector is not None else None
         finished, self._finished_since_step = self._finished_since_step, set()
-        return SchedulerOutput(scheduled, finished, meta)
+        tier = self.tier.take_work() if self.tier is not None else None
+        return SchedulerOutput(scheduled, finished, meta, kv_tier=tier)
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         skipped: list[Request] = []
@@ -200,6 +219,15 @@ class Scheduler:
                         req.trace.parked(time.time_ns(), sum(len(g) for g in block_ids), n_ext)
                     self.connector.update_state_after_alloc(req, block_ids, num_local, n_ext)
                     continue
+            if fresh and self.tier is not None:
+                hit = self._tier_load(req, hits, num_local)
+                if hit is TierHit.WAIT:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if hit is TierHit.PARKED:
+                    continue
+                if hit is TierHit.NO_ROOM:
+                    break
             num_new = req.num_tokens - req.num_computed_tokens - num_local
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -222,6 +250,47 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _tier_load(self, req: Request, hits: tuple[list[KVBlock], ...], num_local: int) -> TierHit:
+        """Load the blocks of `req`'s prompt that follow its pool hit from the KV tier, when it holds
+        them and that is predicted faster than computing them: blocks for them now, the load in this
+        step's tier work, the request parked until the step's report (`_apply_tier_report`)."""
+        assert self.tier is not None
+        keys = self.kvm.tier_keys(req, num_local)
+        n, busy = self.tier.lookup(keys)
+        if n == 0:
+            return TierHit.NONE
+        if busy:
+            return TierHit.WAIT
+        bs = self.kvm.block_size
+        if self.prefer_tier_load is not None and not self.prefer_tier_load(n * bs):
+            self.tier.counters.skipped_slower += 1
+            return TierHit.NONE
+        block_ids = self.kvm.allocate_slots(req, n * bs, hits)
+        if block_ids is None:
+            return TierHit.NO_ROOM
+        self.waiting.popleft()
+        req.num_computed_tokens = num_local
+        first = num_local // bs
+        self.tier.begin_load(req.request_id, keys[:n], block_ids[0][first:first + n])
+        self.tier_loading[req.request_id] = req
+        if self.connector is not None and req.request_id in self._asked_connector:
+            self.connector.update_state_after_alloc(req, block_ids, num_local, 0)
+        return TierHit.PARKED
+
+    def _apply_tier_report(self, report: TierReport | None) -> None:
+        """The step's tier loads settled: each parked request goes back to the head of the queue with
+        the blocks that loaded and verified as computed (and in the prefix cache, for its siblings);
+        from a block that failed on, it computes."""
+        assert self.tier is not None
+        for rid, n in self.tier.finish(report).items():
+            req = self.tier_loading.pop(rid)
+            req.num_computed_tokens += n * self.kvm.block_size
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.kvm.cache_blocks(req, req.num_computed_tokens)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
 
     def hold_prefix(self, req: Request) -> tuple[KVTransferParams | None, int]:
         """Hold the longest cached prefix of `req`'s prompt (whole blocks, at least one token short of
@@ -325,6 +394,8 @@ class Scheduler:
             self._check_stop(req, token)
         if out.kv_connector_output is not None:
             touched.extend(self._apply_connector_output(out.kv_connector_output))
+        if sched.kv_tier is not None and self.tier is not None:
+            self._apply_tier_report(out.kv_tier_report)
         return touched
 
     def _trace_step(self, out: ModelRunnerOutput) -> None:

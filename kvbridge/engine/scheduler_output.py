@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbridge.engine.kv_tier import TierReport, TierWork
 from kvbridge.engine.outputs import TokenLogprob
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput
@@ -39,6 +40,7 @@ class SchedulerOutput:
     kv_rank_commands: list[RankCommands] | None = None  # one per TP rank, from the worker connector
     # Structured output: per request sampling this step, its next token's allowed ids (engine/structured.py)
     grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
+    kv_tier: TierWork | None = None  # the KV tier's stores and loads, before anything of the step writes KV
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -53,3 +55,4 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # this step's, per request
     kv_rank_reports: list[RankReport] = field(default_factory=list)  # of each rank with an agent
     kv_connector_output: KVConnectorOutput | None = None  # the worker connector's reading of the reports
+    kv_tier_report: TierReport | None = None  # what the ranks did with SchedulerOutput.kv_tier (merged)

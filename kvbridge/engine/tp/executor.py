@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import signal
@@ -116,6 +117,7 @@ class _RankReply:
 
     output: ModelRunnerOutput | None
     kv_report: Any  # the rank's rank_agent.RankReport, or None without a KV connector
+    tier_report: Any  # the rank's kv_tier.TierReport for the step's tier work, or None
     execute_s: float  # runner.execute, all_reduce included
     all_reduce_s: float  # inside dist.all_reduce, waiting for the slowest peer included
     all_reduce_calls: int
@@ -239,6 +241,9 @@ class TPExecutor:
         if not isinstance(result, ModelRunnerOutput):
             raise TPExecutorError(f"TP rank 0 answered {type(result).__name__}")
         result.kv_rank_reports = [r.kv_report for r in replies if r.kv_report is not None]
+        tier = [r.tier_report for r in replies if r.tier_report is not None]
+        if tier:  # a block loaded only where every rank loaded its shard
+            result.kv_tier_report = functools.reduce(lambda a, b: a.merge(b), tier)
         timing = TPStepTiming(wall, tuple(r.execute_s for r in replies), tuple(r.all_reduce_s for r in replies),
                               replies[0].all_reduce_calls)
         with self._timings_lock:
@@ -418,7 +423,7 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
     """A rank process: join the group, build this rank's runner (and transfer agent), then serve
     steps until told to stop."""
     from kvbridge.engine.loader import load_model  # heavy imports after the fork-free spawn
-    from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads
+    from kvbridge.engine.model_runner import ModelRunner, configure_torch_threads, tier_slots
 
     # Ctrl-C reaches the whole process group: the engine process stops the ranks itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -463,7 +468,8 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
         shard = rank_shard(loaded.arch.num_heads, loaded.arch.cache_kv_heads, tp, rank)
         runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, device, config.cache.block_size,
                              num_blocks, config.seed, agent, shard=shard, all_reduce=all_reduce, samples=rank == 0,
-                             sync_ranks=lambda: dist.barrier(group=cpu_group))
+                             sync_ranks=lambda: dist.barrier(group=cpu_group),
+                             tier_slots=tier_slots(config, loaded.arch), tier_dir=config.cache.kv_tier_dir)
         del loaded
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -489,7 +495,8 @@ def _rank_main(config: EngineConfig, num_blocks: int, rank: int, store_port: int
                 out = runner.execute(command.sched)
                 report = out.kv_rank_reports[0] if out.kv_rank_reports else None
                 out.kv_rank_reports = []  # sent once, as the reply's kv_report
-                result = _RankReply(out if rank == 0 else None, report, time.perf_counter() - started,
+                tier, out.kv_tier_report = out.kv_tier_report, None  # sent once, as the reply's tier_report
+                result = _RankReply(out if rank == 0 else None, report, tier, time.perf_counter() - started,
                                     clock.seconds, clock.calls)
             except Exception:
                 # Peers may be waiting in a collective this rank will never join: exit, so
