@@ -164,7 +164,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            block_ids = self.kvm.allocate_slots(req, num_new)
+            block_ids = self._allocate(req, num_new)
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -205,7 +205,7 @@ class Scheduler:
                     self._asked_connector.discard(req.request_id)
                     continue
                 if n_ext > 0 and load_async:
-                    block_ids = self.kvm.allocate_slots(req, n_ext, hits)
+                    block_ids = self._allocate(req, n_ext, hits)
                     if block_ids is None:
                         self._asked_connector.discard(req.request_id)
                         break
@@ -232,7 +232,7 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            block_ids = self.kvm.allocate_slots(req, num_new, hits if fresh else None)
+            block_ids = self._allocate(req, num_new, hits if fresh else None)
             if block_ids is None:
                 break
             self.waiting.popleft()
@@ -251,6 +251,29 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
+    def _allocate(self, req: Request, num_new: int,
+                  hits: tuple[list[KVBlock], ...] | None = None) -> BlockIds | None:
+        """kvm.allocate_slots, ending held prefixes nobody reads yet while blocks are short: a hold
+        (another instance's wish to read a prefix) never makes a request of this instance wait or be
+        preempted."""
+        block_ids = self.kvm.allocate_slots(req, num_new, hits)
+        while block_ids is None and self._end_a_hold():
+            block_ids = self.kvm.allocate_slots(req, num_new, hits)
+        return block_ids
+
+    def _end_a_hold(self) -> bool:
+        """End the oldest held prefix whose lease no reader was granted a read of, and free its blocks
+        (they stay in the prefix cache until evicted). False when no hold can end."""
+        if self.connector is None:
+            return False
+        for hold_id in list(self.held_prefixes):
+            if self.connector.end_hold(hold_id):
+                del self.held_prefixes[hold_id]
+                self.sending.pop(hold_id, None)
+                self.kvm.free(hold_id)
+                return True
+        return False
+
     def _tier_load(self, req: Request, hits: tuple[list[KVBlock], ...], num_local: int) -> TierHit:
         """Load the blocks of `req`'s prompt that follow its pool hit from the KV tier, when it holds
         them and that is predicted faster than computing them: blocks for them now, the load in this
@@ -266,7 +289,7 @@ class Scheduler:
         if self.prefer_tier_load is not None and not self.prefer_tier_load(n * bs):
             self.tier.counters.skipped_slower += 1
             return TierHit.NONE
-        block_ids = self.kvm.allocate_slots(req, n * bs, hits)
+        block_ids = self._allocate(req, n * bs, hits)
         if block_ids is None:
             return TierHit.NO_ROOM
         self.waiting.popleft()

@@ -22,7 +22,10 @@ Sequence numbers (one publisher's, from 0, one per batch) keep the index exact:
 An instance is routed cold (overlap 0) while it resyncs, and when nothing (no event, no
 `note_alive`) came from it for `stale_after_s` (the clock is injected). Every problem is counted
 per instance and kind (`Problem`) and logged once per kind; nothing here raises on bad input.
-Only the primary medium counts (None or "GPU"; vLLM's CPU/STORAGE offload tiers are ignored).
+The primary medium (None or "GPU") gives the cached prefix (`overlap_blocks`: what an instance's
+prefix cache holds and a hold can pin); blocks of a lower tier (any other medium: kvbridge's "DISK"
+tier, vLLM's "CPU" offload) of the index's block size are kept apart and extend it in
+`reusable_blocks` (what the instance serves without computing: it loads them back).
 
 Cost (benchmarks/kv_index.py, one core of this project's 2-core Xeon, machine otherwise idle): a
 rebuild from replay takes 0.35 s per million blocks when events carry 16 blocks each (vLLM stores
@@ -95,6 +98,7 @@ class InstanceView:
 @dataclass
 class _Instance:
     groups: dict[int, set[int]] = field(default_factory=dict)
+    tiers: dict[int, set[int]] = field(default_factory=dict)  # per group, blocks of a lower tier (any other medium)
     last_seq: int | None = None  # last batch applied
     last_live: int | None = None  # highest seq seen on the live stream
     resync_from: int | None = None  # a replay is pending from this seq
@@ -198,6 +202,15 @@ class FleetIndex:
                 return 0
             return min((_prefix(st.groups.get(g), hashes) for g in groups), default=0)
 
+    def reusable_blocks(self, instance: str, hashes: Sequence[int], groups: Iterable[int] = (0,)) -> int:
+        """How many leading blocks of `hashes` the instance holds in its prefix cache or a lower tier,
+        in every one of `groups` (>= overlap_blocks); 0 for an instance that is not LIVE."""
+        with self._lock:
+            st = self._instances.get(instance)
+            if st is None or self._status(st) is not InstanceStatus.LIVE:
+                return 0
+            return min((_prefix_in(st.groups.get(g), st.tiers.get(g), hashes) for g in groups), default=0)
+
     def overlap(self, instance: str, token_ids: Sequence[int], groups: Iterable[int] = (0,)) -> int:
         """`overlap_blocks` of the request's tokens (hashing them; for several instances, hash
         once with `hashes`)."""
@@ -267,6 +280,7 @@ class FleetIndex:
         if st.groups or st.last_seq is not None:
             self._count(instance, st, Problem.LOSSY_RESYNC)
         st.groups.clear()
+        st.tiers.clear()
         st.last_seq, st.accept_any, st.complete = None, True, False
 
     def _apply(self, instance: str, st: _Instance, seq: int, payload: bytes, in_replay: bool) -> IngestResult:
@@ -281,22 +295,27 @@ class FleetIndex:
         for skip in decoded.skipped:
             self._count(instance, st, Problem.UNKNOWN_EVENT_TYPE if skip is SkipKind.UNKNOWN_TYPE
                         else Problem.INVALID_EVENT)
-        groups, block_size = st.groups, self.block_size
+        groups, tiers, block_size = st.groups, st.tiers, self.block_size
         for event in decoded.events:  # a rebuild's hot loop: no allocation but the sets' own
             if isinstance(event, StoredHashes):
-                if event.medium is None or event.medium == "GPU":
-                    if event.block_size != block_size:
-                        self._count(instance, st, Problem.BLOCK_SIZE)
-                    group = event.group_idx or 0
-                    held = groups.get(group)
-                    if held is None:
-                        held = groups[group] = set()
-                    held.update(event.block_hashes)
+                primary = event.medium is None or event.medium == "GPU"
+                if primary and event.block_size != block_size:
+                    self._count(instance, st, Problem.BLOCK_SIZE)
+                elif not primary and event.block_size != block_size:
+                    continue  # a tier of other block sizes: its hashes are not this index's
+                where = groups if primary else tiers
+                group = event.group_idx or 0
+                held = where.get(group)
+                if held is None:
+                    held = where[group] = set()
+                held.update(event.block_hashes)
             elif isinstance(event, RemovedHashes):
-                if (event.medium is None or event.medium == "GPU") and (held := groups.get(event.group_idx or 0)):
+                where = groups if event.medium is None or event.medium == "GPU" else tiers
+                if held := where.get(event.group_idx or 0):
                     held.difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 groups.clear()
+                tiers.clear()
         st.last_seq, st.accept_any = seq, False
         return IngestResult(Outcome.APPLIED)
 
@@ -329,6 +348,17 @@ class FleetIndex:
         st.problems[kind] += 1
         if st.problems[kind] == 1:  # once per kind and instance; the counters say how often
             logger.warning("kv events from %s: %s (logged once; counted in the index)", instance, kind.value)
+
+
+def _prefix_in(held: set[int] | None, tier: set[int] | None, hashes: Sequence[int]) -> int:
+    if not tier:
+        return _prefix(held, hashes)
+    n = 0
+    for h in hashes:
+        if h not in tier and (held is None or h not in held):
+            break
+        n += 1
+    return n
 
 
 def _prefix(held: set[int] | None, hashes: Sequence[int]) -> int:

@@ -93,6 +93,7 @@ class LeaseOutcome(str, enum.Enum):
     CONTENT_MISMATCH = "content_mismatch"  # a reader presented another prompt's digest
     SHUTDOWN = "shutdown"  # P shut down while it was held
     KV_CONTENT_MISMATCH = "kv_content_mismatch"  # what D read did not match P's digests (digest.py)
+    PRESSURE = "pressure"  # a held prefix nobody had started reading: the pool needed its blocks
 
 
 _ERROR_OUTCOMES = {LeaseOutcome.EXPIRED: "the lease expired: its blocks were freed unread",
@@ -119,6 +120,7 @@ class Lease:
     granted_at: float = 0.0  # the table's clock at the grant (kvbridge_kv_lease_held_seconds)
     trace: RequestTrace | None = None  # the granting request's, when traced
     granted_ns: int = 0  # wall clock at the grant (the kv.lease span's start); 0 when not traced
+    read_granted: bool = False  # a reader was granted a read (check_read): only its end frees the blocks early
 
     def holds(self, content: str) -> bool:
         """The reader's sequence is this prompt, or this prompt followed by exactly P's tokens."""
@@ -286,6 +288,7 @@ class LeaseTable:
             lease.expiry = max(lease.expiry, now + hold)
             heapq.heappush(self._heap, (lease.expiry, request_id, generation))
             self._reading[request_id] = (now + self.read_watch_s, watch)
+            lease.read_granted = True
             return None, None
 
     def reads_in_flight(self, watched: bool = False, min_age_s: float = 0.0) -> bool:
@@ -312,6 +315,19 @@ class LeaseTable:
         if ended:
             self.stats.incr("early_releases")
         return ended
+
+    def end_unread(self, request_id: str) -> bool:
+        """The pool needs the blocks: end the lease on `request_id` if no read of it was granted
+        (a granted read may be moving the bytes now; its lease ends as usual), and queue them to
+        be freed. True if this call ended it."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.read_granted:
+                return False
+            del self._leases[request_id]
+        self._released.put(request_id)
+        self._ended(lease, LeaseOutcome.PRESSURE)
+        return True
 
     def kv_content_mismatch(self, request_id: str, generation: int) -> bool:
         """D's read failed its digests (digest.py): end the lease and queue its blocks to be freed

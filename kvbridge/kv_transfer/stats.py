@@ -89,6 +89,7 @@ class KVTransferStats(Collector):
         self.handshake_failures: Counter[str] = Counter()
         self.recomputed_requests = 0
         self.held_prefixes = 0  # leases on held prefixes granted (hold_prefix)
+        self.holds_ended_under_pressure = 0  # held prefixes ended unread: the pool needed their blocks
         self.early_releases = 0  # P freed on a release notification (no read)
         self.refused_reads = 0  # P refused a read for a stale or foreign lease
         self.content_mismatches = 0  # P refused a read: its blocks hold another prompt's KV
@@ -182,6 +183,9 @@ class KVTransferStats(Collector):
                                       value=self.recomputed_requests)
             yield CounterMetricFamily(PREFIX + "held_prefixes", "leases granted on a cached prefix held for a "
                                       "reader (POST /kvbridge/kv_hold)", value=self.held_prefixes)
+            yield CounterMetricFamily(PREFIX + "holds_ended_under_pressure", "held prefixes whose lease ended "
+                                      "before any read: the pool needed their blocks",
+                                      value=self.holds_ended_under_pressure)
             yield CounterMetricFamily(PREFIX + "handshakes", "successful handshakes", value=self.handshakes)
             hs_failed = CounterMetricFamily(PREFIX + "handshake_failures", "failed handshakes", labels=["kind"])
             for kind, n in sorted(self.handshake_failures.items()):

@@ -165,7 +165,8 @@ def proxy_app(proxy: PDProxy, tracing: Tracing | None = None) -> FastAPI:
         if tokens is None:
             return openai_error(400, "the request's prompt could not be tokenized by a healthy instance", "invalid_prompt")
         prediction = view.predict(tokens, urls)
-        return JSONResponse({"prompt_tokens": prediction.prompt_tokens, "cached": prediction.cached})
+        return JSONResponse({"prompt_tokens": prediction.prompt_tokens, "cached": prediction.cached,
+                             "reusable": {u: prediction.served(u) for u in prediction.cached}})
 
     @app.get("/health")
     async def health() -> Response:

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -103,6 +103,13 @@ class Prediction:
     prompt_tokens: int
     cached: dict[str, int]
     token_ids: tuple[int, ...] = ()  # the prompt's, as the instances compute it (a hold names them)
+    # per URL, the prompt tokens it serves without computing: `cached` and what continues it in a lower
+    # KV tier (engine/kv_tier.py: loaded back, not computed); absent: `cached` alone
+    reusable: dict[str, int] = field(default_factory=dict)
+
+    def served(self, url: str) -> int:
+        """The prompt tokens `url` will not compute: its prefix cache and its KV tier together."""
+        return self.reusable.get(url, self.cached.get(url, 0))
 
 
 class FleetView:
@@ -205,18 +212,20 @@ class FleetView:
         """The prompt tokens each of `urls` holds (0 for one without a live feed); the request's
         hashes are computed once per index."""
         cached: dict[str, int] = {}
+        reusable: dict[str, int] = {}
         hashes: dict[tuple[bytes, int], list[int]] = {}
         for url in urls:
             feed = self._feeds.get(url)
             if feed is None:
-                cached[url] = 0
+                cached[url] = reusable[url] = 0
                 continue
             key = (feed.contract.hash_root, feed.contract.block_size)
             index = self._indexes[key]
             if key not in hashes:
                 hashes[key] = index.hashes(token_ids[:max(len(token_ids) - 1, 0)])  # the last token is computed
             cached[url] = index.overlap_blocks(url, hashes[key]) * feed.contract.block_size
-        return Prediction(len(token_ids), cached, tuple(token_ids))
+            reusable[url] = index.reusable_blocks(url, hashes[key]) * feed.contract.block_size
+        return Prediction(len(token_ids), cached, tuple(token_ids), reusable)
 
     async def token_ids(self, client: httpx.AsyncClient, url: str, route: str, body: dict[str, Any],
                         headers: dict[str, str], timeout: httpx.Timeout) -> list[int] | None:

@@ -51,8 +51,11 @@ class RoutePlan:
     decode_costs: KvCosts | None = None
 
     def predicted_cached(self, url: str) -> int | None:
-        """The cached prompt tokens predicted for `url`, or None without a prediction."""
-        return None if self.prediction is None else self.prediction.cached.get(url)
+        """The prompt tokens predicted not computed on `url` (its prefix cache and KV tier: what its
+        answer's cached_tokens counts), or None without a prediction of it."""
+        if self.prediction is None or url not in self.prediction.cached:
+            return None
+        return self.prediction.served(url)
 
 
 FORCED_PD = RoutePlan(Decision("prefill_decode", "forced"))
@@ -66,7 +69,7 @@ def costs(view: FleetFacts, prediction: Prediction, urls: list[str]) -> KvCosts:
     blocks = DEFAULT_BLOCK_SIZE
     for url in urls:
         blocks = view.block_size(url) or DEFAULT_BLOCK_SIZE
-        out[url] = cost(prediction.prompt_tokens, prediction.cached[url] // blocks, view.load(url) or IDLE, blocks)
+        out[url] = cost(prediction.prompt_tokens, prediction.served(url) // blocks, view.load(url) or IDLE, blocks)
     return KvCosts(out, float(math.ceil(prediction.prompt_tokens / blocks)))
 
 
@@ -83,7 +86,7 @@ def plan(view: FleetFacts, prediction: Prediction | None, prefill: list[str], de
                          else Decision("prefill_decode", "forced" if mode == "always" else "no_prediction"))
     d_costs, p_costs = costs(view, prediction, decode), costs(view, prediction, prefill)
     d = decode[cheapest([d_costs.by_url[u] + d_costs.per_outstanding * outstanding.get(u, 0) for u in decode])]
-    cached_d, n = prediction.cached[d], prediction.prompt_tokens
+    cached_d, n = prediction.served(d), prediction.prompt_tokens
     if mode in ("always", "never"):
         decision = Decision("prefill_decode" if mode == "always" else "decode_only", "forced")
     elif mode == "static":
@@ -105,7 +108,7 @@ def plan(view: FleetFacts, prediction: Prediction | None, prefill: list[str], de
                                          prefill_tokens_per_s=d_load.prefill_tokens_per_s or p_load.prefill_tokens_per_s,
                                          kv_pull_bytes_per_s=d_load.kv_pull_bytes_per_s or fleet_pull_rate(view, decode))
             held = max(prediction.cached.values(), default=0) if reuse else 0
-            decision = decide_auto(n, cached_d, prediction.cached[p], d_load, p_load, held=held)
+            decision = decide_auto(n, cached_d, prediction.served(p), d_load, p_load, held=held)
     return RoutePlan(decision, prediction, p_costs, d_costs)
 
 

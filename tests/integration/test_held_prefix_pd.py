@@ -233,3 +233,34 @@ def test_hold_refusals(loaded):  # noqa: F811
         settle(consumer, both)
         consumer.shutdown()
         both.shutdown()
+
+
+def test_a_hold_never_makes_the_holders_own_requests_wait_it_ends_under_pressure(loaded, colocated):  # noqa: F811
+    """A holder whose pool is short of blocks ends the held prefix nobody reads yet (lease outcome
+    pressure) instead of queueing or preempting its own request; the reader that comes later fails its
+    read and recomputes the history: the right answer, every block free."""
+    fabric = FakeFabric(seed=9)
+    p = make_engine(loaded, KVRole.BOTH, fabric.create_agent("P"), engine_id="P")
+    # a lease far longer than the test: only pressure can end the hold in time
+    d = make_engine(loaded, KVRole.BOTH, fabric.create_agent("D"), engine_id="D", num_blocks=12, lease_s=600.0)
+    try:
+        second = _turn_one(p, d)  # D caches 3 full blocks of history (52 tokens): the hold pins 3 of 12
+        p.reset_prefix_cache()
+        held = d.hold_prefix(second)
+        assert held.kv_transfer_params is not None and held.num_tokens == 48
+        # 10 blocks: only 9 are free while the hold pins 3; without ending it this request would wait forever
+        big = list(range(3000, 3000 + 10 * 16 - 8))
+        d.add_request("big", big, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        outs = _run(d, (), "big", timeout_s=30.0)
+        assert outs[-1].error is None and len(tokens(outs)) == 8
+        assert d.lease_outcomes() == {"pressure": 1}
+        assert d.connectors.worker.stats.holds_ended_under_pressure == 1
+        p_out = _prefill(p, second, "p-2", held.kv_transfer_params, (d,))  # the hold is gone: P recomputes
+        assert p_out.error is None and p_out.num_loaded_tokens == 0
+        d_outs = decode(d, p, second, to_wire(p_out.kv_transfer_params), GREEDY, request_id="d-2")
+        assert tokens(d_outs) == colocated.generate([second], GREEDY)[0]
+        _all_free(p, d)
+    finally:
+        settle(p, d)
+        p.shutdown()
+        d.shutdown()

@@ -212,3 +212,39 @@ def test_a_tier_is_refused_where_it_cannot_serve(loaded) -> None:  # noqa: F811
                                                               kv_offloading_bytes=1 << 30)), loaded)
     with pytest.raises(ValueError, match="smaller than one KV block"):
         LLMEngine(EngineConfig(model=MODEL, cache=CacheConfig(num_blocks=8, kv_offloading_bytes=10)), loaded)
+
+
+def test_the_tiers_events_let_a_router_predict_what_it_serves_without_computing(loaded) -> None:  # noqa: F811
+    """A real engine's KV events, read by the router's fleet index: after eviction the prefix cache
+    holds none of the history (overlap 0) and the tier all of it (reusable = every full block), which
+    is what the next turn then finds (cached_tokens)."""
+    from kvbridge.kv_events.config import parse_kv_events_config
+    from kvbridge.kv_events.events import KVEventBatch, encode_batch
+    from kvbridge.kv_events.index import FleetIndex
+    from kvbridge.engine.model_runner import kv_bytes_per_block
+    from kvbridge.shape.dtypes import DTYPES
+
+    per_block = kv_bytes_per_block(loaded.arch, BS, DTYPES["float32"])
+    config = EngineConfig(model=MODEL, num_threads=2, cache=CacheConfig(block_size=BS, num_blocks=POOL,
+                                                                       kv_offloading_bytes=64 * per_block),
+                          kv_events=parse_kv_events_config(
+                              '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}'))
+    engine = LLMEngine(config, loaded)
+    batches: list[KVEventBatch] = []
+    real = engine.publisher
+    engine.publisher = type("Recorder", (), {"publish": lambda self, b: batches.append(b),
+                                             "shutdown": lambda self: real.shutdown()})()
+    try:
+        first = _prompt(11)
+        _run(engine, first)
+        _evict(engine, range(60, 62))
+        index = FleetIndex(engine.hash_root, engine.block_size)
+        for seq, batch in enumerate(batches):
+            index.ingest("e", [b"", seq.to_bytes(8, "big"), encode_batch(batch)])
+        turn = first + _prompt(12, 20)
+        hashes = index.hashes(turn[:-1])
+        full = len(first) // BS
+        assert (index.overlap_blocks("e", hashes), index.reusable_blocks("e", hashes)) == (0, full)
+        assert _run(engine, turn).num_cached_tokens == full * BS
+    finally:
+        engine.shutdown()

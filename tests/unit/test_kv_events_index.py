@@ -76,11 +76,33 @@ def test_groups_are_kept_apart_and_a_prefix_must_be_in_every_group_asked():
     assert index.view("d0").blocks == {0: 6, 1: 0}
 
 
-def test_vllm_events_without_a_group_are_group_0_and_offload_tiers_do_not_count():
+def test_vllm_events_without_a_group_are_group_0_and_offload_tiers_are_reusable_not_cached():
     index = make_index()
     h = index.hashes(TOKENS)
     index.ingest("v0", frames(0, stored(h[:3], group=None), stored(h[3:], medium="CPU")))
-    assert index.overlap_blocks("v0", h) == 3
+    assert index.overlap_blocks("v0", h) == 3  # a hold can pin only the prefix cache's
+    assert index.reusable_blocks("v0", h) == 8  # the instance loads the rest back
+
+
+def test_a_tier_continues_the_prefix_until_a_block_neither_holds_and_follows_removals_and_clears():
+    index = make_index()
+    h = index.hashes(TOKENS)
+    # kvbridge's tier: evicted blocks 2-5 went to DISK, blocks 0-1 stayed, block 6 in neither
+    index.ingest("d0", frames(0, stored(h[:2]), stored(h[2:6], medium="DISK", block_size=BS),
+                              stored(h[7:], medium="DISK")))
+    assert (index.overlap_blocks("d0", h), index.reusable_blocks("d0", h)) == (2, 6)
+    index.ingest("d0", frames(1, BlockRemoved(block_hashes=[h[4]], medium="DISK", group_idx=0)))
+    assert index.reusable_blocks("d0", h) == 4
+    index.ingest("d0", frames(2, stored(h[4:5])))  # loaded back into the pool
+    assert (index.overlap_blocks("d0", h), index.reusable_blocks("d0", h)) == (2, 6)
+    index.ingest("d0", frames(3, stored(h[6:7], medium="CPU", block_size=2 * BS)))  # another block size: not ours
+    assert index.reusable_blocks("d0", h) == 6 and index.view("d0").problems == {}
+    index.ingest("d0", frames(4, AllBlocksCleared()))
+    assert index.reusable_blocks("d0", h) == 0
+    index.ingest("d0", frames(5, stored(h[:8], medium="DISK")))
+    index.ingest("d0", frames(7, stored(h[:1])))  # a gap with no replay endpoint: history lost, tiers too
+    index.end_replay("d0", ok=False)
+    assert index.reusable_blocks("d0", h) <= 1
 
 
 def test_bytes_hashes_fold_to_the_int_form():

@@ -58,6 +58,22 @@ def test_the_d_holding_the_prompt_is_the_cheapest_and_auto_serves_it_alone() -> 
     assert routed.predicted_cached(D2) == 624 and routed.predicted_cached("http://elsewhere") is None
 
 
+def test_a_d_whose_kv_tier_holds_the_prompt_serves_it_alone_as_if_cached() -> None:
+    """Busy Ds; the prefix cache of neither holds the prompt, D2's KV tier continues its cached 16
+    tokens to 624: D2 is the cheapest and serves alone (it loads, not computes), and that is the
+    prediction. Without the tier the same fleet sends the prompt through P."""
+    busy = Facts({P: load(), D1: load(running=10, kv_blocks_free=40), D2: load(running=10, kv_blocks_free=40)},
+                 {P: 16, D1: 16, D2: 16})
+    prediction = Prediction(640, {P: 0, D1: 0, D2: 16}, (), {P: 0, D1: 0, D2: 624})
+    routed = plan(busy, prediction, [P], [D1, D2], "auto")
+    assert routed.decode_costs is not None
+    assert min(routed.decode_costs.by_url, key=routed.decode_costs.by_url.__getitem__) == D2
+    assert (routed.decision.path, routed.decision.reason) == ("decode_only", "cost")
+    assert routed.predicted_cached(D2) == 624
+    without_tier = plan(busy, Prediction(640, {P: 0, D1: 0, D2: 16}), [P], [D1, D2], "auto")
+    assert without_tier.decision.path == "prefill_decode"
+
+
 def test_a_busy_d_sends_a_long_uncached_prompt_through_p() -> None:
     busy = Facts({P: load(), D1: load(running=30, kv_blocks_free=40)}, {P: 16, D1: 16})
     decided = plan(busy, Prediction(2000, {P: 0, D1: 0}), [P], [D1], "auto").decision

@@ -284,3 +284,18 @@ def test_control_client_sends_its_read_timeout(control) -> None:
     leases.grant("r1", BLOCKS, 7, PROMPT)
     ControlClient(timeout_s=2.0, read_timeout_s=45.0).check_read("127.0.0.1", port, "r1", 7, BLOCKS, PROMPT)
     assert leases._leases["r1"].expiry >= clock() + 89.0
+
+
+def test_pressure_ends_a_lease_nobody_reads_yet_and_never_one_being_read(table) -> None:
+    """A held prefix the pool needs back: ended unread (outcome pressure), its blocks queued to be freed;
+    once a read was granted, even past the read watch, only the read's own end frees them."""
+    t, clock = table
+    t.grant("r2", BLOCKS, 8, PROMPT)
+    assert t.check_read("r2", 8, BLOCKS, PROMPT) is None
+    clock.now += 20.0  # past the read watch: no longer "in flight" for pacing, still granted
+    assert not t.reads_in_flight()
+    assert not t.end_unread("r2") and "r2" in t
+    assert t.end_unread("r1") and "r1" not in t and not t.end_unread("r1")
+    assert t.finished_sending() == {"r1"}
+    assert t.check_read("r1", 7, BLOCKS, PROMPT) is not None  # a late reader is refused: nothing to read
+    assert t.read_done("r2", 8)

@@ -134,6 +134,12 @@ class SchedulerConnector(ABC):
         (then the scheduler frees them at once)."""
         return None
 
+    def end_hold(self, hold_id: str) -> bool:
+        """The pool needs blocks: end the lease on held prefix `hold_id` now if no reader was granted
+        a read of it yet. True if it ended (the caller frees its blocks at once; `hold_id` still
+        appears in finished_sending later, which the caller then ignores)."""
+        return False
+
     def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         """The load-failure policy: True to recompute the request's invalid blocks
         locally, False to finish it with an error."""

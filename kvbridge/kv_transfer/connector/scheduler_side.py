@@ -273,6 +273,12 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
             tp_size=self.tp_size, remote_num_tokens=num_tokens, remote_block_size=self.block_size,
             lease_generation=generation, remote_cached_tokens=num_tokens, remote_prefix_tokens=num_tokens)
 
+    def end_hold(self, hold_id: str) -> bool:
+        ended = self.leases.end_unread(hold_id)
+        if ended:
+            self.stats.incr("holds_ended_under_pressure")
+        return ended
+
     def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         params = request.kv_transfer_params
         if params is not None and params.is_prefix_load:  # a held prefix only saves work: compute it
