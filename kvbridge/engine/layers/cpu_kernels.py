@@ -121,11 +121,11 @@ def build_dir(isa: str | None = None) -> Path:
 
 
 def _source_identity() -> str:
-    """The kernels' sources, by content and place: another version of them builds in its own folder
+    """The kernels' sources, by content and place, and the builds' compiler flags: another version of them builds in its own folder
     rather than rebuilding (and waiting on) this one's, and so does another checkout of the same
     sources (ninja's build file names the sources' paths, so two checkouts sharing one folder
     rebuilt it in turn, each time the other had built it)."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(repr(sorted(ISA_FLAGS.items())).encode())  # new compiler flags: a new build
     for source in SOURCES + HEADERS:
         digest.update(str(source.resolve()).encode())
         digest.update(source.read_bytes())

@@ -34,6 +34,12 @@ namespace {
 
 using kvbridge::bf16;
 using kvbridge::hsum;
+using kvbridge::hsum_nat;
+using kvbridge::kNat;
+using kvbridge::load_nat;
+using kvbridge::splat_nat;
+using kvbridge::store_nat;
+using kvbridge::vnat;
 using kvbridge::kVec;
 using kvbridge::load;
 using kvbridge::store;
@@ -61,39 +67,57 @@ inline float dot(const float* __restrict__ a, const T* __restrict__ b, int64_t n
 }
 
 // out[i] = q . k[i * D ..] for kTile keys at once, D a multiple of kVec: kTile independent chains
-// of vector FMAs (one key at a time waits on each FMA's latency; the scores were most of the time).
-constexpr int64_t kTile = 8;
+// of vector FMAs (one key at a time waits on each FMA's latency; the scores were most of the time),
+// in the build's own vectors (vnat), 8 keys with AVX-512, 4 with AVX2, so that the accumulators stay
+// in registers. Each key sums the lanes of 16-float chunks as one vfloat would (with AVX2 a chunk's
+// halves in two accumulators, added as sum16 adds them): the same result in every build.
+constexpr int64_t kTile = kvbridge::kNatRegs >= 32 ? 8 : 4;
+constexpr int64_t kHalves = kVec / kNat;  // vnats per 16 floats: 1 with AVX-512, 2 with AVX2
 
 template <typename T>
 inline void dot_tile(const float* __restrict__ q, const T* __restrict__ k, int64_t D, float* out) {
-  vfloat acc[kTile] = {};
+  vnat acc[kTile][kHalves] = {};
   for (int64_t d = 0; d < D; d += kVec) {
-    const vfloat qv = load(q + d);
-    for (int64_t i = 0; i < kTile; ++i) acc[i] += qv * load(k + i * D + d);
+    for (int64_t h = 0; h < kHalves; ++h) {
+      const vnat qv = load_nat(q + d + h * kNat);
+      for (int64_t i = 0; i < kTile; ++i) acc[i][h] += qv * load_nat(k + i * D + d + h * kNat);
+    }
   }
-  for (int64_t i = 0; i < kTile; ++i) out[i] = hsum(acc[i]);
+  for (int64_t i = 0; i < kTile; ++i) {
+    vnat lanes = acc[i][0];
+    for (int64_t h = 1; h < kHalves; ++h) lanes += acc[i][h];
+    out[i] = hsum_nat(lanes);
+  }
 }
 
-// a[0 .. C * kVec) += sum over t < n of p[t] * v[t * D ..]: even and odd keys in two chains of
-// C vectors each, in registers, so the accumulator is loaded and stored once per block.
+// a[0 .. C * kVec) += sum over t < n of p[t] * v[t * D ..]: even and odd keys in two chains of the
+// build's own vectors, in registers, so the accumulator is loaded and stored once per block. Where
+// the two chains of C * kVec columns would not fit the registers (AVX2 at C = 4), the columns in
+// halves: each column's sum is its own, so the result is the same.
 template <int64_t C, typename T>
 inline void add_weighted_vectors(float* __restrict__ a, const float* __restrict__ p, const T* __restrict__ v,
                                  int64_t n, int64_t D) {
-  vfloat x0[C], x1[C];
-  for (int64_t c = 0; c < C; ++c) x0[c] = load(a + c * kVec), x1[c] = vfloat{};
-  int64_t t = 0;
-  for (; t + 1 < n; t += 2) {
-    const vfloat p0 = vfloat{} + p[t], p1 = vfloat{} + p[t + 1];
-    for (int64_t c = 0; c < C; ++c) {
-      x0[c] += p0 * load(v + t * D + c * kVec);
-      x1[c] += p1 * load(v + (t + 1) * D + c * kVec);
+  constexpr int64_t CN = C * kVec / kNat;
+  if constexpr (C > 1 && 2 * CN + 2 > kvbridge::kNatRegs) {
+    add_weighted_vectors<C / 2>(a, p, v, n, D);
+    add_weighted_vectors<C - C / 2>(a + C / 2 * kVec, p, v + C / 2 * kVec, n, D);
+  } else {
+    vnat x0[CN], x1[CN];
+    for (int64_t c = 0; c < CN; ++c) x0[c] = load_nat(a + c * kNat), x1[c] = vnat{};
+    int64_t t = 0;
+    for (; t + 1 < n; t += 2) {
+      const vnat p0 = splat_nat(p[t]), p1 = splat_nat(p[t + 1]);
+      for (int64_t c = 0; c < CN; ++c) {
+        x0[c] += p0 * load_nat(v + t * D + c * kNat);
+        x1[c] += p1 * load_nat(v + (t + 1) * D + c * kNat);
+      }
     }
+    if (t < n) {
+      const vnat p0 = splat_nat(p[t]);
+      for (int64_t c = 0; c < CN; ++c) x0[c] += p0 * load_nat(v + t * D + c * kNat);
+    }
+    for (int64_t c = 0; c < CN; ++c) store_nat(a + c * kNat, x0[c] + x1[c]);
   }
-  if (t < n) {
-    const vfloat p0 = vfloat{} + p[t];
-    for (int64_t c = 0; c < C; ++c) x0[c] += p0 * load(v + t * D + c * kVec);
-  }
-  for (int64_t c = 0; c < C; ++c) store(a + c * kVec, x0[c] + x1[c]);
 }
 
 // a[c..c+W) += sum over t < n of p[t] * v[t * D + c ..], for the W columns from c: even and odd

@@ -3,7 +3,7 @@
 //
 // Work item: (KV head, tile of 16 query positions); the KV head's query heads (its GQA group)
 // share the item, so each key and value tile is read once for all of them. Scores: K is
-// transposed once per call ([D][keys]), so each query row's 32 scores are two vectors built by D
+// transposed once per call ([D][keys]), so each query row's 32 scores are 2 (AVX-512) or 4 (AVX2) vectors built by D
 // broadcast-FMAs, 8 rows at a time in independent chains (no horizontal sums). Values: each row's
 // output (D floats) is accumulated in registers over the tile's keys. Items are scheduled
 // dynamically, the longest (the last query tiles, which see the most keys) first. Against
@@ -24,16 +24,21 @@
 
 namespace {
 
-using kvbridge::hsum;
+using kvbridge::kNat;
+using kvbridge::kNatRegs;
 using kvbridge::kVec;
-using kvbridge::load;
-using kvbridge::splat;
-using kvbridge::store;
-using kvbridge::vfloat;
+using kvbridge::load_nat;
+using kvbridge::splat_nat;
+using kvbridge::store_nat;
+using kvbridge::vnat;
 
 constexpr int64_t kTile = 16;  // queries per tile
-constexpr int64_t kKeys = 32;  // keys per tile: two vfloats of scores per query row
-constexpr int64_t kRows = 8;   // query rows scored together (independent FMA chains)
+constexpr int64_t kKeys = 32;  // keys per tile
+constexpr int64_t kPer = kKeys / kNat;  // vectors of scores per query row (2 with AVX-512, 4 with AVX2)
+// Query rows scored together (independent FMA chains): their kRows x kPer accumulators and one key
+// tile's kPer vectors stay in registers: 8 rows with AVX-512 (16 + 2 of 32 zmm), 2 with AVX2 (8 + 4
+// of 16 ymm).
+constexpr int64_t kRows = kNatRegs >= 32 ? 8 : 2;
 
 // The largest of 16 floats, as a tree.
 inline float max16(const float* p) {
@@ -49,30 +54,31 @@ constexpr int64_t kMaxD = 256;
 
 inline void add_values(float* __restrict__ out, float rescale, const float* __restrict__ p,
                        const float* __restrict__ v, int64_t v_row, int64_t n, int64_t D) {
-  vfloat acc[kMaxD / kVec];
-  const int64_t C = D / kVec;
-  const vfloat r = splat(rescale);
-  for (int64_t c = 0; c < C; ++c) acc[c] = load(out + c * kVec) * r;
+  vnat acc[kMaxD / kNat];
+  const int64_t C = D / kNat;
+  const vnat r = splat_nat(rescale);
+  for (int64_t c = 0; c < C; ++c) acc[c] = load_nat(out + c * kNat) * r;
   for (int64_t t = 0; t < n; ++t) {
-    const vfloat pt = splat(p[t]);
+    const vnat pt = splat_nat(p[t]);
     const float* row = v + t * v_row;
-    for (int64_t c = 0; c < C; ++c) acc[c] += pt * load(row + c * kVec);
+    for (int64_t c = 0; c < C; ++c) acc[c] += pt * load_nat(row + c * kNat);
   }
-  for (int64_t c = 0; c < C; ++c) store(out + c * kVec, acc[c]);
+  for (int64_t c = 0; c < C; ++c) store_nat(out + c * kNat, acc[c]);
 }
 
-// lo[r] / hi[r] += the scores of query row r (q + r * D, r < nr <= kRows) against keys 0-15 /
-// 16-31 of a key tile (kt[d * L_pad + t]). kFull: nr == kRows, a constant the loop unrolls by.
+// s[r][j] += the scores of query row r (q + r * D, r < nr <= kRows) against keys j * kNat ..
+// (j + 1) * kNat - 1 of a key tile (kt[d * L_pad + t]). kFull: nr == kRows, a constant the loop
+// unrolls by.
 template <bool kFull>
-inline void score_rows(vfloat* lo, vfloat* hi, const float* __restrict__ q, const float* __restrict__ kt,
-                       int64_t D, int64_t L_pad, int64_t nr) {
+inline void score_rows(vnat (*s)[kPer], const float* __restrict__ q, const float* __restrict__ kt, int64_t D,
+                       int64_t L_pad, int64_t nr) {
   const int64_t n = kFull ? kRows : nr;
   for (int64_t d = 0; d < D; ++d) {
-    const vfloat k_lo = load(kt + d * L_pad), k_hi = load(kt + d * L_pad + kVec);
+    vnat k[kPer];
+    for (int64_t j = 0; j < kPer; ++j) k[j] = load_nat(kt + d * L_pad + j * kNat);
     for (int64_t r = 0; r < n; ++r) {
-      const vfloat qd = splat(q[r * D + d]);
-      lo[r] += qd * k_lo;
-      hi[r] += qd * k_hi;
+      const vnat qd = splat_nat(q[r * D + d]);
+      for (int64_t j = 0; j < kPer; ++j) s[r][j] += qd * k[j];
     }
   }
 }
@@ -93,6 +99,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "prefill_attention: q, k and v disagree on tokens, KV heads or head_dim");
   TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0, "prefill_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(D % kVec == 0 && D <= kMaxD, "prefill_attention: head_dim must be a multiple of 16, at most 256");
+  static_assert(kVec % kNat == 0 && kKeys % kNat == 0);
 
   at::Tensor out = at::empty({L, H, D}, q.options());
   if (L == 0) return out;
@@ -138,23 +145,22 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       const float* vt = v_data + k0 * v_tok + h * v_head;
       for (int64_t R0 = 0; R0 < NR; R0 += kRows) {
         const int64_t nr = std::min(kRows, NR - R0);
-        vfloat lo[kRows] = {}, hi[kRows] = {};  // scores of keys k0 .. k0 + 15, k0 + 16 .. k0 + 31
+        vnat scores[kRows][kPer] = {};  // row r's scores of keys k0 .. k0 + 31
         if (nr == kRows) {
-          score_rows<true>(lo, hi, qs.data() + R0 * D, kt, D, L_pad, nr);
+          score_rows<true>(scores, qs.data() + R0 * D, kt, D, L_pad, nr);
         } else {
-          score_rows<false>(lo, hi, qs.data() + R0 * D, kt, D, L_pad, nr);
+          score_rows<false>(scores, qs.data() + R0 * D, kt, D, L_pad, nr);
         }
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t R = R0 + r, pos = r0 + R % rows;  // the row's query position
           const int64_t n = std::min(nk, pos - k0 + 1);  // keys k0 .. k0 + n - 1 are visible to it
           if (n <= 0) continue;
           float* p = s[r];
-          store(p, lo[r]);
-          store(p + kVec, hi[r]);
+          for (int64_t j = 0; j < kPer; ++j) store_nat(p + j * kNat, scores[r][j]);
           for (int64_t t = n; t < kKeys; ++t) p[t] = -std::numeric_limits<float>::infinity();
           const float m_new = std::max(m[R], std::max(max16(p), max16(p + kVec)));
           for (int64_t t = 0; t < kKeys; ++t) p[t] = kvbridge::vector_exp(p[t] - m_new);  // 0 where masked
-          const float sum = hsum(load(p)) + hsum(load(p + kVec));
+          const float sum = kvbridge::sum16(p) + kvbridge::sum16(p + kVec);
           float rescale = 1.f;
           if (m_new > m[R]) {  // e^(m_old - m_new) < 1: the earlier keys' share shrinks
             rescale = kvbridge::vector_exp(m[R] - m_new);

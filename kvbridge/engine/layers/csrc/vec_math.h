@@ -19,18 +19,21 @@
 namespace kvbridge {
 
 // 16 floats as one value: a zmm register with AVX-512, two ymm with AVX2 (GCC's vector extension;
-// the compiler picks the instructions for the -march it builds for). aligned(4): loads and stores
-// through memcpy may be unaligned.
+// the compiler picks the instructions for the -march it builds for). aligned(4): `load` and `store`
+// may be unaligned.
 typedef float vfloat __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kVec = 16;  // floats in a vfloat
 
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+// Loads and stores through an under-aligned, may-alias view of the floats (as the intrinsics' own
+// __m256_u): the compiler emits unaligned vector moves. A memcpy into a local vector instead was
+// expanded, for the AVX2 build, into 16-byte pieces stored to the stack and reloaded whole: a
+// store-forwarding stall on every load, which left the avx2 build's attention kernels 5-20x slower
+// than the avx512 build's on one CPU (benchmarks/README.md, isa_paths).
+typedef float vfloat_u __attribute__((vector_size(64), aligned(4), may_alias));
 
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_u*>(p); }
+
+inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_u*>(p) = v; }
 
 // bfloat16 as stored (the high half of an fp32): the attention kernels read bf16 K/V and queries
 // through these and compute in fp32. Widening is exact; narrowing rounds to nearest even, as torch.
@@ -60,11 +63,9 @@ inline float round_to(float x, const bf16*) {
 
 // 16 bf16 widened to 16 floats (a zero-extend and a shift: vpmovzxwd + vpslld with AVX-512).
 inline vfloat load(const bf16* p) {
-  typedef uint16_t vhalf __attribute__((vector_size(32), aligned(2)));
+  typedef uint16_t vhalf __attribute__((vector_size(32), aligned(2), may_alias));
   typedef uint32_t vword __attribute__((vector_size(64)));
-  vhalf h;
-  std::memcpy(&h, p, sizeof h);
-  const vword w = __builtin_convertvector(h, vword) << 16;
+  const vword w = __builtin_convertvector(*reinterpret_cast<const vhalf*>(p), vword) << 16;
   return reinterpret_cast<const vfloat&>(w);
 }
 
@@ -84,6 +85,62 @@ inline float hsum(vfloat v) {
   v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
 #endif
   return v[0] + v[1];
+}
+
+// The widest vector the build's registers hold: vnat, kNat floats (a zmm with AVX-512, a ymm with
+// AVX2), and how many of them the register file holds (kNatRegs). vfloat is 16 floats whatever the
+// build, right for AVX-512; with AVX2 a tile of 16 vfloat accumulators is 32 ymm, twice the register
+// file, and spills on every FMA. Register tiles are therefore written in vnat, sized by kNatRegs.
+#if defined(__AVX512F__)
+constexpr int64_t kNat = 16;
+constexpr int64_t kNatRegs = 32;
+typedef float vnat __attribute__((vector_size(64), aligned(4)));
+#else
+constexpr int64_t kNat = 8;
+constexpr int64_t kNatRegs = 16;
+typedef float vnat __attribute__((vector_size(32), aligned(4)));
+#endif
+
+typedef float vnat_u __attribute__((vector_size(kNat * 4), aligned(4), may_alias));
+
+inline vnat load_nat(const float* p) { return *reinterpret_cast<const vnat_u*>(p); }
+
+// kNat bf16 widened to floats (a zero-extend and a shift).
+inline vnat load_nat(const bf16* p) {
+  typedef uint16_t vhalf __attribute__((vector_size(kNat * 2), aligned(2), may_alias));
+  typedef uint32_t vword __attribute__((vector_size(kNat * 4)));
+  const vword w = __builtin_convertvector(*reinterpret_cast<const vhalf*>(p), vword) << 16;
+  return reinterpret_cast<const vnat&>(w);
+}
+
+inline void store_nat(float* p, vnat v) { *reinterpret_cast<vnat_u*>(p) = v; }
+
+inline vnat splat_nat(float x) { return vnat{} + x; }
+
+// The lanes' sum in a fixed order (halves added until one pair is left).
+inline float hsum_nat(vnat v) {
+#if defined(__AVX512F__)
+  return hsum(v);
+#elif defined(__clang__)
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  return v[0] + v[1];
+#else
+  typedef int32_t vint __attribute__((vector_size(32)));
+  v += __builtin_shuffle(v, vint{4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5});
+  return v[0] + v[1];
+#endif
+}
+
+// The sum of the 16 floats at p in hsum's order (lanes i and i + 8 first, then halves): every build
+// adds them alike, so the kernels' results do not depend on the build's vector width.
+inline float sum16(const float* p) {
+#if defined(__AVX512F__)
+  return hsum(load(p));
+#else
+  return hsum_nat(load_nat(p) + load_nat(p + kNat));
+#endif
 }
 
 // e^x: x = n ln2 + r with |r| <= ln2/2, e^r by Cephes' degree-7 polynomial (about 1 ulp), 2^n put
