@@ -6,6 +6,7 @@ background thread: server/async_engine.py). It knows nothing of HTTP.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -170,9 +171,13 @@ class LLMEngine:
         self.kv_cache_manager = self._make_kv_cache_manager()
         self._rates = LoadRateMeter()
         self.kv_tier = self._make_kv_tier()
-        self._tier_bytes_per_s: float | None = None  # one rank's measured tier read rate (EWMA)
+        # The load-or-compute check reads the meter only (a method of the engine would make the
+        # scheduler and the engine a reference cycle: the engine's memory then waits for the cyclic GC)
+        rank_bytes_per_token = kv_bytes_per_block(loaded.arch, config.cache.block_size, DTYPES[config.dtype],
+                                                  config.tensor_parallel_size) / config.cache.block_size
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   kv.scheduler if kv is not None else None, self.kv_tier, self._tier_load_faster)
+                                   kv.scheduler if kv is not None else None, self.kv_tier,
+                                   functools.partial(self._rates.tier_load_faster, bytes_per_token=rank_bytes_per_token))
         self.runner = self._start_runner(loaded, kv.worker if kv is not None else None)
         self.connectors = kv
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -243,16 +248,6 @@ class LLMEngine:
         tier = KVTierIndex(slots, self.block_size, self._events)
         self.kv_cache_manager.pool.on_evicted = tier.evicted
         return tier
-
-    def _tier_load_faster(self, tokens: int) -> bool:
-        """Whether loading `tokens` tokens' KV from the tier (a step's wait included) is predicted
-        faster than computing them, from the measured rates; True until both are measured."""
-        prefill = self._rates.rates.prefill_tokens_per_s
-        if prefill is None or self._tier_bytes_per_s is None:
-            return True
-        per_rank = self.kv_bytes_per_token / self.config.tensor_parallel_size
-        load_s = tokens * per_rank / self._tier_bytes_per_s + (self._rates.rates.decode_step_s or 0.0)
-        return load_s < tokens / prefill
 
     def _start_runner(self, loaded: LoadedModel, worker: WorkerConnector | None) -> ModelRunner | TPExecutor:
         """The model runner (TP 1), or the TP ranks, which load the weights and create their
@@ -449,10 +444,8 @@ class LLMEngine:
             total = sum(len(chunk.token_ids) for chunk in sched.scheduled)
             self._rates.record_step(seconds, prefill, total - prefill)
         tier = result.kv_tier_report
-        if tier is not None and tier.load_bytes and tier.load_s > 0:
-            rate = tier.load_bytes / tier.load_s
-            old = self._tier_bytes_per_s
-            self._tier_bytes_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+        if tier is not None:
+            self._rates.record_tier_load(tier.load_s, tier.load_bytes)
         out = result.kv_connector_output
         if self.connectors is None or out is None:
             return
@@ -631,3 +624,5 @@ class LLMEngine:
                 half.shutdown()
         if isinstance(self.runner, TPExecutor):
             self.runner.shutdown()
+        elif self.runner.tier is not None:  # the KV tier's file: its disk space goes with the descriptor
+            self.runner.tier.close()

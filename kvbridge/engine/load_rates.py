@@ -39,6 +39,20 @@ class LoadRateMeter:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.rates = LoadRates()
+        self.tier_bytes_per_s: float | None = None  # one rank's KV tier reads (engine/kv_tier.py)
+
+    def record_tier_load(self, seconds: float, nbytes: int) -> None:
+        """One step's KV tier loads read and verified `nbytes` (one rank's) in `seconds`."""
+        if seconds > 0.0 and nbytes > 0:
+            self.tier_bytes_per_s = _ewma(self.tier_bytes_per_s, nbytes / seconds, self.alpha)
+
+    def tier_load_faster(self, tokens: int, bytes_per_token: float) -> bool:
+        """Whether loading `tokens` tokens' KV from the tier (`bytes_per_token` on one rank; a step's wait
+        included) is predicted faster than computing them; True until both rates are measured."""
+        prefill = self.rates.prefill_tokens_per_s
+        if prefill is None or self.tier_bytes_per_s is None:
+            return True
+        return tokens * bytes_per_token / self.tier_bytes_per_s + (self.rates.decode_step_s or 0.0) < tokens / prefill
 
     def record_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         """One step's compute: `seconds` of it, computing `prefill_tokens` prompt tokens and

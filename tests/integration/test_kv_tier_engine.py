@@ -248,3 +248,23 @@ def test_the_tiers_events_let_a_router_predict_what_it_serves_without_computing(
         assert _run(engine, turn).num_cached_tokens == full * BS
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("tier_blocks", [0, 64])
+def test_a_dropped_engine_is_freed_at_once_not_by_the_cyclic_gc(loaded, tier_blocks) -> None:  # noqa: F811
+    """No reference cycle through the engine (the scheduler once held one of its methods): its memory
+    (weights, KV cache) goes back when the last reference does. With cycles, test lanes that build
+    engine after engine grew by the engines' size each time until the kernel killed them."""
+    import gc
+    import weakref
+    gc.collect()
+    gc.disable()
+    try:
+        engine = _engine(loaded, tier_blocks=tier_blocks)
+        _run(engine, _prompt(13, 40))
+        engine.shutdown()
+        ref = weakref.ref(engine)
+        del engine
+        assert ref() is None
+    finally:
+        gc.enable()
