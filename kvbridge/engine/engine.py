@@ -624,5 +624,5 @@ class LLMEngine:
                 half.shutdown()
         if isinstance(self.runner, TPExecutor):
             self.runner.shutdown()
-        elif self.runner.tier is not None:  # the KV tier's file: its disk space goes with the descriptor
-            self.runner.tier.close()
+        elif (tier := getattr(self.runner, "tier", None)) is not None:  # the KV tier's file: its disk
+            tier.close()  # space goes with the descriptor (a stand-in runner of a test may have no tier)
