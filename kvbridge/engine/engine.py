@@ -173,8 +173,10 @@ class LLMEngine:
         self.kv_tier = self._make_kv_tier()
         # The load-or-compute check reads the meter only (a method of the engine would make the
         # scheduler and the engine a reference cycle: the engine's memory then waits for the cyclic GC)
-        rank_bytes_per_token = kv_bytes_per_block(loaded.arch, config.cache.block_size, DTYPES[config.dtype],
-                                                  config.tensor_parallel_size) / config.cache.block_size
+        self.kv_bytes_per_token = (kv_bytes_per_block(loaded.arch, config.cache.block_size, DTYPES[config.dtype],
+                                                      config.tensor_parallel_size)
+                                   * config.tensor_parallel_size // config.cache.block_size)
+        rank_bytes_per_token = self.kv_bytes_per_token / config.tensor_parallel_size
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    kv.scheduler if kv is not None else None, self.kv_tier,
                                    functools.partial(self._rates.tier_load_faster, bytes_per_token=rank_bytes_per_token))
@@ -187,9 +189,6 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # final outputs of requests finished between steps
         self._holds = 0  # prefixes held so far (hold_prefix): their ids
         self.role = _ROLES[config.kv_transfer.role] if config.kv_transfer is not None else "both"
-        self.kv_bytes_per_token = (kv_bytes_per_block(loaded.arch, config.cache.block_size, DTYPES[config.dtype],
-                                                      config.tensor_parallel_size)
-                                   * config.tensor_parallel_size // config.cache.block_size)
         self.publisher: EventPublisher = NullEventPublisher()
         self.kv_events: KVEventsInfo | None = None
         if self._events is not None:  # last: nothing after it can fail and leave its sockets open
@@ -261,7 +260,8 @@ class LLMEngine:
         else:
             agent = setup.local_agent if setup is not None else None
             runner = ModelRunner(loaded.arch, loaded.weights, config.dtype, config.device, config.cache.block_size,
-                                 self.num_blocks, config.seed, agent, tier_slots=tier_slots(config, loaded.arch),
+                                 self.num_blocks, config.seed, agent,
+                                 tier_slots=self.kv_tier.num_slots if self.kv_tier is not None else 0,
                                  tier_dir=config.cache.kv_tier_dir)
             registrations = [agent.registration] if agent is not None else []
         if worker is not None:
