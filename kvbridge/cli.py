@@ -114,6 +114,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                          "(default: the side channel's address)")
     kv.add_argument("--kv-lease-seconds", type=float, default=30.0,
                     help="how long a prefill instance holds KV for a reader that never comes (default: %(default)s)")
+    kv.add_argument("--kv-retention-seconds", type=float, default=0.0,
+                    help="keep each finished answer's KV (its conversation's history) for the next turn this "
+                         "long after its last use, so other traffic does not evict it first; held within a "
+                         "quarter of the KV cache and given up whenever a request needs the blocks; instances "
+                         "that serve reads (role producer or both) only; 0: off (default: %(default)s)")
     kv.add_argument("--kv-handshake-timeout", type=float, default=5.0,
                     help="seconds a decode instance waits for a prefill instance's handshake (default: %(default)s)")
     kv.add_argument("--kv-transfer-timeout", type=float, default=30.0,
@@ -207,7 +212,8 @@ def engine_config_from_args(a: argparse.Namespace):
             role=KVRole(a.kv_role), backend=a.kv_backend, engine_id=a.kv_engine_id,
             side_channel_host=a.kv_side_channel_host or getattr(a, "host", None) or "127.0.0.1",
             advertise_host=a.kv_advertise_host, side_channel_port=a.kv_side_channel_port,
-            lease_seconds=a.kv_lease_seconds, handshake_timeout_s=a.kv_handshake_timeout,
+            lease_seconds=a.kv_lease_seconds, retention_seconds=a.kv_retention_seconds,
+            handshake_timeout_s=a.kv_handshake_timeout,
             transfer_timeout_s=a.kv_transfer_timeout,
             load_failure_policy=LoadFailurePolicy(a.kv_load_failure_policy),
             recompute_max_tokens=a.kv_load_failure_recompute_max_tokens, kv_verify=a.kv_verify == "on",

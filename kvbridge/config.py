@@ -76,6 +76,9 @@ class KVTransferConfig:
     advertise_host: str = ""
     side_channel_port: int = 0  # 0: chosen by the OS
     lease_seconds: float = 30.0
+    # An answer's cached blocks (its conversation's history) are kept for the next turn this long from
+    # their last use, within the held prefixes' share of the pool (kv_transfer/lease.py); 0: not kept
+    retention_seconds: float = 0.0
     handshake_timeout_s: float = 5.0
     # A KV read still in progress this long after it started fails (policy applies); the peer's
     # transfer agent is dropped first so nothing lands later (rank_agent.py).
@@ -93,6 +96,8 @@ class KVTransferConfig:
             raise ValueError(f"unknown KV transfer backend {self.backend!r} (nixl, tcp or fake)")
         if self.lease_seconds <= 0:
             raise ValueError("lease_seconds must be positive")
+        if self.retention_seconds < 0:
+            raise ValueError("retention_seconds must be >= 0")
         if self.handshake_timeout_s <= 0:
             raise ValueError("handshake_timeout_s must be positive")
         if self.transfer_timeout_s <= 0:

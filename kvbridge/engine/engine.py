@@ -109,13 +109,14 @@ class EngineLoad:
     queued_prompt_tokens: int  # prompt tokens of queued requests not computed yet
     oldest_arrival: float | None  # time.monotonic() at which the oldest waiting request arrived; None: none waits
     kv_blocks_total: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by requests and leases; retained answers' blocks not counted (any request takes them)
     leases_held: int  # P: leases granted on finished requests' blocks and not ended yet
     # Measured rates (engine/load_rates.py), None until measured, and the KV one token takes.
     prefill_tokens_per_s: float | None = None
     decode_step_s: float | None = None
     kv_pull_bytes_per_s: float | None = None
     kv_bytes_per_token: int = 0
+    kv_blocks_retained: int = 0  # kept for conversations' next turns (--kv-retention-seconds)
 
     def oldest_wait_s(self, now: float) -> float:
         return max(0.0, now - self.oldest_arrival) if self.oldest_arrival is not None else 0.0
@@ -578,11 +579,13 @@ class LLMEngine:
         """This engine's load now: O(waiting requests)."""
         s, pool = self.scheduler, self.kv_cache_manager.pool
         waiting = [*s.waiting, *s.remote_waiting.values()]
+        retained = s.retentions.pinned if s.retentions is not None else 0
         return EngineLoad(
             role=self.role, running=len(s.running), waiting=len(waiting),
             queued_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.waiting),
             oldest_arrival=min((r.arrival_time for r in waiting), default=None),
-            kv_blocks_total=pool.num_usable_blocks, kv_blocks_used=pool.num_usable_blocks - pool.num_free_blocks,
+            kv_blocks_total=pool.num_usable_blocks,
+            kv_blocks_used=pool.num_usable_blocks - pool.num_free_blocks - retained, kv_blocks_retained=retained,
             leases_held=self.worker_status().leases_held, prefill_tokens_per_s=self._rates.rates.prefill_tokens_per_s,
             decode_step_s=self._rates.rates.decode_step_s, kv_pull_bytes_per_s=self._rates.rates.kv_pull_bytes_per_s,
             kv_bytes_per_token=self.kv_bytes_per_token)
@@ -611,8 +614,16 @@ class LLMEngine:
         died between steps), or None. Cheap; safe from any thread."""
         return self.runner.failure() if isinstance(self.runner, TPExecutor) else None
 
+    def stop_retaining(self) -> None:
+        """A drain: this instance serves no conversation's next turn. Free every retained answer's
+        blocks now (--kv-retention-seconds; they stay in the prefix cache until evicted) and retain
+        no answer that finishes from now on."""
+        self.scheduler.end_retentions(for_good=True)
+
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (subscribers get AllBlocksCleared with the next step's events)."""
+        """Forget every cached prefix (subscribers get AllBlocksCleared with the next step's events);
+        retained answers end first (their blocks would be found by no one)."""
+        self.scheduler.end_retentions()
         self.kv_cache_manager.reset_prefix_cache()
         if self.kv_tier is not None:
             self.kv_tier.clear()

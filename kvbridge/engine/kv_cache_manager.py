@@ -225,6 +225,15 @@ class KVCacheManager:
                 self._drop_behind_window(table[gi], group.first_needed_block(first_new))
         return self.get_block_ids(request.request_id)
 
+    def reference(self, request_id: str, blocks: tuple[list[KVBlock], ...]) -> BlockIds:
+        """Reference cached `blocks` (a get_computed_blocks hit, every group) under `request_id`, which
+        holds none yet: they stay out of the free queue until `free(request_id)`."""
+        if request_id in self._tables:
+            raise ValueError(f"{request_id!r} already holds blocks")
+        self.pool.touch(b for g in blocks for b in g if b is not self.pool.null_block)
+        self._tables[request_id] = tuple(list(g) for g in blocks)
+        return self.get_block_ids(request_id)
+
     def _drop_behind_window(self, blocks: list[KVBlock], first_needed: int) -> None:
         null = self.pool.null_block
         behind = [b for b in blocks[:first_needed] if b is not null]

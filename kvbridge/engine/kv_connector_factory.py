@@ -58,6 +58,7 @@ def build_connectors(config: EngineConfig, arch: ModelArchConfig, model_identity
     stats = KVTransferStats()
     leases = LeaseTable(kv.lease_seconds, clock=clock, stats=stats, engine_id=engine_id)
     stats.held_blocks = leases.held_blocks
+    stats.retained_blocks = leases.retained_blocks
     side_channel = None
     if kv.role in (KVRole.PRODUCER, KVRole.BOTH):
         side_channel = SideChannelServer({}, kv.side_channel_host, kv.side_channel_port,

@@ -27,6 +27,7 @@ from kvbridge.engine.block_pool import KVBlock
 from kvbridge.engine.kv_cache_manager import KVCacheManager
 from kvbridge.engine.kv_tier import KVTierIndex, TierReport
 from kvbridge.engine.request import FinishReason, Request, RequestStatus
+from kvbridge.engine.retention import Retentions
 from kvbridge.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvbridge.kv_transfer.connector.base import KVConnectorOutput, SchedulerConnector
 from kvbridge.kv_transfer.params import KV_LOAD_FAILED, BlockIds, KVTransferParams
@@ -35,7 +36,8 @@ from kvbridge.tracing import RequestTrace
 logger = logging.getLogger(__name__)
 
 # The most of the block pool that held prefixes (hold_prefix: blocks pinned for another instance's
-# read, until its lease ends) may pin together; a hold beyond it holds nothing.
+# read, until its lease ends) and retained answers (engine/retention.py) may pin together; a hold
+# beyond it ends retentions first, then holds nothing.
 MAX_HELD_FRACTION = 0.25
 
 
@@ -84,6 +86,8 @@ class Scheduler:
         self.remote_waiting: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
         self.sending: dict[str, Request] = {}  # finished, blocks held for a remote reader
         self.held_prefixes: dict[str, int] = {}  # hold id -> blocks it pins (hold_prefix), until its lease ends
+        # finished answers' blocks kept for their conversation's next turn (--kv-retention-seconds)
+        self.retentions = Retentions(kv_cache_manager, connector) if connector is not None else None
         self.tier = tier
         self.prefer_tier_load = prefer_tier_load
         self.tier_loading: dict[str, Request] = {}  # loading from the tier this step (within one step only)
@@ -112,7 +116,8 @@ class Scheduler:
     def holds(self, request_id: str) -> bool:
         """Any state for this id: queued, running, waiting for remote KV, finished but still
         settling a read, or finished with its blocks held for a remote reader (a lease)."""
-        return request_id in self.requests or request_id in self.sending
+        return (request_id in self.requests or request_id in self.sending
+                or (self.retentions is not None and request_id in self.retentions))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote_waiting)
@@ -152,7 +157,19 @@ class Scheduler:
         if delay:
             self.sending[req.request_id] = req
         else:
+            if self.retentions is not None:
+                self.retentions.retain(req, self._hold_room())
             self.kvm.free(req.request_id)
+
+    def _hold_room(self) -> int:
+        """Blocks retentions may pin: MAX_HELD_FRACTION of the pool less what held prefixes pin."""
+        return int(MAX_HELD_FRACTION * self.kvm.pool.num_usable_blocks) - sum(self.held_prefixes.values())
+
+    def end_retentions(self, for_good: bool = False) -> None:
+        """End every retention now (a prefix-cache reset; `for_good`: a drain, nothing retained from
+        now on): their blocks are freed."""
+        if self.retentions is not None:
+            self.retentions.close() if for_good else self.retentions.end_all()
 
     # ---- scheduling ----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -198,6 +215,8 @@ class Scheduler:
             fresh = self.kvm.num_allocated_tokens(req.request_id) == 0
             if fresh:
                 hits, num_local = self.kvm.get_computed_blocks(req)
+                if num_local and self.retentions is not None:
+                    self.retentions.touch(hits)  # a retained history used: its conversation is live
             if fresh and self.connector is not None and self._wants_remote_kv(req):
                 n_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                 if n_ext is None:
@@ -266,6 +285,8 @@ class Scheduler:
         (they stay in the prefix cache until evicted). False when no hold can end."""
         if self.connector is None:
             return False
+        if self.retentions is not None and self.retentions.end_oldest():  # before a reader's hold
+            return True
         for hold_id in list(self.held_prefixes):
             if self.connector.end_hold(hold_id):
                 del self.held_prefixes[hold_id]
@@ -326,6 +347,10 @@ class Scheduler:
             return None, 0
         hits, n = self.kvm.get_computed_blocks(req, count=False)
         pinned = sum(len(g) for g in hits)
+        if n and self.retentions is not None:
+            self.retentions.touch(hits)  # a reader wants the history: its conversation is live
+            while self.retentions.pinned + pinned > self._hold_room() and self.retentions.end_oldest():
+                pass
         if n == 0 or sum(self.held_prefixes.values()) + pinned > MAX_HELD_FRACTION * self.kvm.pool.num_usable_blocks:
             return None, 0
         block_ids = self.kvm.allocate_slots(req, 0, hits)
@@ -489,6 +514,8 @@ class Scheduler:
             self.held_prefixes.pop(rid, None)
             if req is not None:
                 self.kvm.free(rid)
+            elif self.retentions is not None:
+                self.retentions.finished(rid)
         return finished
 
     def _recover_failed_load(self, req: Request, out: KVConnectorOutput) -> bool:

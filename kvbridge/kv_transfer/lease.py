@@ -36,6 +36,13 @@ own prefix cache lacks): a repeated or reordered id is refused.
 Thread-safe: the side-channel thread validates reads and ends leases while the engine
 thread grants, releases and expires; ended leases wait in a queue for the engine thread.
 
+A retention (`retain`) is a lease lent to no reader: an instance keeps a finished answer's cached
+blocks (its conversation's history, the answer included) for the conversation's next turn, for
+``--kv-retention-seconds`` from its last use (`touch`: a request or a hold hit them), unless the
+pool needs them first, the next turn's retention covers them or the instance drains
+(`end_retention`). Its expiry is the conversation going quiet: no warning, no expired_leases count.
+A reader reads a hold of the same blocks (its own lease), never the retention.
+
 Every lease's end is counted in ``kvbridge_kv_lease_held_seconds`` by outcome (`LeaseOutcome`).
 A lease granted for a traced request keeps that request's `RequestTrace` and, when it ends,
 records the ``kv.lease`` span (grant -> end, under P's request span; it may outlive P's HTTP
@@ -94,6 +101,8 @@ class LeaseOutcome(str, enum.Enum):
     SHUTDOWN = "shutdown"  # P shut down while it was held
     KV_CONTENT_MISMATCH = "kv_content_mismatch"  # what D read did not match P's digests (digest.py)
     PRESSURE = "pressure"  # a held prefix nobody had started reading: the pool needed its blocks
+    RETENTION_EXPIRED = "retention_expired"  # a retained answer's conversation idled past its retention
+    SUPERSEDED = "superseded"  # a retained answer's blocks are all in its conversation's next retention
 
 
 _ERROR_OUTCOMES = {LeaseOutcome.EXPIRED: "the lease expired: its blocks were freed unread",
@@ -121,6 +130,9 @@ class Lease:
     trace: RequestTrace | None = None  # the granting request's, when traced
     granted_ns: int = 0  # wall clock at the grant (the kv.lease span's start); 0 when not traced
     read_granted: bool = False  # a reader was granted a read (check_read): only its end frees the blocks early
+    # A retention (`LeaseTable.retain`): a finished answer's blocks kept for its conversation's next turn,
+    # lent to no reader (a reader gets a hold of its own), renewed by `touch` to `retained_s` from then.
+    retained_s: float | None = None
 
     def holds(self, content: str) -> bool:
         """The reader's sequence is this prompt, or this prompt followed by exactly P's tokens."""
@@ -173,6 +185,7 @@ class LeaseTable:
         # request id -> (until when its granted read counts as in flight, whether it is watched)
         self._reading: dict[str, tuple[float, bool]] = {}
         self._heap: list[tuple[float, str, int]] = []  # (expiry, request id, generation); stale entries skipped
+        self._retained = 0  # retentions among the leases (`retain`)
         # A random base: a P restarted under the same address never reissues a generation
         # that a D may still hold from before the restart.
         self._next_generation = secrets.randbits(40) << 16
@@ -186,10 +199,12 @@ class LeaseTable:
             return self._next_generation
 
     def grant(self, request_id: str, block_ids: BlockIds, generation: int, content: str,
-              continued: str | None = None, trace: RequestTrace | None = None) -> None:
+              continued: str | None = None, trace: RequestTrace | None = None,
+              retained_s: float | None = None) -> None:
         """Hold `block_ids` for a remote reader; `content` is the content_digest of the prompt
         whose KV they hold, `continued` (optional) that of the prompt + the tokens P sampled;
         `trace`: the granting request's (its kv.lease span is recorded when the lease ends).
+        `retained_s`: a retention (`retain`), not a lease for a reader.
         Raises ValueError if a lease on `request_id` is still held: a lease holds its blocks
         until it ends, and a second grant would orphan them."""
         granted_ns = time.time_ns() if trace is not None else 0
@@ -197,12 +212,59 @@ class LeaseTable:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             now = self._clock()
-            expiry = now + self.lease_seconds
+            expiry = now + (self.lease_seconds if retained_s is None else retained_s)
             self._leases[request_id] = Lease(request_id, tuple(list(g) for g in block_ids), generation, expiry,
-                                            content, continued, now, trace, granted_ns)
+                                            content, continued, now, trace, granted_ns, retained_s=retained_s)
+            if retained_s is not None:
+                self._retained += 1
             heapq.heappush(self._heap, (expiry, request_id, generation))
             if trace is not None:
                 self._tracing = trace.tracing
+
+    def retain(self, retention_id: str, block_ids: BlockIds, content: str, retained_s: float) -> None:
+        """Keep a finished answer's cached blocks (prompt and answer, whole blocks; `content`: the
+        content_digest of their tokens) for `retained_s`, renewed by `touch` while its conversation
+        is live; ended by `end_retention` (ValueError as
+        `grant`). A retention is lent to no reader: a reader's check_read is refused (it reads a
+        hold of the same blocks instead)."""
+        if retained_s <= 0:
+            raise ValueError("retained_s must be positive")
+        self.grant(retention_id, block_ids, self.new_generation(), content, retained_s=retained_s)
+
+    def touch(self, retention_id: str) -> bool:
+        """The retained blocks served a request or a hold (the conversation is live): its retention
+        runs `retained_s` from now. False if `retention_id` is no live retention."""
+        with self._lock:
+            lease = self._leases.get(retention_id)
+            if lease is None or lease.retained_s is None:
+                return False
+            lease.expiry = self._clock() + lease.retained_s
+            heapq.heappush(self._heap, (lease.expiry, retention_id, lease.generation))
+            return True
+
+    def end_retention(self, retention_id: str, outcome: LeaseOutcome) -> bool:
+        """End a retention now (`outcome`: superseded, pressure, release) and queue its blocks to be
+        freed (the caller may free them at once; the id still comes out of `finished_sending`).
+        True if this call ended it."""
+        with self._lock:
+            lease = self._leases.get(retention_id)
+            if lease is None or lease.retained_s is None:
+                return False
+            self._remove(retention_id)
+        self._released.put(retention_id)
+        self._ended(lease, outcome)
+        return True
+
+    def lent(self) -> int:
+        """Leases for readers (a finished prefill's blocks, held prefixes): retentions not counted."""
+        with self._lock:
+            return len(self._leases) - self._retained
+
+    def retention_due(self) -> bool:
+        """Whether a retention may have expired by now (a step must end it): the earliest expiry on
+        the heap has passed. Cheap; conservative (a renewed lease's old entry answers True once)."""
+        with self._lock:
+            return bool(self._retained) and bool(self._heap) and self._heap[0][0] <= self._clock()
 
     def _live(self, request_id: str, generation: int) -> Lease | None:
         lease = self._leases.get(request_id)
@@ -272,6 +334,8 @@ class LeaseTable:
             if lease is None:
                 return ReadRefusal(Refusal.NO_LEASE,
                                    f"no lease for request {request_id} (expired or already released)"), None
+            if lease.retained_s is not None:  # a retention is lent to no reader (no params name it)
+                return ReadRefusal(Refusal.NO_LEASE, f"no lease for request {request_id} (retained, not lent)"), None
             if lease.generation != generation:
                 return ReadRefusal(Refusal.STALE,
                                    f"stale lease generation {generation} for request {request_id}"), None
@@ -279,8 +343,7 @@ class LeaseTable:
                 return ReadRefusal(Refusal.BLOCKS, f"blocks not granted to request {request_id} "
                                                    "(not the granted sequence)"), None
             if not lease.holds(content):
-                del self._leases[request_id]
-                self._reading.pop(request_id, None)
+                self._remove(request_id)
                 return ReadRefusal(Refusal.CONTENT, f"{CONTENT_MISMATCH}: the blocks of request {request_id} "
                                                     "hold the KV of another prompt"), lease
             now = self._clock()
@@ -324,7 +387,7 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             if lease is None or lease.read_granted:
                 return False
-            del self._leases[request_id]
+            self._remove(request_id)
         self._released.put(request_id)
         self._ended(lease, LeaseOutcome.PRESSURE)
         return True
@@ -342,11 +405,18 @@ class LeaseTable:
             lease = self._live(request_id, generation)
             if lease is None:
                 return False
-            del self._leases[request_id]
-            self._reading.pop(request_id, None)
+            self._remove(request_id)
         self._released.put(request_id)
         self._ended(lease, outcome)
         return True
+
+    def _remove(self, request_id: str) -> Lease:
+        """Take a lease out of the table (the caller holds the lock and ends it)."""
+        lease = self._leases.pop(request_id)
+        self._reading.pop(request_id, None)
+        if lease.retained_s is not None:
+            self._retained -= 1
+        return lease
 
     def _ended(self, lease: Lease, outcome: LeaseOutcome) -> None:
         """A lease just ended (removed from the table, outside the lock): count how long it held
@@ -366,18 +436,22 @@ class LeaseTable:
             self._leases.clear()
             self._reading.clear()
             self._heap.clear()
+            self._retained = 0
         for lease in leases:
             self._ended(lease, LeaseOutcome.SHUTDOWN)
 
     def finished_sending(self) -> set[str]:
         """The engine thread, once per step: the requests whose blocks may be freed now (their
-        lease ended since the last call, or expired: counted and logged)."""
+        lease ended since the last call, or expired: counted and logged; a retention's expiry is
+        its conversation idling past it: neither)."""
         done = set(self.drain_released())
-        for rid in self.pop_expired():
+        for lease in self._pop_expired():
+            done.add(lease.request_id)
+            if lease.retained_s is not None:
+                continue
             self.stats.incr("expired_leases")
-            logger.warning("lease expired: request_id=%s engine=%s; freeing its KV blocks unread", rid,
+            logger.warning("lease expired: request_id=%s engine=%s; freeing its KV blocks unread", lease.request_id,
                            self.engine_id)
-            done.add(rid)
         return done
 
     def drain_released(self) -> list[str]:
@@ -391,6 +465,9 @@ class LeaseTable:
 
     def pop_expired(self) -> list[str]:
         """Leases past their expiry, removed. Cost: O(log n) per heap entry popped."""
+        return [lease.request_id for lease in self._pop_expired()]
+
+    def _pop_expired(self) -> list[Lease]:
         now = self._clock()
         expired: list[Lease] = []
         with self._lock:
@@ -398,16 +475,20 @@ class LeaseTable:
                 _, rid, gen = heapq.heappop(self._heap)
                 lease = self._live(rid, gen)
                 if lease is not None and lease.expiry <= now:
-                    del self._leases[rid]
-                    self._reading.pop(rid, None)
-                    expired.append(lease)
+                    expired.append(self._remove(rid))
         for lease in expired:
-            self._ended(lease, LeaseOutcome.EXPIRED)
-        return [lease.request_id for lease in expired]
+            self._ended(lease, LeaseOutcome.EXPIRED if lease.retained_s is None else LeaseOutcome.RETENTION_EXPIRED)
+        return expired
 
     def held_blocks(self) -> int:
+        """Blocks held for readers (retentions not counted: `retained_blocks`)."""
         with self._lock:
-            return sum(len(g) for lease in self._leases.values() for g in lease.block_ids)
+            return sum(len(g) for lease in self._leases.values() if lease.retained_s is None for g in lease.block_ids)
+
+    def retained_blocks(self) -> int:
+        with self._lock:
+            return sum(len(g) for lease in self._leases.values() if lease.retained_s is not None
+                       for g in lease.block_ids)
 
     def __len__(self) -> int:
         with self._lock:

@@ -90,6 +90,8 @@ class KVTransferStats(Collector):
         self.recomputed_requests = 0
         self.held_prefixes = 0  # leases on held prefixes granted (hold_prefix)
         self.holds_ended_under_pressure = 0  # held prefixes ended unread: the pool needed their blocks
+        self.retentions = 0  # finished answers whose blocks were retained (--kv-retention-seconds)
+        self.retentions_renewed = 0  # retentions a request or a hold used (renewed)
         self.early_releases = 0  # P freed on a release notification (no read)
         self.refused_reads = 0  # P refused a read for a stale or foreign lease
         self.content_mismatches = 0  # P refused a read: its blocks hold another prompt's KV
@@ -102,6 +104,7 @@ class KVTransferStats(Collector):
         self._handshake_wait_s = _LabelledHistogram("outcome", LOAD_BUCKETS)  # D: a request's handshake wait
         self._lease_held_s = _LabelledHistogram("outcome", LEASE_BUCKETS)  # P: grant -> end
         self.held_blocks: Callable[[], int] = lambda: 0  # P: blocks held for remote decode now
+        self.retained_blocks: Callable[[], int] = lambda: 0  # blocks retained for conversations' next turns now
 
     def record_transfer(self, seconds: float, nbytes: int, ndescs: int) -> None:
         with self._lock:
@@ -186,6 +189,10 @@ class KVTransferStats(Collector):
             yield CounterMetricFamily(PREFIX + "holds_ended_under_pressure", "held prefixes whose lease ended "
                                       "before any read: the pool needed their blocks",
                                       value=self.holds_ended_under_pressure)
+            yield CounterMetricFamily(PREFIX + "retentions", "finished answers whose blocks were retained for "
+                                      "the conversation's next turn (--kv-retention-seconds)", value=self.retentions)
+            yield CounterMetricFamily(PREFIX + "retentions_renewed", "retentions renewed because a request or a "
+                                      "hold used their blocks", value=self.retentions_renewed)
             yield CounterMetricFamily(PREFIX + "handshakes", "successful handshakes", value=self.handshakes)
             hs_failed = CounterMetricFamily(PREFIX + "handshake_failures", "failed handshakes", labels=["kind"])
             for kind, n in sorted(self.handshake_failures.items()):
@@ -203,3 +210,5 @@ class KVTransferStats(Collector):
                                                 "P: how long a lease held its blocks, grant to end, by outcome "
                                                 "(read_done, release, expired, content_mismatch, shutdown)")
         yield GaugeMetricFamily(PREFIX + "held_blocks", "P blocks held for remote decode", value=self.held_blocks())
+        yield GaugeMetricFamily(PREFIX + "retained_blocks", "blocks retained for conversations' next turns",
+                                value=self.retained_blocks())

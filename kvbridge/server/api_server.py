@@ -206,7 +206,8 @@ async def _load(raw: Request) -> Response:
             "waiting_prefill_tokens": load.queued_prompt_tokens,
             "kv_blocks_free": load.kv_blocks_total - load.kv_blocks_used,
             "prefill_tokens_per_s": load.prefill_tokens_per_s, "decode_step_s": load.decode_step_s,
-            "kv_pull_bytes_per_s": load.kv_pull_bytes_per_s, "kv_bytes_per_token": load.kv_bytes_per_token}
+            "kv_pull_bytes_per_s": load.kv_pull_bytes_per_s, "kv_bytes_per_token": load.kv_bytes_per_token,
+            "kv_blocks_retained": load.kv_blocks_retained}
     return Response(json.dumps(body), media_type="application/json")
 
 

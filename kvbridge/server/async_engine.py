@@ -499,6 +499,7 @@ class AsyncEngine:
             _run_call(command, self._engine)
         elif isinstance(command, _Drain):
             self._drain_deadline = command.deadline
+            self._engine.stop_retaining()  # a draining instance serves no conversation's next turn
         # _Wake: nothing to apply; taking it off the queue ended the wait, so the loop steps now
 
     def _apply_add(self, add: _Add) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 from kvbridge.config import CacheConfig, EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy, SchedulerConfig
 from kvbridge.engine.engine import LLMEngine
@@ -23,11 +24,13 @@ def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBacke
                 policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE, backend_name: str = "fake",
                 handshake_timeout_s: float = 5.0, engine_id: str | None = None,
                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, tp: int = 1,
-                prefix_caching: bool = True, transfer_timeout_s: float = 30.0, dtype: str = "float32") -> LLMEngine:
+                prefix_caching: bool = True, transfer_timeout_s: float = 30.0, dtype: str = "float32",
+                retention_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> LLMEngine:
+    """`clock`: the connector's leases' and heartbeats' time (a test advances its own)."""
     kv = None
     if role is not None:
         kv = KVTransferConfig(role=role, backend=backend_name, engine_id=engine_id or f"{role.value}-{next(_ids)}",
-                              lease_seconds=lease_s, load_failure_policy=policy,
+                              lease_seconds=lease_s, retention_seconds=retention_s, load_failure_policy=policy,
                               handshake_timeout_s=handshake_timeout_s, transfer_timeout_s=transfer_timeout_s)
     scheduler = SchedulerConfig(**{k: v for k, v in (("max_num_seqs", max_num_seqs),
                                                      ("max_num_batched_tokens", max_num_batched_tokens))
@@ -35,7 +38,7 @@ def make_engine(loaded: LoadedModel, role: KVRole | None, backend: TransferBacke
     config = EngineConfig(model=loaded.source, tensor_parallel_size=tp, kv_transfer=kv, num_threads=2, dtype=dtype,
                           cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                             enable_prefix_caching=prefix_caching), scheduler=scheduler)
-    connectors = build_connectors(config, loaded.arch, loaded.name, backend) if kv is not None else None
+    connectors = build_connectors(config, loaded.arch, loaded.name, backend, clock) if kv is not None else None
     return LLMEngine(config, loaded, connectors)
 
 

@@ -60,8 +60,9 @@ class Served:
     """One instance: an AsyncEngine and its app on a uvicorn thread."""
 
     def __init__(self, loaded: LoadedModel, role: KVRole | None, name: str, *, max_num_seqs: int = 4,
-                 drain_timeout_s: float = 30.0, lease_seconds: float = 60.0) -> None:
-        kv = (KVTransferConfig(role=role, backend="tcp", engine_id=name, lease_seconds=lease_seconds)
+                 drain_timeout_s: float = 30.0, lease_seconds: float = 60.0, retention_seconds: float = 0.0) -> None:
+        kv = (KVTransferConfig(role=role, backend="tcp", engine_id=name, lease_seconds=lease_seconds,
+                               retention_seconds=retention_seconds)
               if role is not None else None)
         config = EngineConfig(model=MODEL, max_model_len=MAX_MODEL_LEN, num_threads=1, kv_transfer=kv,
                               cache=CacheConfig(num_blocks=NUM_BLOCKS),
@@ -156,7 +157,7 @@ def test_load_names_role_blocks_and_leases_and_metrics_export_them(loaded) -> No
             assert load.pop("kv_bytes_per_token") > 0  # the model's (the router's transfer cost)
             assert load == {"role": role, "running": 0, "waiting": 0, "queued_prompt_tokens": 0,
                             "oldest_wait_s": 0.0, "kv_blocks_total": NUM_BLOCKS, "kv_blocks_used": 0,
-                            "leases_held": 0, "draining": False,
+                            "leases_held": 0, "draining": False, "kv_blocks_retained": 0,
                             # the rates a router's cost model reads: none measured before a step
                             "waiting_prefill_tokens": 0, "kv_blocks_free": NUM_BLOCKS,
                             "prefill_tokens_per_s": None, "decode_step_s": None, "kv_pull_bytes_per_s": None}
@@ -232,6 +233,31 @@ def test_drain_refuses_new_work_and_lets_admitted_requests_finish(loaded) -> Non
         assert c.engine.wait_drained(WAIT_S)
         assert c.load()["draining"] is True
         c.assert_all_blocks_free()
+    finally:
+        c.close()
+
+
+def test_a_drain_ends_retained_answers_and_retains_none_after(loaded) -> None:
+    """--kv-retention-seconds far beyond the test: only the drain frees the retained blocks, and an answer
+    that finishes while the instance drains is not retained."""
+    c = Served(loaded, KVRole.BOTH, "R", retention_seconds=3600.0)
+    try:
+        r = httpx.post(c.url + "/v1/completions", json={"prompt": "Once upon a time " * 12, "max_tokens": 20,
+                                                        "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+        retained = c.load()
+        assert retained["kv_blocks_retained"] > 0 and retained["kv_blocks_used"] == 0  # reclaimable: not used
+        assert "kvbridge_kv_retained_blocks" in httpx.get(c.url + "/metrics", timeout=10).text
+        stream = Stream(c.url, "/v1/completions", {"prompt": "Tell me a story " * 12, **LONG})
+        assert stream.started.wait(WAIT_S)
+        assert httpx.post(c.url + "/kvbridge/drain", timeout=10).status_code == 202
+        events = stream.result()  # finishes while draining: not retained
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+        assert c.engine.wait_drained(WAIT_S)
+        outcomes = c.engine.call_threadsafe(lambda e: dict(e.lease_outcomes())).result(timeout=10)
+        assert outcomes == {"release": 1}  # the first answer's retention, ended by the drain
+        c.assert_all_blocks_free()
+        assert c.load()["kv_blocks_retained"] == 0
     finally:
         c.close()
 

@@ -13,6 +13,7 @@ import httpx
 import openai
 
 from kvbridge.proxy.app import build_proxy_app
+from kvbridge.proxy.proxy import PDProxy
 from tests.unit.proxy_upstreams import FakeInstance, RunningServer, serve
 
 
@@ -23,6 +24,7 @@ class PD:
     servers: dict[str, RunningServer]  # by instance name
     url: str
     http: httpx.AsyncClient  # talks to the proxy
+    proxy: PDProxy | None = None  # the proxy itself (its pools' clocks, for tests of time)
 
     async def health(self) -> dict:
         return (await self.http.get("/health")).json()
@@ -67,7 +69,7 @@ async def pd_cluster(num_prefill: int = 1, num_decode: int = 1, prefill_role: st
         proxy = await serve(app)
         stack.push_async_callback(proxy.stop)
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=proxy.url, timeout=10, trust_env=False))
-        yield PD(ps, ds, servers, proxy.url, http)
+        yield PD(ps, ds, servers, proxy.url, http, app.state.proxy)
 
 
 def openai_client(pd: PD, api_key: str = "sk-test") -> openai.AsyncOpenAI:

@@ -8,7 +8,7 @@ import pytest
 
 from kvbridge.kv_transfer.side_channel.control import ControlClient, ControlServer
 from kvbridge.kv_transfer.side_channel.handshake import HandshakeError
-from kvbridge.kv_transfer.lease import LeaseTable, Refusal, content_digest
+from kvbridge.kv_transfer.lease import LeaseOutcome, LeaseTable, Refusal, content_digest
 from kvbridge.kv_transfer.side_channel.server import SideChannelServer
 
 BLOCKS = ([3, 4, 5],)
@@ -299,3 +299,46 @@ def test_pressure_ends_a_lease_nobody_reads_yet_and_never_one_being_read(table) 
     assert t.finished_sending() == {"r1"}
     assert t.check_read("r1", 7, BLOCKS, PROMPT) is not None  # a late reader is refused: nothing to read
     assert t.read_done("r2", 8)
+
+
+def test_a_retention_renews_on_touch_and_expires_quietly_when_its_conversation_goes_quiet() -> None:
+    clock = Clock()
+    t = LeaseTable(30.0, clock=clock)
+    t.grant("reader", BLOCKS, 7, PROMPT)
+    t.retain("ret", ([8, 9],), PROMPT, retained_s=100.0)
+    assert t.lent() == 1 and len(t) == 2
+    assert t.held_blocks() == 3 and t.retained_blocks() == 2
+    assert not t.retention_due()
+    clock.now += 60.0
+    assert t.touch("ret") and not t.touch("reader") and not t.touch("nobody")
+    clock.now += 60.0  # 120 s after the grant, 60 s after the touch
+    assert t.release("reader", 7)
+    assert t.finished_sending() == {"reader"}
+    assert "ret" in t
+    clock.now += 41.0
+    assert t.retention_due()
+    assert t.finished_sending() == {"ret"}
+    assert t.stats.expired_leases == 0  # a conversation going quiet is no failure
+    assert t.stats.lease_outcomes() == {"release": 1, "retention_expired": 1}
+    assert len(t) == 0 and t.lent() == 0 and not t.retention_due()
+
+
+def test_a_retention_is_lent_to_no_reader_and_ends_by_outcome() -> None:
+    clock = Clock()
+    t = LeaseTable(30.0, clock=clock)
+    t.retain("ret", BLOCKS, PROMPT, retained_s=100.0)
+    gen = t._leases["ret"].generation
+    refusal = t.check_read("ret", gen, BLOCKS, PROMPT)  # even with its generation: no params name it
+    assert refusal is not None and refusal.kind is Refusal.NO_LEASE and "ret" in t
+    assert t.end_retention("ret", LeaseOutcome.SUPERSEDED)
+    assert not t.end_retention("ret", LeaseOutcome.SUPERSEDED)  # once
+    assert t.drain_released() == ["ret"]
+    t.grant("reader", BLOCKS, 9, PROMPT)
+    assert not t.end_retention("reader", LeaseOutcome.RELEASE)  # only retentions end this way
+    with pytest.raises(ValueError):
+        t.retain("x", BLOCKS, PROMPT, retained_s=0.0)
+    t.retain("y", BLOCKS, PROMPT, retained_s=5.0)
+    assert t.end_unread("y")  # pressure ends it like an unread hold
+    t.close()
+    assert t.stats.lease_outcomes() == {"superseded": 1, "pressure": 1, "shutdown": 1}
+    assert t.lent() == 0 and not t.retention_due()

@@ -145,6 +145,8 @@ async def test_retries_are_bounded_by_count():
 async def test_a_decode_failing_again_and_again_opens_its_circuit_then_a_probe_closes_it():
     async with pd_cluster(num_decode=2, decode_policy="round_robin", breaker_failures=2,
                           breaker_cooldown_s=0.3) as pd:
+        now = [1000.0]  # the decode pool's time: the cool-down passes only when the test says so
+        pd.proxy.decode.clock = lambda: now[0]
         pd.decode[0].error = (500, ERROR)
         for _ in range(4):
             assert (await pd.http.post("/v1/completions", json=COMPLETION)).status_code == 200
@@ -153,7 +155,7 @@ async def test_a_decode_failing_again_and_again_opens_its_circuit_then_a_probe_c
         assert health["decode"][0]["circuit"] == "open"
         await pd.metrics_show(f'kvbridge_proxy_circuit_state{{kind="decode",url="{pd.servers["decode-0"].url}"}} 2.0')
         pd.decode[0].error = None
-        await asyncio.sleep(0.35)  # the cool-down: the next requests probe decode-0 once
+        now[0] += 0.35  # the cool-down: the next requests probe decode-0 once
         for _ in range(2):
             assert (await pd.http.post("/v1/completions", json=COMPLETION)).status_code == 200
         assert len(pd.decode[0].received) == 3 and (await pd.health())["decode"][0]["circuit"] == "closed"

@@ -140,6 +140,26 @@ class SchedulerConnector(ABC):
         appears in finished_sending later, which the caller then ignores)."""
         return False
 
+    def retains(self) -> bool:
+        """Whether finished answers' blocks are retained here for their conversation's next turn
+        (--kv-retention-seconds, on an engine that can hold prefixes)."""
+        return False
+
+    def retain(self, retention_id: str, token_ids: Sequence[int], block_ids: BlockIds) -> bool:
+        """Keep cached blocks holding the KV of `token_ids` (whole blocks; referenced by the scheduler
+        under `retention_id`, freed once it appears in finished_sending) for the retention period. False:
+        not retained (the scheduler frees them at once)."""
+        return False
+
+    def touch_retention(self, retention_id: str) -> bool:
+        """A request or a hold used the retained blocks: renew. False if no such retention is live."""
+        return False
+
+    def end_retention(self, retention_id: str, outcome: str) -> bool:
+        """End a retention now (outcome `superseded`, `pressure` or `release`). True if it ended (the
+        caller frees its blocks at once and ignores its id in finished_sending later)."""
+        return False
+
     def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         """The load-failure policy: True to recompute the request's invalid blocks
         locally, False to finish it with an error."""

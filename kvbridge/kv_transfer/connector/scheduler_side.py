@@ -28,6 +28,11 @@ exactly as P leases a finished prompt's and answers params with `remote_prefix_t
 (a P that then prefills the new tokens, or a D serving the turn itself) loads that prefix through
 the same receive path, lease check and content digest (of the prefix's tokens), and computes the
 rest. Models whose every KV cache group keeps every token only (no sliding window, no Mamba state).
+
+A retained answer (`retain`, --kv-retention-seconds): where prefixes can be held, a finished answer's
+cached blocks (prompt and answer) stay referenced under a retention lease (lease.py) so that other
+traffic does not evict its conversation's history before the next turn; the scheduler renews it on use
+and ends it under pressure, when the next turn's answer is retained, or at a drain.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from kvbridge.kv_transfer.connector.metadata import ConnectorMetadata, RecvSpec,
 from kvbridge.kv_transfer.connector.request_view import FINISHED_WITH_OUTPUT, ConnectorRequest
 from kvbridge.kv_transfer.failure import recompute_on_failure
 from kvbridge.kv_transfer.side_channel.handshake_manager import is_trusted_host
-from kvbridge.kv_transfer.lease import LeaseTable, content_digest
+from kvbridge.kv_transfer.lease import LeaseOutcome, LeaseTable, content_digest
 from kvbridge.kv_transfer.params import MAX_GENERATED_TOKENS, BlockIds, KVTransferParams, KVTransferParamsError
 from kvbridge.kv_transfer.stats import KVTransferStats
 from kvbridge.tracing import RequestTrace
@@ -278,6 +283,25 @@ class KVBridgeSchedulerConnector(SchedulerConnector):
         if ended:
             self.stats.incr("holds_ended_under_pressure")
         return ended
+
+    def retains(self) -> bool:
+        return self.config.retention_seconds > 0 and self.can_hold_prefixes()
+
+    def retain(self, retention_id: str, token_ids: Sequence[int], block_ids: BlockIds) -> bool:
+        if not self.retains() or not token_ids or len(token_ids) % self.block_size:
+            return False
+        self.leases.retain(retention_id, block_ids, content_digest(list(token_ids)), self.config.retention_seconds)
+        self.stats.incr("retentions")
+        return True
+
+    def touch_retention(self, retention_id: str) -> bool:
+        touched = self.leases.touch(retention_id)
+        if touched:
+            self.stats.incr("retentions_renewed")
+        return touched
+
+    def end_retention(self, retention_id: str, outcome: str) -> bool:
+        return self.leases.end_retention(retention_id, LeaseOutcome(outcome))
 
     def recompute_on_load_failure(self, request: ConnectorRequest) -> bool:
         params = request.kv_transfer_params

@@ -159,9 +159,10 @@ class KVBridgeWorkerConnector(WorkerConnector):
         promptly). Rank commands: D's reads planned after the ranks ran (when P's check_read
         answer came in), waiting for the next step."""
         in_flight = self.receiving.has_loads() or (self.control is not None and self.leases.reads_in_flight(watched=True))
-        leases = len(self.leases)
+        leases = self.leases.lent()  # retentions are no work a step must advance until one may expire
         return WorkerStatus(rank_commands_waiting=self.receiving.has_commands(), transfers_in_flight=in_flight,
-                            has_work=self.receiving.has_work() or bool(leases), leases_held=leases,
+                            has_work=self.receiving.has_work() or bool(leases) or self.leases.retention_due(),
+                            leases_held=leases,
                             lease_outcomes=self.stats.lease_outcomes())
 
     def collectors(self) -> Sequence[Collector]:
