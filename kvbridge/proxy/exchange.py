@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -93,13 +93,42 @@ class Exchange:
         await self.response.aclose()
 
 
+class UsageTap:
+    """Watches a passing SSE stream for its first event that reports cached prompt tokens (the usage
+    event a client asks for with stream_options.include_usage) and hands its JSON to `observe`, once;
+    holds back no byte: it keeps only the part of an event still arriving (at most MAX_EVENT_BYTES)."""
+
+    MAX_EVENT_BYTES = 1 << 20
+
+    def __init__(self, observe: Callable[[bytes], None]) -> None:
+        self._observe = observe
+        self._tail = b""
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.done:
+            return
+        *events, tail = (self._tail + chunk).split(b"\n\n")
+        self._tail = tail if len(tail) <= self.MAX_EVENT_BYTES else b""
+        for event in events:
+            if b'"cached_tokens"' not in event:
+                continue
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: "):
+                    self.done = True
+                    self._observe(line[len(b"data: "):])
+                    return
+
+
 class PassthroughStream(StreamingResponse):
     """Streams D's bytes as they arrive; closes D's response however the stream ends,
-    so a client that goes away makes D abort the request and free its blocks."""
+    so a client that goes away makes D abort the request and free its blocks. `tap`: sees D's
+    bytes as they pass (the router's check of its cached-tokens prediction)."""
 
-    def __init__(self, exchange: Exchange, request_id: str, first: bytes = b"") -> None:
+    def __init__(self, exchange: Exchange, request_id: str, first: bytes = b"", tap: UsageTap | None = None) -> None:
         self._exchange = exchange
         self._request_id = request_id
+        self._tap = tap
         self._first = first  # sent before D's bytes: the events for P's token (first_token.py)
         super().__init__(self._chunks(), status_code=exchange.response.status_code,
                          media_type=exchange.response.headers.get("content-type", "text/event-stream"),
@@ -110,6 +139,8 @@ class PassthroughStream(StreamingResponse):
             if self._first:
                 yield self._first
             async for chunk in self._exchange.response.aiter_raw():
+                if self._tap is not None:
+                    self._tap.feed(chunk)
                 yield chunk
         except httpx.HTTPError as exc:
             # Headers are gone already: tell the client in-band instead of truncating silently.

@@ -192,12 +192,14 @@ class FleetView:
 
     # ---- read by the router -------------------------------------------------------------
     def report(self) -> dict[str, dict[str, Any]]:
-        """Per followed instance: its index status and blocks held per group, and its last load."""
+        """Per followed instance: its index status, blocks held per group, the problems its event stream
+        had so far (by kind: gaps, undecodable messages, ...), and its last load."""
         out: dict[str, dict[str, Any]] = {}
         for url, feed in self._feeds.items():
             view = self._index(feed.contract).view(url)
             load = self._loads.get(url)
             out[url] = {"status": view.status.value, "blocks": view.blocks, "last_seq": view.last_seq,
+                        "problems": {kind.value: n for kind, n in sorted(view.problems.items())},
                         "load": None if load is None else dataclasses.asdict(load)}
         return out
 

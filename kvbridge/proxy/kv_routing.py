@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -147,3 +147,17 @@ def observe_cached(histogram: Histogram, plan: RoutePlan, url: str, answer: Resp
     actual = reported_cached(bytes(answer.body)) if predicted is not None else None
     if actual is not None and predicted is not None:
         histogram.observe(predicted - actual)
+
+
+def cached_observer(histogram: Histogram, plan: RoutePlan, url: str) -> Callable[[bytes], None] | None:
+    """For a streamed answer: what observes the predicted minus the reported cached tokens once its
+    usage event passes (the client asked for usage), or None when nothing was predicted for `url`."""
+    predicted = plan.predicted_cached(url)
+    if predicted is None:
+        return None
+
+    def observe(usage_event: bytes) -> None:
+        actual = reported_cached(usage_event)
+        if actual is not None:
+            histogram.observe(predicted - actual)
+    return observe

@@ -49,7 +49,8 @@ from kvbridge.proxy.fleet_view import FleetView
 from kvbridge.proxy import kv_reuse, kv_routing
 from kvbridge.proxy.kv_cost import PdMode
 from kvbridge.proxy.kv_routing import FORCED_PD, RoutePlan
-from kvbridge.proxy.exchange import Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy, openai_error
+from kvbridge.proxy.exchange import (Exchange, Exhausted, Failed, PassthroughStream, RetryPolicy, UsageTap,
+                                     openai_error)
 from kvbridge.proxy.health import HealthChecks
 from kvbridge.proxy.legs import Legs
 from kvbridge.proxy.metrics import ProxyMetrics
@@ -246,7 +247,8 @@ class PDProxy:
         call = ClientRequest(route, body, headers, request_id, spans, asyncio.Event())
         watcher = asyncio.create_task(gone.watch_disconnect(request, call.gone))
         try:  # the watcher must stop before a StreamingResponse listens to the client itself
-            if self.prefill is None:
+            if self.prefill is None:  # planned too: a kv_aware pool routes on the instances' cached prefixes
+                call = await self._planned(call)
                 return self._path(call, await self._decode_alone(call), "decode_only", "colocated")
             on_p_alone = wants_prompt_logprobs(body)
             if not on_p_alone and (refused := refused_by_decode(body)) is not None:  # before P prefills for D
@@ -532,7 +534,9 @@ class PDProxy:
         client: no retry after it), or the whole answer; or why this attempt failed."""
         status = exchange.response.status_code
         if status < 400 and stream:
-            return PassthroughStream(exchange, call.request_id, first)
+            observe = (kv_routing.cached_observer(self.metrics.cached_prediction_error, call.plan,
+                                                  exchange.upstream.url) if alone else None)
+            return PassthroughStream(exchange, call.request_id, first, UsageTap(observe) if observe else None)
         answer = await self.legs.read_all(exchange, call.request_id)
         if alone and not isinstance(answer, Failed):  # D computed the prompt from its own cache
             kv_routing.observe_cached(self.metrics.cached_prediction_error, call.plan, exchange.upstream.url, answer)

@@ -8,6 +8,7 @@ router's index, and the turn after is answered right without it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -89,6 +90,22 @@ def prediction_errors(proxy: str) -> tuple[float, float]:
             value[f'{bucket}{{le="0.0"}}'] - value[f'{bucket}{{le="-1.0"}}'])
 
 
+def stream_completion(proxy: str, prompt: str) -> tuple[str, str, dict]:
+    """(the pd path header, the text, the usage event) of a streamed completion with usage asked for."""
+    text, usage = "", None
+    with httpx.stream("POST", proxy + "/v1/completions", timeout=120, json={
+            "model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            text += "".join(c.get("text") or "" for c in event.get("choices", ()))
+            usage = event.get("usage") or usage
+        return r.headers["x-kvbridge-pd-path"], text, usage
+
+
 def test_the_next_turn_goes_to_the_d_holding_the_last_served_alone_by_cost(fleet, reference):
     proxy, decode = fleet.urls.proxy, list(fleet.urls.decode)
     wait_fleet(proxy, lambda v: all(u in v["instances"] and v["instances"][u]["load"] for u in decode),
@@ -119,6 +136,11 @@ def test_the_next_turn_goes_to_the_d_holding_the_last_served_alone_by_cost(fleet
     assert third.json()["choices"][0]["text"] == reference(LONG)
     observed, exact = prediction_errors(proxy)
     assert observed >= 3 and exact == observed  # P's legs and D's answer alone, each predicted exactly
+    # Turn 2 again, streamed with its usage: D alone's usage event is checked against the prediction too
+    path, text, usage = stream_completion(proxy, history + TURN_2)
+    assert path == "decode_only" and text == second.json()["choices"][0]["text"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= blocks * BLOCK
+    assert prediction_errors(proxy) == (observed + 1, exact + 1)
     assert_all_blocks_free([*fleet.urls.prefill, *fleet.urls.decode])
 
     # The holder dies between turns: the router drops what it held, and the next turn is recomputed

@@ -20,6 +20,7 @@ from kvbridge.kv_events.index import FleetIndex, InstanceStatus, Problem
 from kvbridge.kv_events.publisher import (
     END_SEQ, NullEventPublisher, PublishResult, ZmqEventPublisher, make_publisher)
 from kvbridge.kv_events.subscriber import EventSubscriber
+from tests.kv_events_relay import DROP, GARBLE, Relay
 
 pytestmark = pytest.mark.timeout(60)
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -139,44 +140,10 @@ def decode_ts(payload: bytes) -> float:
     return decoded.ts
 
 
-class Relay:
-    """A fault-injecting hop between a publisher and a subscriber: forwards live messages, except
-    the seqs in `drop` (lost) and `garble` (payload cut short)."""
-
-    def __init__(self, upstream: str, drop: set[int], garble: set[int]) -> None:
-        ctx = zmq.Context.instance()
-        self._in, self._out = ctx.socket(zmq.SUB), ctx.socket(zmq.PUB)
-        self._in.setsockopt(zmq.SUBSCRIBE, b"")
-        self._in.connect(upstream)
-        self._out.bind(LOOPBACK)
-        self.endpoint = self._out.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
-        self._drop, self._garble = drop, garble
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if self._in.poll(20):
-                    topic, seq, payload = self._in.recv_multipart()
-                    n = int.from_bytes(seq, "big")
-                    if n not in self._drop:
-                        self._out.send_multipart([topic, seq, payload[:5] if n in self._garble else payload])
-        finally:
-            self._in.close(linger=0)
-            self._out.close(linger=0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-        assert not self._thread.is_alive()
-
-
 def test_a_subscriber_fills_the_gaps_of_a_lossy_relay_by_replay(publisher):
     index = FleetIndex(model_root("m"), BS)
     subscriber = None
-    relay = Relay(publisher.endpoint, drop={30, 31, 40}, garble={35})
+    relay = Relay(publisher.endpoint, lambda seq: DROP if seq in (30, 31, 40) else GARBLE if seq == 35 else None)
     try:
         subscriber = EventSubscriber("d0", index, relay.endpoint, publisher.replay_endpoint, topic="kv",
                                      replay_timeout_s=2.0)
