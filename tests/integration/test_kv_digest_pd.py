@@ -7,6 +7,7 @@ corruption yields a wrong answer: the check is what keeps it out."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -17,7 +18,8 @@ from kvbridge.engine.loader import load_model
 from kvbridge.engine.request import FinishReason
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.kv_transfer.backends.corrupting import KINDS, CorruptingBackend
-from kvbridge.kv_transfer.backends.fake import FakeFabric
+from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
+from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -147,3 +149,74 @@ def test_the_digest_setting_is_part_of_the_compatibility_hash(loaded):
     finally:
         on.shutdown()
         off.shutdown()
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("read_hold_fix, kv_verify", [(False, True), (False, False), (True, True)],
+                         ids=["fix-reverted-verified", "fix-reverted-unverified", "fix-in-place"])
+def test_blocks_reused_under_a_read_are_caught_by_the_digest(loaded, prompts, wants, monkeypatch,
+                                                             read_hold_fix, kv_verify):
+    """The abort grid's old bug, replayed: P's lease expired while D's granted read was still copying
+    (before a granted read held its blocks for twice D's read timeout: lease.READ_HOLD_TIMEOUTS), P
+    reused the blocks for another prompt, and D's read copied that prompt's KV. With the fix reverted,
+    the digest (computed when the read was granted) catches it and D recomputes the right answer;
+    unverified, D answers from the other prompt's KV; with the fix, the lease outlives the read."""
+    from kvbridge.kv_transfer import lease as lease_module
+    if not read_hold_fix:
+        monkeypatch.setattr(lease_module, "READ_HOLD_TIMEOUTS", 0)
+    fabric, clock = FakeFabric(seed=5), ManualClock()
+    policy = LoadFailurePolicy.RECOMPUTE
+
+    def engine(role: KVRole, agent, lease_s: float, num_blocks: int, time_of) -> LLMEngine:
+        kv = KVTransferConfig(role=role, backend="fake", engine_id=role.value, lease_seconds=lease_s,
+                              load_failure_policy=policy, kv_verify=kv_verify)
+        config = EngineConfig(model=loaded.source, kv_transfer=kv, num_threads=2,
+                              cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=True))
+        return LLMEngine(config, loaded, build_connectors(config, loaded.arch, loaded.name, agent, time_of))
+    prompt = prompts[0]
+    blocks = -(-len(prompt) // 16)
+    p_agent, d_agent = fabric.create_agent("P"), fabric.create_agent("D")
+    p = engine(KVRole.PRODUCER, p_agent, 30.0, blocks + 1, clock)  # room for the prompt and one block more
+    d = engine(KVRole.CONSUMER, d_agent, 600.0, 96, time.monotonic)  # no heartbeat within the test
+    try:
+        d_agent.set_faults(FaultConfig(hold_reads=True))  # D's read stays in flight until lifted
+        params = prefill(p, prompt)
+        d.add_request("d-1", prompt, GREEDY, parse_kv_transfer_params(params))
+        outs = []
+        deadline = time.monotonic() + 30
+        while not p.connectors.worker.leases.reads_in_flight():  # P granted D's read; its bytes wait
+            assert time.monotonic() < deadline, "D's read was never granted"
+            outs += d.step().outputs
+            p.step()
+        clock.now += 45.0  # past the lease's 30 s (and 2/3 of it after the grant), within 2 x D's 30 s read timeout
+        p.step()
+        expired = p.connectors.worker.stats.expired_leases
+        assert expired == (0 if read_hold_fix else 1)
+        if not read_hold_fix:  # P reuses the freed blocks: another prompt's KV is written into them
+            other = list(range(3000, 3000 + (blocks + 1) * 16 - 2))
+            assert p.generate([other], SamplingParams(max_tokens=1))
+        d_agent.set_faults(FaultConfig())  # the read completes: it copies what the blocks hold now
+        while not (outs and outs[-1].finished):
+            assert time.monotonic() < deadline, "D did not finish"
+            outs += [o for o in d.step().outputs if o.request_id == "d-1"]
+            p.step()
+        got, failed = tokens(outs), dict(d.connectors.worker.stats.failed_transfers)
+        if read_hold_fix:
+            assert got == wants[0] and not failed
+        elif kv_verify:
+            assert got == wants[0] and failed == {"kv_content_mismatch": 1}
+            assert d.connectors.worker.stats.recomputed_requests == 1
+        else:
+            assert got != wants[0] and not failed  # decoded from the other prompt's KV, unnoticed
+        settle(p, d)
+        assert all_blocks_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
