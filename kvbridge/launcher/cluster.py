@@ -125,13 +125,22 @@ def serve_command(cli: Sequence[str], model: str, spec: InstanceSpec, *, host: s
             "--otlp-service-name", f"kvbridge-{spec.name}", *extra_args]
 
 
-def kv_events_json() -> str:
+def kv_events_json(host: str = "127.0.0.1") -> str:
     """Every instance `up` starts publishes KV events (and answers replays) on ports of its own that
     the OS picks, on loopback whatever the cluster's address: the events carry every prompt's
     token ids and ZMQ checks no peer, and the one subscriber, the proxy `up` starts, runs on this
-    host. GET /kvbridge/kv_events tells it which ports."""
-    return json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
-                       "replay_endpoint": "tcp://127.0.0.1:*"})
+    host. GET /kvbridge/kv_events tells it which ports. `host`: another address (a Ray replica's
+    node address, where the router on another node subscribes)."""
+    address = f"[{host}]" if ":" in host else host
+    return json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://{address}:*",
+                       "replay_endpoint": f"tcp://{address}:*"})
+
+
+def with_kv_events(args: Sequence[str], host: str = "127.0.0.1") -> list[str]:
+    """`args` publishing KV events (kv_events_json) unless they already say how (--kv-events-config)."""
+    if any(a.startswith("--kv-events-config") for a in args):
+        return list(args)
+    return [*args, "--kv-events-config", kv_events_json(host)]
 
 
 def proxy_command(cli: Sequence[str], prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
@@ -328,9 +337,7 @@ class LocalCluster:
 
     def _kv_events_args(self) -> list[str]:
         """KV events on for every instance, unless the serve args configure them."""
-        if any(a.startswith("--kv-events-config") for a in self.extra_serve_args):
-            return []
-        return ["--kv-events-config", kv_events_json()]
+        return with_kv_events(self.extra_serve_args)[len(self.extra_serve_args):]
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], url: str) -> None:
         assert self.log_dir is not None

@@ -7,6 +7,8 @@ how long (started, health-checked, replaced, scaled down). The replica owns its 
   SIGTERMed if the replica dies (launcher.cluster.spawn_child); the replica is ready (Serve's
   constructor returns) once the engine's /health answered 200, so a replica Serve lists always
   has a serving engine;
+- events: the engine publishes its KV events on the node's address (ports the OS picks; unless the
+  serve args configure them), which the router follows when it routes kv_aware or per request;
 - publish: its URL, role, engine id and KV side channel as Serve replica metadata
   (`record_replica_metadata`), which the router learns through Ray (discovery.py);
 - health: `check_health` fails once the engine exited or stopped answering, and Serve replaces
@@ -34,7 +36,8 @@ import httpx
 
 from kvbridge.config import KVRole
 from kvbridge.launcher.cluster import (DEFAULT_CLI, LOOPBACK_HOSTS, ChildProcess, InstanceSpec, child_env,
-                                       free_ports, http_url, serve_command, spawn_child, stop_children)
+                                       free_ports, http_url, serve_command, spawn_child, stop_children,
+                                       with_kv_events)
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.proxy.transport import UpstreamTransport
 
@@ -99,9 +102,10 @@ class EngineReplica:
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"kvbridge-{self.engine_id}-"))
         spec = InstanceSpec(self.engine_id, ROLES[self.options.role], port, side_port, self.engine_id,
                             self.options.tensor_parallel_size)
+        # KV events on the node's address (the router subscribes from its own node), unless configured
         argv = serve_command(self.options.cli, self.options.model, spec, host=self.host,
                              kv_backend=self.options.kv_backend, num_threads=self.options.num_threads,
-                             extra_args=self.options.serve_args)
+                             extra_args=with_kv_events(self.options.serve_args, self.host))
         loopback = self.host in LOOPBACK_HOSTS
         env = child_env(os.environ, loopback_only=loopback, num_threads=self.options.num_threads,
                         api_key=self.options.api_key or "")

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 
 import httpx
 import pytest
@@ -58,7 +59,8 @@ def test_up_ray_serves_and_ctrl_c_leaves_no_process(no_shared_ray):
     """`no_shared_ray` (conftest.py): the session's shared Ray cluster is not up beside this one."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}  # `up` sets it
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen([*DEFAULT_CLI, "up", "--ray", "--port", "0", "--num-threads", "1", *ENGINE_ARGS],
+    proc = subprocess.Popen([*DEFAULT_CLI, "up", "--ray", "--port", "0", "--num-threads", "1",
+                             "--routing-policy", "kv_aware", *ENGINE_ARGS],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     out = Output(proc.stdout)
@@ -70,6 +72,13 @@ def test_up_ray_serves_and_ctrl_c_leaves_no_process(no_shared_ray):
         assert answer.choices[0].text and answer.usage.completion_tokens == 8
         health = httpx.get(url + "/health", timeout=10, trust_env=False).json()
         assert [len(health["prefill"]), len(health["decode"])] == [1, 1]
+        # The replicas publish KV events and the router follows them (kv_aware): the prompt's blocks,
+        # cached on P (it computed them) and on D (it read them), are in the router's fleet index.
+        replicas = [health[r][0]["url"] for r in ("prefill", "decode")]
+        OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120).completions.create(
+            model=MODEL, prompt=LONG, max_tokens=8, temperature=0)
+        fleet_has(url, lambda v: all(v.get(u, {}).get("status") == "live" and v[u]["blocks"].get("0", 0) >= 2
+                                     for u in replicas), "P's and D's blocks of the prompt in the router's index")
         # `kvbridge ray scale` on the running application: one more decode replica, no restart.
         before = ray_cli("status", address)
         assert [len(before["pools"][r]["router"]) for r in ("prefill", "decode")] == [1, 1]
@@ -78,6 +87,8 @@ def test_up_ray_serves_and_ctrl_c_leaves_no_process(no_shared_ray):
         after = ray_cli("status", address)
         assert len(after["pools"]["decode"]["router"]) == 2
         assert first <= {u["url"] for r in ("prefill", "decode") for u in after["pools"][r]["router"]}
+        fleet_has(url, lambda v: len([u for u in v.values() if u["status"] == "live"]) == 3,
+                  "the new decode replica's events followed too")
         started = children(proc.pid)  # Ray's processes, the replicas and their engines
         engines = [pid for pid in started if b"kvbridge.cli\x00serve" in _cmdline(pid)]
         assert len(engines) == 3, "a prefill and two decode engines run under `up --ray`"
@@ -90,6 +101,18 @@ def test_up_ray_serves_and_ctrl_c_leaves_no_process(no_shared_ray):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert not alive(proc.pid)
+
+
+LONG = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
+        "Constantinople. Summarise its three most important turning points, with a date for each:")
+
+
+def fleet_has(url: str, done, what: str, timeout_s: float = 60.0) -> None:
+    """Until the router's fleet view (GET /kvbridge/fleet: instances by URL) satisfies `done`."""
+    deadline = time.monotonic() + timeout_s
+    while not done(view := httpx.get(url + "/kvbridge/fleet", timeout=10, trust_env=False).json()["instances"]):
+        assert time.monotonic() < deadline, f"{what}: {view}"
+        time.sleep(0.2)
 
 
 def ray_cli(command: str, address: str, *args: str) -> dict:
