@@ -505,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--kv-reuse", choices=["on", "off"], default="on",
                          help="KV reuse across turns and instances: every instance of role both, the proxy's "
                               "--kv-reuse on (a conversation's next turn reads its history from the instance that "
-                              "answered the last; not with --ray, whose replicas are P and D only) "
+                              "answered the last; with --ray too: every replica of role both) "
                               "(default: %(default)s)")
     ray_cli.add_up_ray_args(up)
     _add_engine_args(up)

@@ -102,6 +102,9 @@ class AppConfig:
     prefill_serve_args: tuple[str, ...] = ()
     decode_serve_args: tuple[str, ...] = ()
     api_key: str | None = None
+    # KV reuse across turns (proxy/kv_reuse.py): every engine of role both (it serves the history it
+    # holds and reads a held one) and the router's kv_reuse on
+    kv_reuse: bool = False
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
     replica_cpus: float = 0.0  # logical CPUs Ray reserves per rank (0: engines share the node's cores)
@@ -190,7 +193,7 @@ def config_engine_fields(config: dict, role: str) -> dict:
     return dict(role=role, model=config["model"], kv_backend=config["kv_backend"], num_threads=config["num_threads"],
                 tensor_parallel_size=config[f"{role}_tp"], serve_args=(*config["serve_args"], *extra),
                 api_key=config["api_key"], ready_timeout_s=config["ready_timeout_s"],
-                drain_grace_s=config["drain_grace_s"])
+                drain_grace_s=config["drain_grace_s"], kv_reuse=bool(config.get("kv_reuse", False)))
 
 
 def build_app(args: dict):
@@ -198,7 +201,8 @@ def build_app(args: dict):
     from ray import serve
 
     from kvbridge.ray.ingress import RouterIngress, RouterOptions
-    router = RouterOptions(**{**args.get("router", {}), "api_key": args.get("api_key")})
+    router = RouterOptions(**{**args.get("router", {}), "api_key": args.get("api_key"),
+                              "kv_reuse": bool(args.get("kv_reuse", False))})
     actor: dict[str, Any] = {"num_cpus": 0}
     if args.get("router_on_head", True):
         actor["resources"] = {HEAD_NODE_RESOURCE: 0.001}

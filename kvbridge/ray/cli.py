@@ -80,7 +80,8 @@ def up_on_ray(a: argparse.Namespace, model: str, child: argparse.Namespace, extr
     config = AppConfig(model=model, prefill=prefill, decode=decode, name=a.app_name, kv_backend=child.kv_backend,
                        num_threads=child.num_threads, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
                        serve_args=tuple(extra), api_key=child.api_key, prefill_resources=prefill_resources,
-                       decode_resources=decode_resources, replica_cpus=a.replica_cpus, router=router)
+                       decode_resources=decode_resources, replica_cpus=a.replica_cpus, router=router,
+                       kv_reuse=a.kv_reuse == "on")
     return run_up(config, ray_address=a.ray_address, host=a.host)
 
 

@@ -62,6 +62,7 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     serve_args: tuple[str, ...] = ()  # further `kvbridge serve` options
     api_key: str | None = None  # reaches the engine in KVBRIDGE_API_KEY, never on its command line
+    kv_reuse: bool = False  # KV role both (serves and reads held prefixes), whichever pool
     ready_timeout_s: float = 300.0
     drain_grace_s: float = 60.0  # how long __del__ waits for the drained engine to exit
     cli: tuple[str, ...] = field(default=DEFAULT_CLI)
@@ -100,7 +101,8 @@ class EngineReplica:
         self.url = http_url(self.host, port)
         self.side_channel_port = side_port
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"kvbridge-{self.engine_id}-"))
-        spec = InstanceSpec(self.engine_id, ROLES[self.options.role], port, side_port, self.engine_id,
+        kv_role = KVRole.BOTH if self.options.kv_reuse else ROLES[self.options.role]
+        spec = InstanceSpec(self.engine_id, kv_role, port, side_port, self.engine_id,
                             self.options.tensor_parallel_size)
         # KV events on the node's address (the router subscribes from its own node), unless configured
         argv = serve_command(self.options.cli, self.options.model, spec, host=self.host,

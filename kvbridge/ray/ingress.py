@@ -70,6 +70,7 @@ class RouterOptions:
     first_byte_timeout_s: float = FIRST_BYTE_TIMEOUT_S
     scale_from_zero_timeout_s: float = 120.0  # how long a request waits for a pool at zero to start a replica
     pd_mode: PdMode = "always"  # kvbridge/proxy/kv_routing.py
+    kv_reuse: bool = False  # read a prefix another instance holds (kvbridge/proxy/kv_reuse.py)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -88,7 +89,7 @@ def build_router(o: RouterOptions) -> PDProxy:
                    retry=RetryPolicy(retries=o.retries, budget_s=o.retry_budget_s,
                                      decode_only_fallback=o.decode_only_fallback),
                    first_token_from_prefill=o.first_token_from_prefill, max_body_bytes=o.max_body_bytes,
-                   first_byte_timeout_s=o.first_byte_timeout_s, pd_mode=o.pd_mode)
+                   first_byte_timeout_s=o.first_byte_timeout_s, pd_mode=o.pd_mode, kv_reuse=o.kv_reuse)
 
 
 # The routes that need an engine: a request to one of them wakes a pool at zero.

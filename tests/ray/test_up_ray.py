@@ -75,10 +75,14 @@ def test_up_ray_serves_and_ctrl_c_leaves_no_process(no_shared_ray):
         # The replicas publish KV events and the router follows them (kv_aware): the prompt's blocks,
         # cached on P (it computed them) and on D (it read them), are in the router's fleet index.
         replicas = [health[r][0]["url"] for r in ("prefill", "decode")]
-        OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120).completions.create(
-            model=MODEL, prompt=LONG, max_tokens=8, temperature=0)
+        first = complete(url, LONG, 24)
+        held = (first["usage"]["prompt_tokens"] + 24 - 1) // 16  # D's full blocks of prompt and answer
         fleet_has(url, lambda v: all(v.get(u, {}).get("status") == "live" and v[u]["blocks"].get("0", 0) >= 2
-                                     for u in replicas), "P's and D's blocks of the prompt in the router's index")
+                                     for u in replicas) and v[replicas[1]]["blocks"]["0"] >= held,
+                  "P's and D's blocks of the prompt (and D's of the answer) in the router's index")
+        # KV reuse on Ray (`up`'s default): the next turn's P reads the history from the D that answered
+        second = complete(url, LONG + first["choices"][0]["text"] + " Which one mattered most?", 8)
+        assert second["reused"] >= 16 * held - 16, second  # the history's blocks, at most the last retokenised
         # `kvbridge ray scale` on the running application: one more decode replica, no restart.
         before = ray_cli("status", address)
         assert [len(before["pools"][r]["router"]) for r in ("prefill", "decode")] == [1, 1]
@@ -105,6 +109,14 @@ def test_up_ray_serves_and_ctrl_c_leaves_no_process(no_shared_ray):
 
 LONG = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
         "Constantinople. Summarise its three most important turning points, with a date for each:")
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> dict:
+    """A greedy completion's body, with the tokens the router had read from a holder (`reused`)."""
+    r = httpx.post(url + "/v1/completions", timeout=120, trust_env=False, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return {**r.json(), "reused": int(r.headers.get("x-kvbridge-kv-reused-tokens", "0"))}
 
 
 def fleet_has(url: str, done, what: str, timeout_s: float = 60.0) -> None:
