@@ -118,7 +118,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="keep each finished answer's KV (its conversation's history) for the next turn this "
                          "long after its last use, so other traffic does not evict it first; held within a "
                          "quarter of the KV cache and given up whenever a request needs the blocks; instances "
-                         "that serve reads (role producer or both) only; 0: off (default: %(default)s)")
+                         "that serve reads (role producer or both) only; 0: off (default: %(default)s; "
+                         "`kvbridge up` with --kv-reuse on: 300)")
     kv.add_argument("--kv-handshake-timeout", type=float, default=5.0,
                     help="seconds a decode instance waits for a prefill instance's handshake (default: %(default)s)")
     kv.add_argument("--kv-transfer-timeout", type=float, default=30.0,

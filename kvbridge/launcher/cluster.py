@@ -136,6 +136,19 @@ def kv_events_json(host: str = "127.0.0.1") -> str:
                        "replay_endpoint": f"tcp://{address}:*"})
 
 
+# How long an instance of a cluster with KV reuse keeps a finished answer's KV for the conversation's
+# next turn after its last use (--kv-retention-seconds; engine/retention.py): a person's think time.
+# Bounded to a quarter of the pool with holds, and given up whenever a request needs the blocks.
+REUSE_RETENTION_S = 300.0
+
+
+def with_retention(args: Sequence[str], seconds: float = REUSE_RETENTION_S) -> list[str]:
+    """`args` retaining answers for their next turn unless they already say how long."""
+    if any(a.startswith("--kv-retention-seconds") for a in args):
+        return list(args)
+    return [*args, "--kv-retention-seconds", str(seconds)]
+
+
 def with_kv_events(args: Sequence[str], host: str = "127.0.0.1") -> list[str]:
     """`args` publishing KV events (kv_events_json) unless they already say how (--kv-events-config)."""
     if any(a.startswith("--kv-events-config") for a in args):
@@ -328,8 +341,9 @@ class LocalCluster:
     def _instance_args(self, spec: InstanceSpec) -> list[str]:
         """The extra serve args, plus for a decode instance on another address than loopback its
         prefill instances' address as its only trusted host (unless the args name trusted hosts):
-        a decode instance trusts only this host's own addresses by default."""
-        args = list(self.extra_serve_args)
+        a decode instance trusts only this host's own addresses by default. With KV reuse, answers
+        are retained for their next turn (REUSE_RETENTION_S, unless the args say otherwise)."""
+        args = with_retention(self.extra_serve_args) if self.kv_reuse else list(self.extra_serve_args)
         if (spec.role is not KVRole.PRODUCER and self.host not in LOOPBACK_HOSTS
                 and not any(a.startswith("--kv-trusted-hosts") for a in args)):
             args += ["--kv-trusted-hosts", self.host]

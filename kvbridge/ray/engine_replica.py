@@ -37,7 +37,7 @@ import httpx
 from kvbridge.config import KVRole
 from kvbridge.launcher.cluster import (DEFAULT_CLI, LOOPBACK_HOSTS, ChildProcess, InstanceSpec, child_env,
                                        free_ports, http_url, serve_command, spawn_child, stop_children,
-                                       with_kv_events)
+                                       with_kv_events, with_retention)
 from kvbridge.kv_transfer.net import apply_ucx_net_devices
 from kvbridge.proxy.transport import UpstreamTransport
 
@@ -107,7 +107,8 @@ class EngineReplica:
         # KV events on the node's address (the router subscribes from its own node), unless configured
         argv = serve_command(self.options.cli, self.options.model, spec, host=self.host,
                              kv_backend=self.options.kv_backend, num_threads=self.options.num_threads,
-                             extra_args=with_kv_events(self.options.serve_args, self.host))
+                             extra_args=with_kv_events(with_retention(self.options.serve_args) if self.options.kv_reuse
+                                                       else self.options.serve_args, self.host))
         loopback = self.host in LOOPBACK_HOSTS
         env = child_env(os.environ, loopback_only=loopback, num_threads=self.options.num_threads,
                         api_key=self.options.api_key or "")

@@ -31,7 +31,7 @@ from openai import OpenAI
 
 from kvbridge.config import KVRole
 from kvbridge.launcher.cluster import ChildProcess, child_env, free_ports
-from tests.e2e.processes import metric, wait_until_ready
+from tests.e2e.processes import assert_all_blocks_free, metric, wait_until_ready
 from tests.fleet import FleetSpec, Member
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
@@ -215,10 +215,8 @@ PD_STREAM_SPANS = {
 
 def settled(fleet: Traced, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
+    assert_all_blocks_free([fleet.prefill, fleet.decode], max(0.0, deadline - time.monotonic()))
     for url in (fleet.prefill, fleet.decode):
-        while metric(url, "kvbridge_kv_cache_free_blocks") != metric(url, "kvbridge_kv_cache_total_blocks"):
-            assert time.monotonic() < deadline, f"blocks still held on {url}"
-            time.sleep(0.05)
         assert metric(url, "kvbridge_kv_expired_leases_total") == 0, url
 
 

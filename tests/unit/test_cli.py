@@ -68,6 +68,13 @@ def test_up_reuses_kv_across_turns_unless_told_not_to(started: list[dict]) -> No
     assert [(s.role.value, s.in_prefill_pool) for s in specs] == [("both", True), ("both", False), ("both", False)]
     assert [s.in_prefill_pool for s in cluster.plan_instances(1, 1)] == [True, False]
     assert cluster.LocalCluster("m", kv_reuse=True).proxy_args == ("--kv-reuse", "on")
+    # with reuse, answers are retained for their next turn unless the serve args say how long
+    spec = specs[1]
+    assert "--kv-retention-seconds" not in cluster.LocalCluster("m")._instance_args(spec)
+    kept = cluster.LocalCluster("m", kv_reuse=True)._instance_args(spec)
+    assert kept[kept.index("--kv-retention-seconds") + 1] == str(cluster.REUSE_RETENTION_S)
+    told = cluster.LocalCluster("m", kv_reuse=True, extra_serve_args=["--kv-retention-seconds", "0"])
+    assert told._instance_args(spec) == ["--kv-retention-seconds", "0"]
     args = cli.build_parser().parse_args(["proxy", "--decode", "http://d"])
     assert args.kv_reuse == "off"  # a bare proxy may front instances that cannot hold
 
