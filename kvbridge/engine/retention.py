@@ -72,13 +72,13 @@ class Retentions:
         hits, n = self.kvm.get_computed_blocks(req, count=False)  # the cached blocks of its tokens, in order
         if n == 0:
             return None
+        pinned = sum(len(g) for g in hits)
+        if pinned > room:  # one answer longer than the share: kept by nothing, ending nothing
+            return None
         for block in hits[0]:
             covered = self._by_tail.get(block.block_id)
             if covered is not None:
                 self.end(covered, "superseded")
-        pinned = sum(len(g) for g in hits)
-        if pinned > room:  # one answer longer than the share: kept by nothing, ending nothing
-            return None
         while self.pinned + pinned > room:
             self.end_oldest()
         rid = f"kvbridge-retain-{next(self._ids)}-{req.request_id}"
