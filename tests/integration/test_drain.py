@@ -240,7 +240,7 @@ def test_drain_refuses_new_work_and_lets_admitted_requests_finish(loaded) -> Non
 def test_a_drain_ends_retained_answers_and_retains_none_after(loaded) -> None:
     """--kv-retention-seconds far beyond the test: only the drain frees the retained blocks, and an answer
     that finishes while the instance drains is not retained."""
-    c = Served(loaded, KVRole.BOTH, "R", retention_seconds=3600.0)
+    c = Served(loaded, KVRole.BOTH, "R", retention_seconds=3600.0, drain_timeout_s=300.0)  # a bound never reached
     try:
         r = httpx.post(c.url + "/v1/completions", json={"prompt": "Once upon a time " * 12, "max_tokens": 20,
                                                         "ignore_eos": True}, timeout=60)
@@ -248,7 +248,8 @@ def test_a_drain_ends_retained_answers_and_retains_none_after(loaded) -> None:
         retained = c.load()
         assert retained["kv_blocks_retained"] > 0 and retained["kv_blocks_used"] == 0  # reclaimable: not used
         assert "kvbridge_kv_retained_blocks" in httpx.get(c.url + "/metrics", timeout=10).text
-        stream = Stream(c.url, "/v1/completions", {"prompt": "Tell me a story " * 12, **LONG})
+        stream = Stream(c.url, "/v1/completions", {"prompt": "Tell me a story " * 12, "max_tokens": 100,
+                                                   "ignore_eos": True})
         assert stream.started.wait(WAIT_S)
         assert httpx.post(c.url + "/kvbridge/drain", timeout=10).status_code == 202
         events = stream.result()  # finishes while draining: not retained
