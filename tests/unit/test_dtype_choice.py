@@ -12,7 +12,7 @@ import torch
 from kvbridge import cli
 from kvbridge.config import EngineConfig
 from kvbridge.engine.setup.dtype_choice import (choose_auto_dtype, model_config_dtype, parse_cpu_flags, read_cpu_flags,
-                                          resolve_dtype)
+                                                read_cpu_vendor, resolve_dtype)
 from kvbridge.launcher import cluster
 
 # This machine's flags line (Sapphire Rapids) and an older Xeon's (Cascade Lake: AVX-512, no bf16).
@@ -57,6 +57,15 @@ def test_cpu_flags_are_read_from_every_flags_line() -> None:
     assert {"avx512_bf16", "amx_bf16", "amx_tile", "avx2"} <= flags and "bogomips" not in flags
     assert parse_cpu_flags("Features\t: fp asimd bf16\n") == {"fp", "asimd", "bf16"}
     assert read_cpu_flags("/nonexistent/cpuinfo") == frozenset()
+
+
+def test_the_cpu_vendor_is_read_from_vendor_id(tmp_path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert read_cpu_vendor(str(info)) == "AuthenticAMD"
+    info.write_text("Features\t: fp asimd\n")  # no vendor_id (Arm)
+    assert read_cpu_vendor(str(info)) == ""
+    assert read_cpu_vendor("/nonexistent/cpuinfo") == ""
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -121,14 +121,19 @@ def test_long_bf16_matmuls_run_widened_where_the_cpu_has_no_amx(monkeypatch, wid
     assert torch.equal(y3.view_as(y), y)
 
 
-@pytest.mark.parametrize("flags,env,expected", [
-    ({"avx512f", "avx512_bf16"}, None, True),  # AVX-512 BF16 only: bf16 matmuls at the fp32 FMA rate
-    ({"avx2"}, None, True),
-    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, None, False),  # AMX: bf16 tiles far ahead
-    ({"avx512f", "avx512_bf16"}, "0", False),
+@pytest.mark.parametrize("flags, vendor, env, expected", [
+    ({"avx512f", "avx512_bf16"}, "GenuineIntel", None, True),  # AVX-512 BF16 only: bf16 at the fp32 FMA rate
+    ({"avx2"}, "GenuineIntel", None, True),
+    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "GenuineIntel", None, False),  # AMX: bf16 tiles far ahead
+    ({"avx512f", "avx512_bf16"}, "GenuineIntel", "0", False),
+    ({"avx512f", "avx512_bf16"}, "AuthenticAMD", None, False),  # Zen 4: bf16 matmuls twice fp32's
+    ({"avx2"}, "AuthenticAMD", None, False),
+    ({"avx512f", "avx512_bf16"}, "AuthenticAMD", "1", True),  # forced
+    ({"avx512f", "avx512_bf16"}, "", None, False),  # unknown vendor: as measured nowhere, not widened
 ])
-def test_widening_applies_exactly_on_cpus_without_amx(monkeypatch, flags, env, expected):
+def test_widening_applies_exactly_on_intel_cpus_without_amx(monkeypatch, flags, vendor, env, expected):
     monkeypatch.setattr(linear, "read_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(linear, "read_cpu_vendor", lambda: vendor)
     if env is None:
         monkeypatch.delenv("KVBRIDGE_BF16_WIDEN", raising=False)
     else:

@@ -23,14 +23,16 @@ the first rows of the padded product (a view: nothing copied). fp32 keeps exact 
 creation is cheaper there, and padded rows are real work). KVBRIDGE_ROW_BUCKETS=0 turns
 it off.
 
-Widened bf16 (CPUs without AMX): there oneDNN's bf16 matmul runs on AVX-512 BF16's vdpbf16ps,
+Widened bf16 (Intel CPUs without AMX): there oneDNN's bf16 matmul runs on AVX-512 BF16's vdpbf16ps,
 which issues at a quarter of the rate of fp32 FMAs for twice their products, so bf16's peak is
-half of fp32's (benchmarks/README.md, "Fourteenth session: a CPU without AMX"). A bf16 matmul of
+half of fp32's (benchmarks/README.md, "Fourteenth session: a CPU without AMX"). Not on AMD: on a
+Zen 4 EPYC the blocked bf16 matmul is 1.8-3x faster than fp32 and 2-6x faster than widened, from
+128 rows to 2048 (benchmarks/README.md, "bf16 on an AMD EPYC"). A bf16 matmul of
 at least `WIDEN_MIN_ROWS` rows on such a CPU (a prefill step) therefore widens the input and the
 plain weight to fp32 (exact), multiplies in fp32 and rounds the result to bf16 once: the sums are
 fp32 in both, and the time is lower from 128 rows up, weight conversion included (no fp32 copy is
 kept; figures in the same section). Decode batches (fewer rows) stay on the packed bf16 weight,
-where reading half the bytes is what counts. KVBRIDGE_BF16_WIDEN=0 turns it off.
+where reading half the bytes is what counts. KVBRIDGE_BF16_WIDEN=0 turns it off, =1 on.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbridge.engine.setup.dtype_choice import read_cpu_flags
+from kvbridge.engine.setup.dtype_choice import read_cpu_flags, read_cpu_vendor
 from kvbridge.engine.layers import shape_buckets
 
 
@@ -53,9 +55,13 @@ WIDEN_MIN_ROWS = 128  # bf16 matmuls of this many rows run widened to fp32 where
 
 @functools.cache
 def widens_bf16() -> bool:
-    """bf16 matmuls of WIDEN_MIN_ROWS rows or more run in fp32 here: a CPU without AMX-BF16 (its
-    bf16 matmul is no faster than fp32 FMAs), unless KVBRIDGE_BF16_WIDEN=0."""
-    return os.environ.get("KVBRIDGE_BF16_WIDEN") != "0" and "amx_bf16" not in read_cpu_flags()
+    """bf16 matmuls of WIDEN_MIN_ROWS rows or more run in fp32 here: an Intel CPU without AMX-BF16
+    (its bf16 matmul is no faster than fp32 FMAs); not an AMD one (Zen 4's bf16 matmul runs at about
+    twice its fp32 one); KVBRIDGE_BF16_WIDEN=0 or 1 decides instead."""
+    forced = os.environ.get("KVBRIDGE_BF16_WIDEN")
+    if forced is not None:
+        return forced != "0"
+    return "amx_bf16" not in read_cpu_flags() and read_cpu_vendor() == "GenuineIntel"
 
 
 class Linear(nn.Module):

@@ -48,6 +48,19 @@ def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
         return frozenset()
 
 
+def read_cpu_vendor(path: str = "/proc/cpuinfo") -> str:
+    """This machine's CPU vendor (x86 `vendor_id`: GenuineIntel, AuthenticAMD, ...); "" when unknown."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
 def choose_auto_dtype(device: str, *, cpu_flags: Iterable[str] = (), onednn_bf16: bool = False,
                       cuda_bf16: bool = False, config_dtype: str | None = None) -> DtypeChoice:
     """The dtype `auto` stands for on `device` ("cpu" or "cuda").
