@@ -220,3 +220,47 @@ def test_blocks_reused_under_a_read_are_caught_by_the_digest(loaded, prompts, wa
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, loaded):
+    """Tiny random-weight models of the two other layouts a read covers: MLA (DeepSeek-V2: one latent
+    per token) and hybrid (Bamba: an attention group and Mamba state pages; kernel blocks of 4)."""
+    from kvbridge.engine.loader.synthetic import TINY_BAMBA, TINY_DEEPSEEK_V2_MOE, write_synthetic_folder
+    out = {}
+    for name, architecture, geometry, block in (("mla", "deepseek_v2", TINY_DEEPSEEK_V2_MOE, 16),
+                                                ("hybrid", "bamba", TINY_BAMBA, 4)):
+        folder = write_synthetic_folder(tmp_path_factory.mktemp("models") / name, loaded.tokenizer,
+                                        architecture=architecture, **geometry)
+        out[name] = (load_model(str(folder)), block)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["mla", "hybrid"])
+def test_mla_and_hybrid_reads_are_verified_and_a_corrupted_one_is_caught(layouts, prompts, layout):
+    """What D reads of an MLA latent or of a hybrid model's attention blocks and Mamba state pages is
+    digested by P the same way (the reader's spans): a clean read lands verified, a corrupted one is
+    caught and recomputed to the colocated answer; every block free."""
+    model, block = layouts[layout]
+    colocated = make_engine(model, None, block_size=block)
+    try:
+        want = colocated.generate(prompts[:2], GREEDY)
+    finally:
+        colocated.shutdown()
+    fabric = FakeFabric(seed=7)
+    corrupting = CorruptingBackend(fabric.create_agent("D"), 0.0, ("corrupt",), seed=13)
+    p = make_engine(model, KVRole.PRODUCER, fabric.create_agent("P"), block_size=block, engine_id="P")
+    d = make_engine(model, KVRole.CONSUMER, corrupting, block_size=block, engine_id="D")
+    try:
+        stats = d.connectors.worker.stats
+        assert tokens(decode(d, p, prompts[0], prefill(p, prompts[0]), GREEDY)) == want[0]
+        assert stats.transfers >= 1 and stats.unverified_reads == 0 and not stats.failed_transfers
+        corrupting.rate = 1.0
+        assert tokens(decode(d, p, prompts[1], prefill(p, prompts[1]), GREEDY)) == want[1]
+        assert dict(stats.failed_transfers) == {"kv_content_mismatch": 1} and stats.recomputed_requests == 1
+        assert p.connectors.worker.stats.kv_content_mismatches == 1
+        settle(p, d)
+        assert all_blocks_free(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
