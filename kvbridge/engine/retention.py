@@ -47,6 +47,7 @@ class Retentions:
         self.retained: dict[str, Retained] = {}  # least recently used first
         self._by_tail: dict[int, str] = {}
         self._ids = itertools.count(1)
+        self.pinned = 0  # blocks the retentions reference together (read every step by LLMEngine.load)
         self.closed = False  # a draining instance retains nothing more (`close`)
 
     def __contains__(self, retention_id: str) -> bool:
@@ -54,10 +55,6 @@ class Retentions:
 
     def __len__(self) -> int:
         return len(self.retained)
-
-    @property
-    def pinned(self) -> int:
-        return sum(r.pinned for r in self.retained.values())
 
     def retain(self, req: Request, room: int) -> str | None:
         """Retain finished `req`'s cached blocks (before the scheduler frees the request's own
@@ -88,6 +85,7 @@ class Retentions:
             return None
         self.retained[rid] = Retained(pinned, block_ids[0][-1])
         self._by_tail[block_ids[0][-1]] = rid
+        self.pinned += pinned
         return rid
 
     def touch(self, hits: tuple[list[KVBlock], ...]) -> None:
@@ -129,5 +127,6 @@ class Retentions:
         if r is None:
             return False
         self._by_tail.pop(r.tail, None)
+        self.pinned -= r.pinned
         self.kvm.free(retention_id)
         return True

@@ -142,18 +142,19 @@ def kv_events_json(host: str = "127.0.0.1") -> str:
 REUSE_RETENTION_S = 300.0
 
 
+def _unless_given(args: Sequence[str], flag: str, value: str) -> list[str]:
+    """`args`, plus `flag value` unless they already give `flag` (the user's word wins)."""
+    return list(args) if any(a.startswith(flag) for a in args) else [*args, flag, value]
+
+
 def with_retention(args: Sequence[str], seconds: float = REUSE_RETENTION_S) -> list[str]:
     """`args` retaining answers for their next turn unless they already say how long."""
-    if any(a.startswith("--kv-retention-seconds") for a in args):
-        return list(args)
-    return [*args, "--kv-retention-seconds", str(seconds)]
+    return _unless_given(args, "--kv-retention-seconds", str(seconds))
 
 
 def with_kv_events(args: Sequence[str], host: str = "127.0.0.1") -> list[str]:
     """`args` publishing KV events (kv_events_json) unless they already say how (--kv-events-config)."""
-    if any(a.startswith("--kv-events-config") for a in args):
-        return list(args)
-    return [*args, "--kv-events-config", kv_events_json(host)]
+    return _unless_given(args, "--kv-events-config", kv_events_json(host))
 
 
 def proxy_command(cli: Sequence[str], prefill_urls: Sequence[str], decode_urls: Sequence[str], *,

@@ -21,6 +21,7 @@ from kvbridge.kv_transfer.backends.corrupting import KINDS, CorruptingBackend
 from kvbridge.kv_transfer.backends.fake import FakeFabric, FaultConfig
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from tests.integration.pd_harness import decode, make_engine, prefill, settle, tokens
+from tests.unit.receiver_world import ManualClock
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 QUESTIONS = ["Which ocean is the largest?", "Name three primary colours.", "What is the capital of France?",
@@ -149,14 +150,6 @@ def test_the_digest_setting_is_part_of_the_compatibility_hash(loaded):
     finally:
         on.shutdown()
         off.shutdown()
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.parametrize("read_hold_fix, kv_verify", [(False, True), (False, False), (True, True)],

@@ -19,18 +19,11 @@ from kvbridge.kv_transfer.backends.fake import FakeFabric
 from kvbridge.kv_transfer.params import parse_kv_transfer_params
 from tests.integration.api_instance import loaded  # noqa: F401
 from tests.integration.pd_harness import make_engine, settle, tokens
+from tests.unit.receiver_world import ManualClock
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 FIRST = list(range(500, 540))  # 2 full blocks + 8 tokens; with the answer 52 tokens: 3 full blocks
 RETAIN_S = 100.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _run(engine: LLMEngine, rid: str, prompt: list[int], sp: SamplingParams = GREEDY,
@@ -65,7 +58,7 @@ def fabric() -> FakeFabric:
 
 
 def _engine(loaded, fabric: FakeFabric, name: str, retention_s: float = RETAIN_S, num_blocks: int = 24,
-            clock: Clock | None = None, role: KVRole = KVRole.BOTH) -> LLMEngine:
+            clock: ManualClock | None = None, role: KVRole = KVRole.BOTH) -> LLMEngine:
     return make_engine(loaded, role, fabric.create_agent(name), engine_id=name, num_blocks=num_blocks,
                        retention_s=retention_s, **({"clock": clock} if clock is not None else {}))
 
@@ -110,7 +103,7 @@ def test_a_retained_history_survives_traffic_that_evicts_it_without_retention(lo
 
 
 def test_a_retention_renews_while_used_and_expires_when_the_conversation_goes_quiet(loaded, fabric):  # noqa: F811
-    clock = Clock()
+    clock = ManualClock()
     d = _engine(loaded, fabric, "D", clock=clock)
     try:
         answer = tokens(_run(d, "turn-1", FIRST))
